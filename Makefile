@@ -1,0 +1,33 @@
+# Two commands set everything up on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# 4 simulated CPU devices, so the tests and the demo exercise real meshes without an accelerator.
+CPU_DEVICES := XLA_FLAGS=--xla_force_host_platform_device_count=4 JAX_PLATFORMS=cpu
+
+.PHONY: demo test install install-test clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+
+$(VENV)/.installed: pyproject.toml | $(PY)
+	$(PY) -m pip install --quiet -e .
+	touch $@
+
+$(VENV)/.installed-test: pyproject.toml $(VENV)/.installed
+	$(PY) -m pip install --quiet -e ".[dev]"
+	touch $@
+
+install: $(VENV)/.installed
+
+install-test: $(VENV)/.installed-test
+
+demo: install
+	$(CPU_DEVICES) $(PY) experiments/train_lm.py --config=experiments/configs/demo.py --workdir=runs/demo
+
+test: install-test
+	$(CPU_DEVICES) $(PY) -m pytest -n 2 --dist loadfile tests
+
+clean:
+	rm -rf $(VENV) runs

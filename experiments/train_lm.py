@@ -1,0 +1,30 @@
+"""Train a GPT language model.
+
+  python experiments/train_lm.py --config=experiments/configs/demo.py --workdir=runs/demo
+  python experiments/train_lm.py --config=experiments/configs/gpt2_small.py --config.train.steps=2000 --workdir=runs/x
+
+Re-running with the same --workdir resumes from its latest checkpoint.
+"""
+
+from absl import app, flags
+from ml_collections import config_flags
+
+from jaxlm import config as config_lib
+from jaxlm import train
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file (experiments/configs/*.py)",
+                                          lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "run folder: checkpoints, metrics.jsonl, report.md")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+  config = config_lib.from_config_dict(_CONFIG.value)
+  summary = train.train(config, _WORKDIR.value)
+  print(f"done: loss {summary.get('loss', float('nan')):.4f}, report in {_WORKDIR.value}/report.md")
+
+
+if __name__ == "__main__":
+  app.run(main)

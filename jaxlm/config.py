@@ -1,0 +1,167 @@
+"""Typed experiment configuration.
+
+The dataclasses below are the source of truth for every key and its default. Experiment files under
+`experiments/configs/` return an `ml_collections.ConfigDict` built from `default_config()` so that absl's
+`--config.a.b=v` overrides work; `from_config_dict` turns it back into a typed, validated `Config`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import ml_collections
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  vocab_size: int = 8192  # tokens; the BPE tokenizer is trained to this size when none is given
+  num_layers: int = 6  # transformer blocks, stacked and scanned
+  d_model: int = 384  # residual stream width
+  num_heads: int = 6  # attention heads; d_model must be divisible by it
+  d_ff: int = 0  # MLP hidden width; 0 means 4 * d_model
+  max_seq_len: int = 1024  # learned position table size; must be >= data.seq_len
+  layer_norm_eps: float = 1e-5  # LayerNorm epsilon (GPT-2 uses 1e-5)
+  init_std: float = 0.02  # normal init std; residual projections are scaled by 1/sqrt(2 * num_layers)
+  param_dtype: str = "float32"  # master weights (kept in f32 for stable updates)
+  compute_dtype: str = "bfloat16"  # matmul inputs; use float32 on the CPU where bf16 matmuls are slow
+  remat: str = "none"  # activation recomputation per block: none | full | dots (save matmul outputs only)
+  attention: str = "xla"  # attention implementation: xla (einsum + f32 softmax)
+
+  @property
+  def mlp_width(self) -> int:
+    return self.d_ff or 4 * self.d_model
+
+  @property
+  def head_dim(self) -> int:
+    return self.d_model // self.num_heads
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  data: int = -1  # pure data-parallel replicas; -1 = all devices left after the other axes
+  fsdp: int = 1  # devices that shard params, grads and optimizer state (and the batch)
+  tensor: int = 1  # devices that split attention heads and the MLP width (Megatron style)
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+  source: str = "demo"  # demo (Python stdlib sources, no network) | files | hf
+  train_files: tuple[str, ...] = ()  # .txt, .jsonl/.json or .parquet files (source=files)
+  eval_files: tuple[str, ...] = ()  # held-out files; empty = hold out data.eval_fraction of the documents
+  hf_name: str = ""  # HF dataset name or local dataset folder (source=hf)
+  hf_config: str = ""  # HF dataset config name, if any
+  hf_split: str = "train"  # HF split to read
+  text_column: str = "text"  # column holding the text in JSONL/Parquet/HF data
+  seq_len: int = 256  # tokens per packed training sequence
+  eval_fraction: float = 0.02  # fraction of documents held out for eval when no eval_files are given
+  max_documents: int = 0  # cap on documents read (0 = no cap)
+  max_bytes: int = 8_000_000  # cap on corpus bytes read, so demos stay small (0 = no cap)
+  tokenizer: str = ""  # path to a tokenizer.json; empty = train a byte-level BPE and save it in the workdir
+  shuffle: bool = True  # shuffle packed sequences each epoch (seeded by train.seed)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  steps: int = 1000  # optimizer steps
+  batch_size: int = 32  # global batch in sequences (all micro-batches, all processes)
+  grad_accum: int = 1  # micro-batches per step; batch_size must be divisible by it
+  seed: int = 0  # seeds init, data order and sampling
+  learning_rate: float = 6e-4  # peak learning rate
+  min_lr_ratio: float = 0.1  # cosine decays to learning_rate * min_lr_ratio
+  warmup_steps: int = 100  # linear warmup from 0
+  weight_decay: float = 0.1  # AdamW decoupled weight decay (not applied to biases, norms)
+  b1: float = 0.9  # Adam beta1
+  b2: float = 0.95  # Adam beta2
+  eps: float = 1e-8  # Adam epsilon
+  grad_clip: float = 1.0  # global-norm clipping threshold (0 = off)
+  eval_every_steps: int = 0  # run eval on held-out data every N steps (0 = only at the end)
+  eval_batches: int = 4  # batches per eval
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+  every_steps: int = 500  # save a checkpoint every N steps (and always at the end)
+  keep: int = 2  # checkpoints to keep
+
+
+@dataclasses.dataclass(frozen=True)
+class LogConfig:
+  every_steps: int = 10  # write metrics.jsonl / TensorBoard every N steps
+  progress_bar: bool = True  # show a tqdm bar
+  sample_tokens: int = 64  # tokens generated for the report's text sample (0 = none)
+  sample_prompt: str = "def "  # prompt for the report's text sample
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  model: ModelConfig = ModelConfig()
+  mesh: MeshConfig = MeshConfig()
+  data: DataConfig = DataConfig()
+  train: TrainConfig = TrainConfig()
+  checkpoint: CheckpointConfig = CheckpointConfig()
+  log: LogConfig = LogConfig()
+
+
+def default_config() -> ml_collections.ConfigDict:
+  """Every key with its default, as a ConfigDict that experiment files edit and absl flags override."""
+  return ml_collections.ConfigDict(_to_plain(dataclasses.asdict(Config())))
+
+
+def _to_plain(value: Any) -> Any:
+  # ConfigDict keeps tuples, but list/tuple overrides from flags vary; store sequences as tuples.
+  if isinstance(value, dict):
+    return {k: _to_plain(v) for k, v in value.items()}
+  if isinstance(value, list):
+    return tuple(value)
+  return value
+
+
+def from_config_dict(cd: ml_collections.ConfigDict | dict) -> Config:
+  """Validates and converts a ConfigDict (or nested dict) into a typed Config; unknown keys are an error."""
+  raw = cd.to_dict() if isinstance(cd, ml_collections.ConfigDict) else dict(cd)
+  sections = {}
+  for field in dataclasses.fields(Config):
+    section_cls = field.type if not isinstance(field.type, str) else globals()[field.type]
+    values = dict(raw.pop(field.name, {}) or {})
+    known = {f.name: f for f in dataclasses.fields(section_cls)}
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+      raise ValueError(f"unknown config key {field.name}.{unknown[0]}; known keys: {', '.join(sorted(known))}")
+    for name, value in values.items():
+      if isinstance(value, list):
+        values[name] = tuple(value)
+      elif isinstance(value, str) and known[name].type in ("tuple[str, ...]",):
+        values[name] = tuple(p for p in value.split(",") if p)
+    sections[field.name] = section_cls(**values)
+  if raw:
+    raise ValueError(f"unknown config section {sorted(raw)[0]!r}; known: {', '.join(f.name for f in dataclasses.fields(Config))}")
+  config = Config(**sections)
+  validate(config)
+  return config
+
+
+def validate(config: Config) -> None:
+  """One-line errors for values that cannot work, raised before anything is compiled."""
+  m, d, t = config.model, config.data, config.train
+  if m.d_model % m.num_heads:
+    raise ValueError(f"model.d_model={m.d_model} is not divisible by model.num_heads={m.num_heads}")
+  if d.seq_len > m.max_seq_len:
+    raise ValueError(f"data.seq_len={d.seq_len} exceeds model.max_seq_len={m.max_seq_len}; raise model.max_seq_len")
+  if t.grad_accum < 1 or t.batch_size % t.grad_accum:
+    raise ValueError(f"train.batch_size={t.batch_size} is not divisible by train.grad_accum={t.grad_accum}")
+  if m.remat not in ("none", "full", "dots"):
+    raise ValueError(f"model.remat={m.remat!r} is not one of none, full, dots")
+  if m.attention not in ("xla",):
+    raise ValueError(f"model.attention={m.attention!r} is not one of: xla")
+  for name in ("param_dtype", "compute_dtype"):
+    if getattr(m, name) not in ("float32", "bfloat16", "float16"):
+      raise ValueError(f"model.{name}={getattr(m, name)!r} is not one of float32, bfloat16, float16")
+  if d.source not in ("demo", "files", "hf"):
+    raise ValueError(f"data.source={d.source!r} is not one of demo, files, hf")
+  if d.source == "files" and not d.train_files:
+    raise ValueError("data.source=files needs data.train_files (comma-separated paths)")
+  if d.source == "hf" and not d.hf_name:
+    raise ValueError("data.source=hf needs data.hf_name")
+  if t.steps < 1:
+    raise ValueError(f"train.steps={t.steps} must be >= 1")

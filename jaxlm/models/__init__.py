@@ -1,0 +1,1 @@
+"""Transformer models: shared layers and the GPT decoder."""

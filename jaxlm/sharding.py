@@ -1,0 +1,130 @@
+"""Device mesh, the one table of logical-axis rules, and activation constraints.
+
+Every parameter names its dimensions with logical axes (`vocab`, `embed`, `heads`, ...); activations name theirs
+with `act_*` axes. `RULES` maps each logical axis to mesh axes, so switching between data parallel, FSDP and tensor
+parallel is a change of mesh sizes only, never of model code.
+
+Mesh axes:
+  data    replicas that each hold a full copy of params and see a slice of the batch
+  fsdp    devices that shard params, grads and optimizer state along `embed`, and also slice the batch
+  tensor  devices that split heads, MLP width and vocabulary (Megatron-style column/row parallelism)
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxlm.config import MeshConfig
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+# Logical axis -> mesh axis (or tuple of mesh axes, or None = replicated). The only sharding table in jaxlm.
+RULES: dict[str, Any] = {
+    # parameters
+    "vocab": "tensor",
+    "embed": "fsdp",
+    "heads": "tensor",
+    "head_dim": None,
+    "mlp": "tensor",
+    "positions": None,
+    "layers": None,
+    # activations
+    "act_batch": ("data", "fsdp"),
+    "act_seq": None,
+    "act_embed": None,
+    "act_heads": "tensor",
+    "act_mlp": "tensor",
+    "act_vocab": "tensor",
+}
+
+
+def mesh_shape(config: MeshConfig, num_devices: int) -> tuple[int, int, int]:
+  """Resolves -1 entries (at most one) so that data * fsdp * tensor == num_devices, or raises a one-line error."""
+  sizes = [config.data, config.fsdp, config.tensor]
+  wildcards = [i for i, s in enumerate(sizes) if s == -1]
+  if len(wildcards) > 1:
+    raise ValueError(f"at most one of mesh.data/fsdp/tensor may be -1, got {tuple(sizes)}")
+  if any(s == 0 or s < -1 for s in sizes):
+    raise ValueError(f"mesh sizes must be positive or -1, got data={sizes[0]} fsdp={sizes[1]} tensor={sizes[2]}")
+  fixed = math.prod(s for s in sizes if s != -1)
+  if wildcards:
+    if num_devices % fixed:
+      raise ValueError(
+          f"mesh fsdp*tensor*data={fixed} (without the -1 axis) does not divide the {num_devices} devices; "
+          "choose sizes whose product divides the device count")
+    sizes[wildcards[0]] = num_devices // fixed
+  elif fixed != num_devices:
+    raise ValueError(
+        f"mesh data*fsdp*tensor = {sizes[0]}*{sizes[1]}*{sizes[2]} = {fixed} but there are {num_devices} devices; "
+        "set one axis to -1 or make the product equal the device count")
+  return tuple(sizes)  # type: ignore[return-value]
+
+
+def make_mesh(config: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
+  devices = list(devices) if devices is not None else jax.devices()
+  shape = mesh_shape(config, len(devices))
+  auto = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)
+  return jax.make_mesh(shape, MESH_AXES, axis_types=auto, devices=devices)
+
+
+def logical_to_spec(logical_axes: Sequence[str | None], shape: Sequence[int] | None = None,
+                    mesh: Mesh | None = None) -> P:
+  """PartitionSpec for logical axes. With `shape` and `mesh`, a dimension the mesh axes do not divide is replicated
+  (e.g. a 50257-token vocabulary over 2 tensor devices) instead of failing at compile time."""
+  spec = []
+  for i, name in enumerate(logical_axes):
+    target = RULES.get(name) if name is not None else None
+    if target is not None and shape is not None and mesh is not None:
+      axes = (target,) if isinstance(target, str) else tuple(target)
+      if shape[i] % math.prod(mesh.shape[a] for a in axes):
+        target = None
+    spec.append(target)
+  return P(*spec)
+
+
+def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
+  """Pins an activation's layout at a block boundary; a no-op outside a mesh context (e.g. single-device use)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return x
+  return jax.lax.with_sharding_constraint(x, logical_to_spec(logical_axes, x.shape, mesh))
+
+
+def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
+  """Inputs are [B, T, ...] with the batch split over the data and fsdp axes."""
+  return NamedSharding(mesh, P(RULES["act_batch"], *([None] * (ndim - 1))))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+  return NamedSharding(mesh, P())
+
+
+def param_shardings(abstract_state: Any, mesh: Mesh) -> Any:
+  """NamedShardings for an nnx.State of Params carrying `axes` metadata, as a pure dict matching `to_pure_dict()`.
+
+  Parameters of scanned blocks have one leading dimension more than their names: that is the `layers` axis.
+  """
+  from flax import nnx  # local import keeps this module usable without building a model
+
+  shardings: dict = {}
+  for path, variable in nnx.to_flat_state(abstract_state):
+    value = variable.get_value() if hasattr(variable, "get_value") else variable.value
+    axes = tuple(variable.get_metadata().get("axes") or (None,) * value.ndim)
+    if len(axes) == value.ndim - 1:
+      axes = ("layers",) + axes
+    if len(axes) != value.ndim:
+      raise ValueError(f"parameter {'/'.join(map(str, path))} of shape {value.shape} has logical axes {axes}")
+    node = shardings
+    for key in path[:-1]:
+      node = node.setdefault(key, {})
+    node[path[-1]] = NamedSharding(mesh, logical_to_spec(axes, value.shape, mesh))
+  return shardings
+
+
+def check_divisible(name: str, size: int, mesh: Mesh, axis: str, hint: str) -> None:
+  if size % mesh.shape[axis]:
+    raise ValueError(f"{name}={size} is not divisible by mesh.{axis}={mesh.shape[axis]}; {hint}")

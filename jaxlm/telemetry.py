@@ -1,0 +1,371 @@
+"""Training telemetry: FLOPs and MFU, tokens/s, device memory, metrics.jsonl + TensorBoard, the progress bar.
+
+Nothing here touches device arrays inside the hot loop: the loop fetches its metrics one step late (the device has
+already finished that step) and hands this module plain Python floats. The one exception is `measure_matmul_flops`,
+which runs once per process, before training, when the device kind is not in `PEAK_FLOPS_BF16`.
+
+Conventions shared with `metrics.jsonl` readers (DESIGN.md contracts): `mfu` is a fraction in [0, 1], not a
+percentage; `tokens_per_sec` counts every token of the global batch (all devices, all processes).
+The end-of-run report lives in `jaxlm/report.py` and is re-exported here as `write_report`.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import numbers
+import os
+import sys
+import tempfile
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import tqdm
+
+from jaxlm.config import ModelConfig
+from jaxlm.report import read_metrics, write_report  # noqa: F401  (re-exported: telemetry is the public face)
+
+
+def flops_per_token(model: ModelConfig, seq_len: int) -> float:
+  """Training FLOPs per token (forward + backward = 3x forward) of the GPT decoder.
+
+  Convention (PaLM paper, appendix B; also nanoGPT / Chinchilla-style MFU):
+    N = num_layers * (4 * d_model^2          # q, k, v and output projections
+                      + 2 * d_model * mlp_width)  # MLP up and down projections
+        + vocab_size * d_model               # LM head (tied with the token embedding, counted once)
+    flops = 6 * N + 12 * num_layers * d_model * seq_len
+  6N is 2 FLOPs per multiply-add times 3 for forward + backward over the matmul parameters; the second term is the
+  attention scores (QK^T) and the weighted sum of values, 2 matmuls * 2 FLOPs * 3 passes * d_model per layer per
+  token of context. There is no causal discount (the XLA path computes the full T x T scores), and nothing is counted
+  for biases, norms, softmax, the position table or rematerialised recomputation: MFU is model FLOPs, so remat
+  lowers it by design.
+  """
+  d, num_layers = model.d_model, model.num_layers
+  matmul_params = num_layers * (4 * d * d + 2 * d * model.mlp_width) + model.vocab_size * d
+  attention_flops = 12 * num_layers * d * seq_len
+  return float(6 * matmul_params + attention_flops)
+
+
+# Dense (no 2:4 sparsity) bf16 tensor-core peak per device, FLOP/s, keyed by a lower-case substring of
+# `device.device_kind`; the longest matching key wins, so "h100 pcie" beats "h100" and "tpu v5 lite" beats "tpu v5".
+# MFU on accelerators is always measured against this bf16 dense peak, whatever the compute dtype: an f32 run on a
+# GPU uses TF32 tensor cores (XLA's default precision) and on a TPU bf16 passes, so it shows as low MFU, as it should.
+PEAK_FLOPS_BF16: dict[str, float] = {
+    "h100": 989e12,  # H100 SXM ("NVIDIA H100 80GB HBM3")
+    "h100 pcie": 756e12,
+    "h100 nvl": 835e12,
+    "h800": 989e12,
+    "h200": 989e12,  # same compute die as H100 SXM, more and faster HBM
+    "gh200": 989e12,
+    "a100": 312e12,
+    "l4": 121e12,
+    "l40": 181e12,
+    "l40s": 362e12,
+    # The A10G (AWS) has no public tensor datasheet; we use the A10's 125e12. Its sustained bf16 matmul rate is
+    # nearer 70e12, so A10G MFU reads low (conservative) rather than flattering.
+    "a10g": 125e12,
+    "a10": 125e12,
+    "v100": 125e12,  # fp16 tensor cores; the V100 has no bf16, so bf16 runs there are emulated and slow
+    "tpu v4": 275e12,
+    "tpu v5 lite": 197e12,  # v5e reports itself as "TPU v5 lite"
+    "tpu v5e": 197e12,
+    "tpu v5": 459e12,  # v5p reports itself as "TPU v5"
+    "tpu v5p": 459e12,
+    "tpu v6 lite": 918e12,  # v6e (Trillium)
+    "tpu v6e": 918e12,
+}
+
+
+def measure_matmul_flops(n: int = 1024, dtype: Any = jnp.float32, repeats: int = 5, device=None) -> float:
+  """Measured FLOP/s of one jitted n x n x n matmul on `device`: the best of `repeats` timed runs after a warm-up.
+
+  The best run, not the mean, because the host may be shared and we want the machine's ceiling. At n=1024 this takes
+  about 0.2 s on a 2-core CPU (2.1 GFLOP per matmul at ~100 GFLOP/s).
+  """
+  device = device or jax.devices()[0]
+  # Inputs made by numpy on the host: jax.random would compile two more programs and double the first-call time.
+  host_values = np.random.default_rng(0).standard_normal((2, n, n), dtype=np.float32).astype(jnp.dtype(dtype))
+  a, b = jax.device_put(host_values[0], device), jax.device_put(host_values[1], device)
+  matmul = jax.jit(jnp.matmul)
+  matmul(a, b).block_until_ready()  # compile and warm up caches / thread pools
+  best_seconds = math.inf
+  for _ in range(repeats):
+    start = time.perf_counter()
+    matmul(a, b).block_until_ready()
+    best_seconds = min(best_seconds, time.perf_counter() - start)
+  return 2.0 * n**3 / best_seconds
+
+
+@functools.lru_cache(maxsize=None)
+def _measured_peak(platform: str, dtype_name: str, n: int) -> float:
+  # Cached per (platform, dtype, size) so that every caller in the process sees the same denominator.
+  return measure_matmul_flops(n=n, dtype=jnp.dtype(dtype_name), device=jax.local_devices(backend=platform)[0])
+
+
+def lookup_peak_flops(device_kind: str) -> tuple[str, float] | None:
+  """(matched table key, bf16 dense peak FLOP/s) for a device kind, or None when the kind is not in the table."""
+  kind = device_kind.lower()
+  matches = [key for key in PEAK_FLOPS_BF16 if key in kind]
+  if not matches:
+    return None
+  key = max(matches, key=len)
+  return key, PEAK_FLOPS_BF16[key]
+
+
+def peak_flops_per_device(device=None, dtype: Any = "bfloat16") -> tuple[float, str]:
+  """(peak FLOP/s per device, where the number came from) for MFU denominators.
+
+  Accelerators in `PEAK_FLOPS_BF16` get the bf16 dense datasheet peak (whatever `dtype` is; see the table comment).
+  The CPU and unknown kinds get a measured matmul rate in `dtype` (pass the model's compute dtype), measured once per
+  process. On the CPU every simulated device (xla_force_host_platform_device_count) shares the same cores, so the
+  host rate is split evenly between them: peak_per_device * num_devices is then the host's rate and MFU stays honest.
+  """
+  device = device or jax.devices()[0]
+  if device.platform != "cpu":
+    match = lookup_peak_flops(device.device_kind)
+    if match is not None:
+      key, flops = match
+      return flops, f"table: {key!r} bf16 dense peak for device kind {device.device_kind!r}"
+  dtype_name = jnp.dtype(dtype).name
+  if device.platform == "cpu":
+    host_devices = len(jax.local_devices(backend="cpu"))
+    flops = _measured_peak("cpu", dtype_name, 1024) / host_devices
+    return flops, f"measured: 1024^3 {dtype_name} matmul on the host, shared by {host_devices} CPU device(s)"
+  # An accelerator we have no datasheet number for: a large matmul gets close to its peak.
+  flops = _measured_peak(device.platform, dtype_name, 8192)
+  return flops, f"measured: 8192^3 {dtype_name} matmul (device kind {device.device_kind!r} not in PEAK_FLOPS_BF16)"
+
+
+class Throughput:
+  """Tokens/s and MFU from host wall-clock times, excluding the first (compile) step from every average.
+
+  Call `update(step)` right after the host has fetched that step's metrics (so the device has finished it), every
+  step or every log step. The first call only sets the clock's baseline: everything up to it, compilation included,
+  is left out. Later calls return the rate over the interval since the previous call.
+  """
+
+  def __init__(self, tokens_per_step: int, flops_per_token: float, peak_flops_per_device: float, num_devices: int = 1):
+    self.tokens_per_step = tokens_per_step  # global batch in tokens: batch_size * seq_len
+    self.flops_per_token = flops_per_token
+    self.peak_flops_total = peak_flops_per_device * num_devices
+    self._first_step = self._first_time = None
+    self._last_step = self._last_time = None
+
+  def mfu(self, tokens_per_sec: float) -> float:
+    return tokens_per_sec * self.flops_per_token / self.peak_flops_total
+
+  def update(self, step: int, wall_time: float | None = None) -> dict[str, float | None]:
+    """{'tokens_per_sec', 'mfu', 'step_time_sec'} since the previous call; None values on the first (baseline) call."""
+    now = time.perf_counter() if wall_time is None else wall_time
+    rates: dict[str, float | None] = {"tokens_per_sec": None, "mfu": None, "step_time_sec": None}
+    if self._last_step is None:
+      self._first_step, self._first_time = step, now
+    elif step > self._last_step and now > self._last_time:
+      steps, seconds = step - self._last_step, now - self._last_time
+      tokens_per_sec = steps * self.tokens_per_step / seconds
+      rates = {"tokens_per_sec": tokens_per_sec, "mfu": self.mfu(tokens_per_sec), "step_time_sec": seconds / steps}
+    self._last_step, self._last_time = step, now
+    return rates
+
+  def summary(self) -> dict[str, float | None]:
+    """Averages over every step after the first call: {'tokens_per_sec', 'mfu', 'step_time_sec', 'timed_steps'}."""
+    timed_steps = 0 if self._last_step is None else self._last_step - self._first_step
+    if timed_steps <= 0 or self._last_time <= self._first_time:
+      return {"tokens_per_sec": None, "mfu": None, "step_time_sec": None, "timed_steps": 0}
+    seconds = self._last_time - self._first_time
+    tokens_per_sec = timed_steps * self.tokens_per_step / seconds
+    return {"tokens_per_sec": tokens_per_sec, "mfu": self.mfu(tokens_per_sec), "step_time_sec": seconds / timed_steps,
+            "timed_steps": timed_steps}
+
+
+def device_memory_stats(devices=None) -> dict[str, int]:
+  """Allocator bytes per local device, flat for metrics: memory/{bytes_in_use,peak_bytes_in_use,bytes_limit}/d<id>.
+
+  Also memory/peak_bytes_in_use/max over devices. Empty where the backend keeps no stats (the CPU returns None).
+  """
+  stats: dict[str, int] = {}
+  for device in devices or jax.local_devices():
+    try:
+      device_stats = device.memory_stats()
+    except (NotImplementedError, RuntimeError):  # some plugins raise instead of returning None
+      device_stats = None
+    for name in ("bytes_in_use", "peak_bytes_in_use", "bytes_limit"):
+      if device_stats and name in device_stats:
+        stats[f"memory/{name}/d{device.id}"] = int(device_stats[name])
+  peaks = [value for key, value in stats.items() if key.startswith("memory/peak_bytes_in_use/")]
+  if peaks:
+    stats["memory/peak_bytes_in_use/max"] = max(peaks)
+  return stats
+
+
+def _json_value(key: str, value: Any) -> Any:
+  """A plain JSON value: bool/int -> int, reals -> float, NaN/inf -> None (JSON has no NaN), strings kept."""
+  if value is None or isinstance(value, str):
+    return value
+  if isinstance(value, (bool, np.bool_)):
+    return int(value)
+  if isinstance(value, numbers.Integral):
+    return int(value)
+  if isinstance(value, numbers.Real):
+    value = float(value)
+    return value if math.isfinite(value) else None
+  array = np.asarray(value)  # 0-d numpy / already-fetched jax scalars
+  if array.size != 1 or array.dtype.kind not in "biuf":
+    raise TypeError(f"metric {key!r} must be a number or a string, got {type(value).__name__} {array.shape}")
+  return _json_value(key, array.reshape(()).item())
+
+
+def _rewrite_jsonl(path: str, keep: Callable[[int], bool]) -> int | None:
+  """Keeps the parseable lines of `path` whose step passes `keep`; returns the largest step kept (None if none).
+
+  Writes a temp file in the same folder and os.replace()s it, so a crash mid-rewrite leaves the old file whole. A line
+  a killed run left half-written does not parse and is dropped here, before we append after it.
+  """
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    original = f.read()
+  kept, max_step = [], None
+  for line in original.splitlines():
+    try:
+      record = json.loads(line)
+      step = int(record["step"])
+    except (ValueError, KeyError, TypeError):
+      continue
+    if keep(step):
+      kept.append(line)
+      max_step = step if max_step is None else max(max_step, step)
+  text = "".join(line + "\n" for line in kept)
+  if text != original:
+    fd, temp_path = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".metrics.", suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+      f.write(text)
+    os.replace(temp_path, path)
+  return max_step
+
+
+class MetricsWriter:
+  """Appends `{"step": step, **metrics}` lines to <workdir>/metrics.jsonl and scalars to <workdir>/tensorboard/.
+
+  Only process 0 writes; on other processes every method is a no-op. Each line is flushed, so a killed run keeps
+  everything it logged.
+
+  Resume: a run restarted from checkpoint S may have lines past S from the work it lost. Two rules remove them, so
+  the file ends with exactly one line per logged step:
+    * `start_step=S` (the restored checkpoint's step) drops lines with step > S when the writer opens;
+    * whatever the caller passes, the first `write(step)` drops earlier lines with step >= that step.
+  TensorBoard gets the same cut through tensorboardX's `purge_step`, which hides the older events at and past it.
+  """
+
+  def __init__(self, workdir: str, enable_tensorboard: bool = True, start_step: int | None = None):
+    self.path = os.path.join(workdir, "metrics.jsonl")
+    self.tensorboard_dir = os.path.join(workdir, "tensorboard")
+    self._enabled = jax.process_index() == 0
+    self._enable_tensorboard = enable_tensorboard
+    self._start_step = start_step
+    self._file = None
+    self._tensorboard = None
+    self._existing_max_step = None
+    if self._enabled:
+      os.makedirs(workdir, exist_ok=True)
+      self._existing_max_step = _rewrite_jsonl(self.path, lambda step: start_step is None or step <= start_step)
+
+  def _open(self, first_step: int) -> None:
+    if self._existing_max_step is not None and self._existing_max_step >= first_step:
+      _rewrite_jsonl(self.path, lambda step: step < first_step)
+    self._file = open(self.path, "a")
+    if self._enable_tensorboard:
+      import tensorboardX  # imported here: the writer is optional and its import costs ~0.5 s
+
+      purge_step = first_step if self._start_step is None else min(first_step, self._start_step + 1)
+      self._tensorboard = tensorboardX.SummaryWriter(self.tensorboard_dir, purge_step=purge_step, flush_secs=30)
+
+  def write(self, step: int, metrics: dict[str, Any]) -> None:
+    if not self._enabled:
+      return
+    step = int(step)
+    if self._file is None:
+      self._open(step)
+    record = {"step": step}
+    record.update({key: _json_value(key, value) for key, value in metrics.items()})
+    self._file.write(json.dumps(record, allow_nan=False) + "\n")
+    self._file.flush()
+    if self._tensorboard is not None:
+      for key, value in metrics.items():
+        if isinstance(value, str) or value is None:
+          continue
+        # NaN/inf go to TensorBoard as they are: a visible spike there is the point.
+        self._tensorboard.add_scalar(key, float(np.asarray(value)), global_step=step)
+
+  def flush(self) -> None:
+    if self._tensorboard is not None:
+      self._tensorboard.flush()
+
+  def close(self) -> None:
+    if self._file is not None:
+      self._file.close()
+      self._file = None
+    if self._tensorboard is not None:
+      self._tensorboard.close()
+      self._tensorboard = None
+
+  def __enter__(self) -> MetricsWriter:
+    return self
+
+  def __exit__(self, *exc_info) -> None:
+    self.close()
+
+
+def _format_postfix(values: dict[str, Any]) -> str:
+  parts = []
+  for key, value in values.items():
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+      text = "-" if value is None else str(value)
+    elif key == "mfu":
+      text = f"{100 * value:.1f}%"
+    elif key == "tokens_per_sec":
+      key, text = "tok/s", f"{value / 1e3:.1f}k" if value >= 1e4 else f"{value:.0f}"
+    elif isinstance(value, float):
+      text = f"{value:.4f}" if abs(value) < 1e4 else f"{value:.4g}"
+    else:
+      text = str(value)
+    parts.append(f"{key}={text}")
+  return ", ".join(parts)
+
+
+class ProgressBar:
+  """A tqdm bar on process 0: steps done, ETA, and a postfix such as loss=2.3456, tok/s=12.3k, mfu=41.2%.
+
+  `update(step, loss=..., tokens_per_sec=..., mfu=...)` takes the absolute step and the same metric names as
+  metrics.jsonl (`mfu` a fraction). Outside a terminal (a log file, SLURM) it redraws at most every 30 s.
+  """
+
+  def __init__(self, total_steps: int, initial_step: int = 0, enable: bool = True):
+    self._bar = None
+    if enable and jax.process_index() == 0:
+      interactive = sys.stderr.isatty()
+      self._bar = tqdm.tqdm(total=total_steps, initial=initial_step, unit="step", dynamic_ncols=True,
+                            mininterval=0.1 if interactive else 30.0)
+
+  def update(self, step: int, **postfix_values: Any) -> None:
+    if self._bar is None:
+      return
+    if postfix_values:
+      self._bar.set_postfix_str(_format_postfix(postfix_values), refresh=False)
+    self._bar.update(step - self._bar.n)
+
+  def write(self, text: str) -> None:
+    """Prints a line above the bar (process 0 only) without tearing it."""
+    if self._bar is not None:
+      self._bar.write(text)
+    elif jax.process_index() == 0:
+      print(text, file=sys.stderr)
+
+  def close(self) -> None:
+    if self._bar is not None:
+      self._bar.close()
+      self._bar = None

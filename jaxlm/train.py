@@ -1,0 +1,264 @@
+"""Train state, the pure train and eval steps, and the training loop.
+
+The model is split once into a static graph definition and a pure-dict parameter tree; the steps are plain
+`jax.jit` functions of (state, batch) with explicit shardings and a donated state, so nothing walks the module graph
+in the hot loop. Metrics stay on the device and are read one step late, so the host never waits for the device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh
+
+from jaxlm import data as data_lib
+from jaxlm import generate, optim, sharding, telemetry
+from jaxlm.checkpoint import Checkpointer, abstract_with_shardings
+from jaxlm.config import Config, ModelConfig
+from jaxlm.models.gpt import GPT
+
+TrainState = dict  # {"step": int32 [], "params": pure dict of f32 arrays, "opt_state": optax state}
+
+
+# ----------------------------------------------------------------------------------------------- model and state
+
+
+def abstract_model(config: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
+  """Graph definition and parameter shapes, without allocating any parameter."""
+  return nnx.split(nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0))))
+
+
+def check_mesh_fits_model(config: ModelConfig, mesh: Mesh) -> None:
+  hint = "choose a mesh.tensor that divides it"
+  sharding.check_divisible("model.num_heads", config.num_heads, mesh, "tensor", hint)
+  sharding.check_divisible("model MLP width", config.mlp_width, mesh, "tensor", hint)
+
+
+def init_train_state(config: Config, mesh: Mesh, optimizer: optax.GradientTransformation
+                     ) -> tuple[nnx.GraphDef, TrainState, Any]:
+  """Initialises parameters and optimizer state directly in their shardings (never whole on one device)."""
+  check_mesh_fits_model(config.model, mesh)
+  graphdef, abstract_params = abstract_model(config.model)
+  param_shardings = sharding.param_shardings(abstract_params, mesh)
+
+  def init():
+    params = nnx.split(GPT(config.model, rngs=nnx.Rngs(config.train.seed)))[1].to_pure_dict()
+    return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": optimizer.init(params)}
+
+  abstract_state = jax.eval_shape(init)
+  state_shardings = {
+      "step": sharding.replicated(mesh),
+      "params": param_shardings,
+      # Optimizer moments mirror the parameters' shardings; counters and other scalars are replicated.
+      "opt_state": optax.tree_map_params(
+          optimizer, lambda _, s: s, abstract_state["opt_state"], param_shardings,
+          transform_non_params=lambda _: sharding.replicated(mesh)),
+  }
+  state = jax.jit(init, out_shardings=state_shardings)()
+  return graphdef, state, state_shardings
+
+
+# ----------------------------------------------------------------------------------------------- steps
+
+
+def make_loss_fn(graphdef: nnx.GraphDef) -> optim.SumLossFn:
+  """Sum of token cross-entropies over valid tokens, the valid-token count, and summed aux metrics."""
+
+  def loss_fn(params, batch):
+    model = nnx.merge(graphdef, params)
+    logits_BTV = model(batch["inputs"], batch["positions"], batch["segment_ids"])
+    losses_BT = optax.softmax_cross_entropy_with_integer_labels(logits_BTV, batch["targets"])
+    mask_BT = batch["loss_mask"].astype(jnp.float32)
+    correct_BT = (jnp.argmax(logits_BTV, axis=-1) == batch["targets"]).astype(jnp.float32)
+    count = mask_BT.sum()
+    return (losses_BT * mask_BT).sum(), (count, {"correct": (correct_BT * mask_BT).sum()})
+
+  return loss_fn
+
+
+def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, grad_accum: int,
+                    schedule: optax.Schedule):
+  loss_fn = make_loss_fn(graphdef)
+
+  def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
+    loss, count, grads, aux = optim.accumulate_gradients(loss_fn, state["params"], batch, grad_accum)
+    updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
+    params = optax.apply_updates(state["params"], updates)
+    metrics = {
+        "loss": loss,
+        "token_accuracy": aux["correct"] / jnp.maximum(count, 1.0),
+        "tokens": count,
+        "grad_norm": global_norm(grads),
+        "update_norm": global_norm(updates),
+        "param_norm": global_norm(params),
+        "learning_rate": schedule(state["step"]),
+    }
+    return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
+
+  return train_step
+
+
+def global_norm(tree: Any) -> jax.Array:
+  return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))
+
+
+def make_eval_step(graphdef: nnx.GraphDef):
+  loss_fn = make_loss_fn(graphdef)
+
+  def eval_step(params, batch):
+    loss_sum, (count, aux) = loss_fn(params, batch)
+    return {"loss_sum": loss_sum, "tokens": count, "correct": aux["correct"]}
+
+  return eval_step
+
+
+def jit_steps(graphdef, optimizer, config: Config, mesh: Mesh, state_shardings):
+  """The train and eval steps, each compiled once, with explicit shardings and the train state donated."""
+  batch_sharding = sharding.batch_sharding(mesh)
+  schedule = optim.learning_rate_schedule(config.train)
+  train_step = jax.jit(make_train_step(graphdef, optimizer, config.train.grad_accum, schedule),
+                       in_shardings=(state_shardings, batch_sharding),
+                       out_shardings=(state_shardings, sharding.replicated(mesh)), donate_argnums=0)
+  eval_step = jax.jit(make_eval_step(graphdef), in_shardings=(state_shardings["params"], batch_sharding),
+                      out_shardings=sharding.replicated(mesh))
+  return train_step, eval_step
+
+
+def to_global_batch(local_batch: dict, mesh: Mesh) -> dict:
+  """Assembles each process's rows into one global array sharded over the batch axes."""
+  return {k: jax.make_array_from_process_local_data(sharding.batch_sharding(mesh, v.ndim), v)
+          for k, v in local_batch.items()}
+
+
+def evaluate(eval_step, params, batches: list[dict], mesh: Mesh) -> dict:
+  totals = None
+  for batch in batches:
+    out = eval_step(params, to_global_batch(batch, mesh))
+    totals = out if totals is None else jax.tree.map(jnp.add, totals, out)
+  totals = jax.device_get(totals)
+  tokens = max(float(totals["tokens"]), 1.0)
+  loss = float(totals["loss_sum"]) / tokens
+  return {"eval_loss": loss, "eval_perplexity": float(np.exp(min(loss, 50.0))),
+          "eval_token_accuracy": float(totals["correct"]) / tokens}
+
+
+# ----------------------------------------------------------------------------------------------- the loop
+
+
+def train(config: Config, workdir: str, stop_at_step: int | None = None) -> dict:
+  """Trains (or resumes) a GPT into `workdir`; returns the summary written into report.md.
+
+  `stop_at_step` ends this run early after checkpointing that step (as a preemption would); re-running resumes.
+  """
+  os.makedirs(workdir, exist_ok=True)
+  started = time.time()
+  mesh = sharding.make_mesh(config.mesh)
+  num_data_shards = mesh.shape["data"] * mesh.shape["fsdp"]
+  t = config.train
+  if t.batch_size % (num_data_shards * t.grad_accum):
+    raise ValueError(
+        f"train.batch_size={t.batch_size} must be divisible by mesh.data*mesh.fsdp*train.grad_accum="
+        f"{num_data_shards * t.grad_accum}")
+  if t.batch_size % jax.process_count():
+    raise ValueError(f"train.batch_size={t.batch_size} is not divisible by the {jax.process_count()} processes")
+
+  datasets = data_lib.build_datasets(config.data, config.model.vocab_size, workdir, t.seed)
+  optimizer = optim.make_optimizer(t)
+  graphdef, state, state_shardings = init_train_state(config, mesh, optimizer)
+  train_step, eval_step = jit_steps(graphdef, optimizer, config, mesh, state_shardings)
+
+  local_batch_size = t.batch_size // jax.process_count()
+  iterator = data_lib.make_train_iterator(datasets.train, local_batch_size, t.seed, config.data.shuffle)
+  eval_batches = data_lib.eval_batches(datasets.eval, local_batch_size, t.eval_batches)
+
+  checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), config.checkpoint.every_steps,
+                              config.checkpoint.keep)
+  start_step = checkpointer.latest_step() or 0
+  if start_step:
+    state, data_state = checkpointer.restore(start_step, abstract_with_shardings(state, state_shardings),
+                                             config.model)
+    data_lib.set_loader_state(iterator, data_state)
+  _write_json(os.path.join(workdir, "config.json"), dataclasses.asdict(config))
+
+  peak_per_device, peak_source = telemetry.peak_flops_per_device(dtype=config.model.compute_dtype)
+  throughput = telemetry.Throughput(t.batch_size * config.data.seq_len,
+                                    telemetry.flops_per_token(config.model, config.data.seq_len),
+                                    peak_per_device, jax.device_count())
+  writer = telemetry.MetricsWriter(workdir, start_step=start_step)
+  bar = telemetry.ProgressBar(t.steps, initial_step=start_step, enable=config.log.progress_bar)
+  last: dict[str, Any] = {}
+
+  def finish_step(step: int, device_metrics: dict, eval_metrics: dict | None) -> None:
+    """Reads a step's metrics once the device is done with it (one step late) and logs every log.every_steps."""
+    nonlocal last
+    if step == start_step + 1 or step % config.log.every_steps == 0 or eval_metrics or step == t.steps:
+      rates = throughput.update(step)
+      last = {k: float(v) for k, v in jax.device_get(device_metrics).items()}
+      last.update({k: v for k, v in rates.items() if v is not None})
+      last.update(eval_metrics or {})
+      writer.write(step, last)
+      bar.update(step, loss=last["loss"], tokens_per_sec=last.get("tokens_per_sec"), mfu=last.get("mfu"))
+    else:
+      bar.update(step)
+
+  pending = None  # (step, device metrics, eval metrics) of the previous step
+  for step in range(start_step + 1, t.steps + 1):
+    batch = to_global_batch(next(iterator), mesh)
+    state, metrics = train_step(state, batch)
+    if pending is not None:
+      finish_step(*pending)
+    eval_metrics = None
+    if step == t.steps or (t.eval_every_steps and step % t.eval_every_steps == 0):
+      eval_metrics = evaluate(eval_step, state["params"], eval_batches, mesh)
+    pending = (step, metrics, eval_metrics)
+    if step == t.steps or step == stop_at_step or checkpointer.should_save(step):
+      checkpointer.save(step, state, data_lib.get_loader_state(iterator), config.model)
+    if step == stop_at_step:
+      break
+  if pending is not None:
+    finish_step(*pending)
+  bar.close()
+  checkpointer.close()
+  writer.close()
+  if stop_at_step is not None and stop_at_step < t.steps:
+    return last
+
+  summary: dict[str, Any] = dict(last)
+  summary.update({
+      "steps": t.steps, "resumed_from_step": start_step, "devices": jax.device_count(),
+      "mesh": "x".join(str(mesh.shape[a]) for a in sharding.MESH_AXES), "device_kind": jax.devices()[0].device_kind,
+      "peak_flops_per_device": peak_per_device, "peak_flops_source": peak_source,
+      "wall_time_sec": round(time.time() - started, 1),
+  })
+  summary.update({f"average_{k}": v for k, v in throughput.summary().items() if v is not None})
+  sample = None
+  if config.log.sample_tokens:  # every process joins the jitted sampler; only process 0 writes the report
+    sample = sample_text(graphdef, state["params"], datasets.tokenizer, config.log.sample_prompt,
+                         config.log.sample_tokens, config.model.max_seq_len, t.seed, datasets.eos_id)
+  telemetry.write_report(workdir, title=f"Training run {os.path.basename(os.path.abspath(workdir))}",
+                         summary=summary, config_text=json.dumps(dataclasses.asdict(config), indent=2),
+                         sample_text=sample, data_stats=datasets.stats)
+  return summary
+
+
+def sample_text(graphdef, params, tokenizer, prompt: str, num_tokens: int, max_len: int, seed: int,
+                eos_id: int | None) -> str:
+  prompt_ids = tokenizer.encode(prompt).ids or [eos_id or 0]
+  ids = generate.sample_tokens(graphdef, params, prompt_ids, num_tokens, max_len, seed=seed,
+                               eos_id=eos_id)
+  return tokenizer.decode(ids)
+
+
+def _write_json(path: str, obj: Any) -> None:
+  if jax.process_index() == 0:
+    with open(path, "w") as f:
+      json.dump(obj, f, indent=2)

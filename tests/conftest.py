@@ -1,0 +1,14 @@
+"""Test set-up: 4 simulated CPU devices and strict rank promotion, before anything imports jax."""
+
+import os
+
+_flags = os.environ.get("XLA_FLAGS", "")
+if "xla_force_host_platform_device_count" not in _flags:
+  os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=4").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+import jax  # noqa: E402
+
+jax.config.update("jax_numpy_rank_promotion", "raise")

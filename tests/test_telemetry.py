@@ -1,0 +1,139 @@
+"""Tests for jaxlm.telemetry and jaxlm.report: FLOP counts, metrics.jsonl, resume, report, peak, throughput."""
+
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+
+from jaxlm import telemetry
+from jaxlm.config import ModelConfig
+
+
+def _lines(workdir):
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [json.loads(line) for line in f]
+
+
+def test_flops_per_token_matches_hand_count():
+  model = ModelConfig(vocab_size=16, num_layers=2, d_model=8, num_heads=2)  # mlp_width = 32
+  # per layer: qkv + out = 4 * 8 * 8 = 256, MLP = 2 * 8 * 32 = 512; 2 layers = 1536; LM head 16 * 8 = 128
+  matmul_params = 1536 + 128
+  attention = 12 * 2 * 8 * 4  # 12 * layers * d_model * seq_len
+  assert telemetry.flops_per_token(model, seq_len=4) == 6 * matmul_params + attention == 10752
+  wide = ModelConfig(vocab_size=16, num_layers=2, d_model=8, num_heads=2, d_ff=16)
+  assert telemetry.flops_per_token(wide, seq_len=4) == 6 * (2 * (256 + 256) + 128) + attention
+
+
+def test_peak_table_prefers_the_most_specific_kind():
+  assert telemetry.lookup_peak_flops("NVIDIA H100 PCIe")[1] == 756e12
+  assert telemetry.lookup_peak_flops("NVIDIA H100 80GB HBM3")[1] == 989e12
+  assert telemetry.lookup_peak_flops("NVIDIA H200")[1] == 989e12
+  assert telemetry.lookup_peak_flops("TPU v5 lite")[1] == 197e12
+  assert telemetry.lookup_peak_flops("TPU v5")[1] == 459e12
+  assert telemetry.lookup_peak_flops("NVIDIA L40S")[1] == 362e12
+  assert telemetry.lookup_peak_flops("some new chip") is None
+
+
+def test_measured_peak_on_cpu_is_positive_and_cached():
+  flops, source = telemetry.peak_flops_per_device(dtype="float32")
+  assert math.isfinite(flops) and flops > 0
+  assert source.startswith("measured")
+  assert telemetry.peak_flops_per_device(dtype="float32")[0] == flops  # one measurement per process
+
+
+def test_metrics_writer_writes_json_lines_and_nan_as_null(tmp_path):
+  workdir = str(tmp_path)
+  with telemetry.MetricsWriter(workdir) as writer:
+    writer.write(1, {"loss": 2.5, "mfu": np.float32(0.25), "tokens": np.int64(512), "phase": "train"})
+    writer.write(2, {"loss": float("nan"), "grad_norm": float("inf")})
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    raw = f.read()
+  assert "NaN" not in raw and "Infinity" not in raw
+  records = _lines(workdir)
+  assert records == [
+      {"step": 1, "loss": 2.5, "mfu": 0.25, "tokens": 512, "phase": "train"},
+      {"step": 2, "loss": None, "grad_norm": None},
+  ]
+  assert type(records[0]["tokens"]) is int
+  assert os.listdir(os.path.join(workdir, "tensorboard"))  # an events file
+
+
+def test_resume_keeps_exactly_one_line_per_step(tmp_path):
+  workdir = str(tmp_path)
+  # First run logs steps 10..70 (checkpoint at 50), then is killed mid-write of step 80.
+  with telemetry.MetricsWriter(workdir, enable_tensorboard=False) as writer:
+    for step in range(10, 80, 10):
+      writer.write(step, {"loss": 1.0 / step})
+  with open(os.path.join(workdir, "metrics.jsonl"), "a") as f:
+    f.write('{"step": 80, "lo')
+
+  # Resume from checkpoint 50, telling the writer.
+  with telemetry.MetricsWriter(workdir, enable_tensorboard=False, start_step=50) as writer:
+    assert [r["step"] for r in _lines(workdir)] == [10, 20, 30, 40, 50]
+    for step in range(60, 110, 10):
+      writer.write(step, {"loss": 2.0 / step})
+  steps = [r["step"] for r in _lines(workdir)]
+  assert steps == list(range(10, 110, 10))
+
+  # Resume again from 70 without start_step: the first write drops lines at and past it.
+  with telemetry.MetricsWriter(workdir, enable_tensorboard=False) as writer:
+    for step in range(70, 130, 10):
+      writer.write(step, {"loss": 3.0 / step})
+  records = _lines(workdir)
+  assert [r["step"] for r in records] == list(range(10, 130, 10))
+  assert records[-1]["loss"] == 3.0 / 120 and records[5]["loss"] == 2.0 / 60
+
+
+def test_throughput_excludes_the_first_step():
+  meter = telemetry.Throughput(tokens_per_step=1000, flops_per_token=6.0, peak_flops_per_device=1000.0, num_devices=2)
+  first = meter.update(1, wall_time=100.0)  # step 1 took 100 s of compilation: only the baseline
+  assert first["tokens_per_sec"] is None and first["mfu"] is None
+  rates = meter.update(2, wall_time=101.0)
+  assert rates["tokens_per_sec"] == 1000.0
+  assert rates["mfu"] == pytest.approx(1000.0 * 6.0 / 2000.0)
+  meter.update(4, wall_time=102.0)  # 2 steps in 1 s
+  summary = meter.summary()
+  assert summary["timed_steps"] == 3
+  assert summary["tokens_per_sec"] == pytest.approx(3000.0 / 2.0)
+  assert summary["step_time_sec"] == pytest.approx(2.0 / 3.0)
+
+
+def test_report_has_plot_final_loss_and_sample(tmp_path):
+  workdir = str(tmp_path)
+  with telemetry.MetricsWriter(workdir, enable_tensorboard=False) as writer:
+    for step in range(1, 21):
+      metrics = {"loss": 5.0 - 0.1 * step, "tokens_per_sec": 1234.0, "mfu": 0.123}
+      if step % 10 == 0:
+        metrics["eval_loss"] = 4.9 - 0.1 * step
+      writer.write(step, metrics)
+  sample = 'def hello():\n    return "```"\n'
+  path = telemetry.write_report(
+      workdir, "Demo run", {"steps": 20, "tokens": 20 * 1024, "mfu": 0.123, "devices": 1}, "model:\n  d_model: 8\n",
+      sample, {"documents": 42, "train_tokens": 123456})
+  assert path == os.path.join(workdir, "report.md")
+  assert os.path.getsize(os.path.join(workdir, "loss.png")) > 1000
+  with open(path) as f:
+    report = f.read()
+  assert report.startswith("# Demo run")
+  assert "| final_loss | 3 |" in report and "| first_loss | 4.9 |" in report
+  assert "| final_eval_loss | 2.9 |" in report and "| mfu | 12.3% |" in report
+  assert "![loss](loss.png)" in report
+  assert "````\ndef hello():" in report  # the fence outgrows the sample's own backticks
+  assert "| train_tokens | 123,456 |" in report and "d_model: 8" in report
+
+
+def test_device_memory_stats_is_a_flat_dict_of_ints():
+  stats = telemetry.device_memory_stats()  # {} on the CPU, per-device bytes on GPUs and TPUs
+  assert all(isinstance(value, int) for value in stats.values())
+
+
+def test_progress_bar_accepts_absolute_steps(capsys):
+  bar = telemetry.ProgressBar(total_steps=10, initial_step=2)
+  bar.update(3, loss=2.345678, tokens_per_sec=12345.0, mfu=0.412)
+  bar.update(10, loss=None)
+  assert bar._bar.n == 10
+  bar.close()
+  assert telemetry._format_postfix({"loss": 2.345678, "tokens_per_sec": 12345.0, "mfu": 0.412}) == (
+      "loss=2.3457, tok/s=12.3k, mfu=41.2%")
