@@ -1,0 +1,1 @@
+"""jaxlm: a JAX/Flax research framework for transformer language models."""

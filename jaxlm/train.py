@@ -197,15 +197,25 @@ def train(config: Config, workdir: str, stop_at_step: int | None = None) -> dict
   bar = telemetry.ProgressBar(t.steps, initial_step=start_step, enable=config.log.progress_bar)
   last: dict[str, Any] = {}
 
+  window: list[dict] = []  # device metrics of the steps since the last logged step
+
   def finish_step(step: int, device_metrics: dict, eval_metrics: dict | None) -> None:
-    """Reads a step's metrics once the device is done with it (one step late) and logs every log.every_steps."""
+    """Called one step late; logs the mean of each metric over the steps since the last log (state-like metrics,
+    learning_rate and param_norm, at this step)."""
     nonlocal last
+    # Waiting for step s while step s + 1 runs keeps one step in flight: the host still prepares the next batch in
+    # parallel, and on simulated CPU devices two multi-device steps in flight can starve each other's collectives.
+    jax.block_until_ready(device_metrics)
+    window.append(device_metrics)
     if step == start_step + 1 or step % config.log.every_steps == 0 or eval_metrics or step == t.steps:
       rates = throughput.update(step)
-      last = {k: float(v) for k, v in jax.device_get(device_metrics).items()}
+      fetched = jax.device_get(window)
+      last = {k: float(np.mean([m[k] for m in fetched])) for k in fetched[-1]}
+      last.update({k: float(fetched[-1][k]) for k in ("learning_rate", "param_norm")})
       last.update({k: v for k, v in rates.items() if v is not None})
       last.update(eval_metrics or {})
       writer.write(step, last)
+      window.clear()
       bar.update(step, loss=last["loss"], tokens_per_sec=last.get("tokens_per_sec"), mfu=last.get("mfu"))
     else:
       bar.update(step)

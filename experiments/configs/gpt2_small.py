@@ -2,9 +2,10 @@
 
 Command:  python experiments/train_lm.py --config=experiments/configs/gpt2_small.py --workdir=runs/gpt2_small \
             --config.data.source=hf --config.data.hf_name=<dataset> --config.train.steps=2000
-Runtime:  on one H100/H200 about 0.5 M tokens per step-second budget ... measured figures live in WORKSPACE.md.
-Expected: on web text, loss below 4.0 after ~2000 steps of 0.5 M tokens; on the demo corpus (the default source) it
-          overfits quickly: use it only to check throughput and MFU.
+Runtime:  not yet measured on a GPU. Estimate: 8.5e8 training FLOPs per token (jaxlm.telemetry.flops_per_token), so
+          at 50% MFU on one H100/H200 (~495 TFLOP/s) about 580k tokens/s: 2000 steps of 64 x 1024 tokens in ~4 minutes.
+Expected: on web text, loss below 4.5 after 2000 steps (131M tokens); the demo corpus (the default source) is far too
+          small for this model and only serves to check throughput and MFU.
 """
 
 from jaxlm.config import default_config
