@@ -10,7 +10,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from jaxlm import config as config_lib
-from jaxlm import train
+from jaxlm import distributed, train
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file (experiments/configs/*.py)",
                                           lock_config=True)
@@ -23,7 +23,12 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint step at INFO
   config = config_lib.from_config_dict(_CONFIG.value)
+  distributed.initialize()  # a no-op unless launched as several processes (launch/local.sh, SLURM, Kubernetes)
   summary = train.train(config, _WORKDIR.value)
+  if "preempted_at_step" in summary:  # SIGTERM/SIGINT: checkpoint saved; exit 0 so schedulers see a clean stop
+    print(f"stopped by a signal after step {summary['preempted_at_step']} (checkpoint saved); "
+          f"re-run the same command to resume")
+    return
   print(f"done: loss {summary.get('loss', float('nan')):.4f}, report in {_WORKDIR.value}/report.md")
 
 

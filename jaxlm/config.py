@@ -27,6 +27,11 @@ class ModelConfig:
   compute_dtype: str = "bfloat16"  # matmul inputs; use float32 on the CPU where bf16 matmuls are slow
   remat: str = "none"  # activation recomputation per block: none | full | dots (save matmul outputs only)
   attention: str = "xla"  # attention implementation: xla (einsum + f32 softmax)
+  flavour: str = "gpt2"  # gpt2 | llama (decoders, see jaxlm/models/gpt.py) | bert (encoder, jaxlm/models/bert.py)
+  num_kv_heads: int = 0  # key/value heads: 0 = num_heads; fewer = grouped-query, 1 = multi-query attention
+  rope_theta: float = 10000.0  # rotary position base of the llama flavour
+  tie_embeddings: bool = True  # the output projection reuses the token embedding (GPT-2 always; Llama often not)
+  type_vocab_size: int = 2  # bert: token types (sentence A/B) in the token-type embedding
 
   @property
   def mlp_width(self) -> int:
@@ -42,6 +47,8 @@ class MeshConfig:
   data: int = -1  # pure data-parallel replicas; -1 = all devices left after the other axes
   fsdp: int = 1  # devices that shard params, grads and optimizer state (and the batch)
   tensor: int = 1  # devices that split attention heads and the MLP width (Megatron style)
+  preset: str = ""  # dp | fsdp | tp | dp_tp | fsdp_tp: sets data/fsdp/tensor (see jaxlm.sharding.MESH_PRESETS)
+  gradient_sync: str = "auto"  # auto: GSPMD inserts the collectives | shard_map: explicit psum over the batch axes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +84,7 @@ class TrainConfig:
   grad_clip: float = 1.0  # global-norm clipping threshold (0 = off)
   eval_every_steps: int = 0  # run eval on held-out data every N steps (0 = only at the end)
   eval_batches: int = 4  # batches per eval
+  max_consecutive_nonfinite: int = 5  # NaN/inf steps are skipped; this many in a row stop the run
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,6 +160,12 @@ def validate(config: Config) -> None:
     raise ValueError(f"train.batch_size={t.batch_size} is not divisible by train.grad_accum={t.grad_accum}")
   if m.remat not in ("none", "full", "dots"):
     raise ValueError(f"model.remat={m.remat!r} is not one of none, full, dots")
+  if m.flavour not in ("gpt2", "llama", "bert"):
+    raise ValueError(f"model.flavour={m.flavour!r} is not one of gpt2, llama, bert")
+  if m.num_kv_heads < 0 or m.num_heads % (m.num_kv_heads or m.num_heads):
+    raise ValueError(f"model.num_heads={m.num_heads} is not divisible by model.num_kv_heads={m.num_kv_heads}")
+  if m.flavour == "llama" and m.head_dim % 2:
+    raise ValueError(f"model.d_model/num_heads={m.head_dim} must be even for rotary positions (llama)")
   if m.attention not in ("xla",):
     raise ValueError(f"model.attention={m.attention!r} is not one of: xla")
   for name in ("param_dtype", "compute_dtype"):
@@ -163,5 +177,9 @@ def validate(config: Config) -> None:
     raise ValueError("data.source=files needs data.train_files (comma-separated paths)")
   if d.source == "hf" and not d.hf_name:
     raise ValueError("data.source=hf needs data.hf_name")
+  if config.mesh.gradient_sync not in ("auto", "shard_map"):
+    raise ValueError(f"mesh.gradient_sync={config.mesh.gradient_sync!r} is not one of auto, shard_map")
   if t.steps < 1:
     raise ValueError(f"train.steps={t.steps} must be >= 1")
+  if t.max_consecutive_nonfinite < 1:
+    raise ValueError(f"train.max_consecutive_nonfinite={t.max_consecutive_nonfinite} must be >= 1")

@@ -1,48 +1,142 @@
-"""Text sampling from a decoder.
+"""Incremental decoding with a KV cache: greedy, temperature, top-k and top-p sampling, stop tokens, batches of
+prompts of different lengths; one jitted program per (batch size, prompt length bucket, new tokens), on one device
+or a mesh.
 
-This first version recomputes the whole fixed-length buffer for every new token (no KV cache): one compiled program
-for any prompt, simple and exact, and fast enough for the report's sample. KV-cache decoding replaces it for long
-generations.
+Prompts are left-padded to a common length P so that every row writes the same cache slot at each step: the prompt
+is prefilled in one call, then each step appends one token per row. Padding slots carry segment id 0, so no real
+token attends to them, and positions count from each row's first real token, so a padded row computes exactly what
+it would alone (checked in tests/test_generate.py).
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+
+from jaxlm import sharding
+
+PROMPT_BUCKET = 16  # prompts are left-padded to a multiple of this many tokens (one compile per bucket)
+
+
+def filter_logits(logits_BV: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+  """Logits / temperature with everything outside the top-k and outside the top-p nucleus set to -inf.
+
+  top_k = 0 and top_p >= 1 switch those filters off; the most likely token always survives. All three are traced
+  values, so changing them does not recompile."""
+  logits_BV = logits_BV.astype(jnp.float32) / jnp.maximum(temperature, 1e-6)
+  sorted_BV = jnp.sort(logits_BV, axis=-1)[:, ::-1]
+  v = logits_BV.shape[-1]
+  k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)
+  sorted_BV = jnp.where(jnp.arange(v)[None, :] < k, sorted_BV, -jnp.inf)  # ties with the k-th token survive below
+  probs_BV = jax.nn.softmax(sorted_BV, axis=-1)
+  # Keep a token while the probability mass before it is below top_p (so the first token is always kept).
+  kept_BV = ((jnp.cumsum(probs_BV, axis=-1) - probs_BV) < jnp.where(top_p < 1.0, top_p, jnp.inf)) & (
+      jnp.arange(v)[None, :] < k)
+  cutoff_B1 = jnp.min(jnp.where(kept_BV, sorted_BV, jnp.inf), axis=-1, keepdims=True)
+  return jnp.where(logits_BV < cutoff_B1, -jnp.inf, logits_BV)
+
+
+def sample(logits_BV: jax.Array, key: jax.Array, temperature: jax.Array, top_k: jax.Array,
+           top_p: jax.Array) -> jax.Array:
+  """Next tokens [B]: argmax when temperature == 0, else a draw from the filtered distribution."""
+  greedy_B = jnp.argmax(logits_BV, axis=-1)
+  drawn_B = jax.random.categorical(key, filter_logits(logits_BV, temperature, top_k, top_p), axis=-1)
+  return jnp.where(temperature > 0, drawn_B, greedy_B).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "out_sharding"))
+def _generate(graphdef, params, tokens_BP, pads_B, key, temperature, top_k, top_p, stop_ids, pad_id, *,
+              max_new_tokens, out_sharding=None):
+  model = nnx.merge(graphdef, params)
+  b, p = tokens_BP.shape
+  slots_P = jnp.arange(p)
+  segments_BP = (slots_P[None, :] >= pads_B[:, None]).astype(jnp.int32)  # 0 on the left padding
+  positions_BP = jnp.maximum(slots_P[None, :] - pads_B[:, None], 0)
+  cache = model.init_cache(b, p + max_new_tokens)
+  logits_BPV, cache = model.decode(tokens_BP, cache, positions_BP, segments_BP)
+
+  def cond(carry):
+    i, _, _, done_B, _, _ = carry
+    return (i < max_new_tokens) & ~jnp.all(done_B)
+
+  def body(carry):
+    i, logits_BV, cache, done_B, out_BN, key = carry
+    key, sub = jax.random.split(key)
+    token_B = jnp.where(done_B, pad_id, sample(logits_BV, sub, temperature, top_k, top_p))
+    out_BN = jax.lax.dynamic_update_slice(out_BN, token_B[:, None], (jnp.zeros((), jnp.int32), i))
+    done_B = done_B | jnp.any(token_B[:, None] == stop_ids[None, :], axis=-1)
+    # Rows that are done keep feeding padding; their outputs are masked above. The last step's decode is unused.
+    logits_B1V, cache = model.decode(token_B[:, None], cache, (p + i - pads_B)[:, None],
+                                     jnp.ones((b, 1), jnp.int32))
+    return i + 1, logits_B1V[:, 0], cache, done_B, out_BN, key
+
+  out_BN = jnp.full((b, max_new_tokens), pad_id, jnp.int32)
+  carry = (jnp.zeros((), jnp.int32), logits_BPV[:, -1], cache, jnp.zeros((b,), bool), out_BN, key)
+  out_BN = jax.lax.while_loop(cond, body, carry)[4]
+  return out_BN if out_sharding is None else jax.lax.with_sharding_constraint(out_BN, out_sharding)
+
+
+def _mesh_of(params: Any) -> Mesh | None:
+  for leaf in jax.tree.leaves(params):
+    if isinstance(getattr(leaf, "sharding", None), NamedSharding):
+      return leaf.sharding.mesh
+  return None
+
+
+def generate(graphdef: nnx.GraphDef, params: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
+             temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, stop_tokens: Sequence[int] = (),
+             seed: int = 0, pad_id: int = 0) -> list[list[int]]:
+  """The tokens generated after each prompt, each list cut after its first stop token (which it keeps).
+
+  `params` may be sharded over a mesh (NamedShardings, e.g. from `jaxlm.hf.from_pretrained(mesh=...)` or a
+  training state): the decode then runs on that mesh, with the batch and KV heads split like activations."""
+  if not prompts or any(len(p) == 0 for p in prompts):
+    raise ValueError("generate needs at least one prompt and no empty prompt")
+  config = nnx.merge(graphdef, params).config  # one Python walk of the graph per call, outside jit
+  longest = max(len(p) for p in prompts)
+  if config.flavour == "gpt2" and longest + max_new_tokens > config.max_seq_len:
+    raise ValueError(f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the learned position "
+                     f"table (model.max_seq_len={config.max_seq_len}); shorten the prompt or generate fewer tokens")
+  # Prompt lengths are rounded up to a multiple of PROMPT_BUCKET (more left padding), so that prompts of similar
+  # lengths share one compiled program; the learned position table of gpt2 caps the rounding.
+  width = -(-longest // PROMPT_BUCKET) * PROMPT_BUCKET
+  if config.flavour == "gpt2":
+    width = max(longest, min(width, config.max_seq_len - max_new_tokens))
+  tokens = np.full((len(prompts), width), pad_id, np.int32)
+  for row, prompt in enumerate(prompts):
+    tokens[row, width - len(prompt):] = prompt
+  pads = np.array([width - len(p) for p in prompts], np.int32)
+  stop_ids = np.array(list(stop_tokens) or [-1], np.int32)
+  mesh = _mesh_of(params)
+  kwargs = dict(max_new_tokens=max_new_tokens)
+  args = (graphdef, params, tokens, pads, jax.random.key(seed), np.float32(temperature), np.int32(top_k),
+          np.float32(top_p), stop_ids, np.int32(pad_id))
+  if mesh is None:
+    out = _generate(*args, **kwargs)
+  else:
+    with jax.set_mesh(mesh):  # so the models' activation constraints apply; the result is replicated on every host
+      out = _generate(*args, **kwargs, out_sharding=sharding.replicated(mesh))
+  results, stops = [], set(stop_tokens)
+  for row in np.asarray(jax.device_get(out)).tolist():
+    hits = [i for i, t in enumerate(row) if t in stops]
+    results.append(row[:hits[0] + 1] if hits else row)
+  return results
 
 
 def sample_tokens(graphdef: nnx.GraphDef, params: Any, prompt_ids: list[int], num_tokens: int, max_len: int,
                   temperature: float = 0.8, top_k: int = 40, seed: int = 0, eos_id: int | None = None) -> list[int]:
-  """Returns the prompt followed by up to `num_tokens` sampled tokens (stopping after `eos_id`)."""
+  """The prompt followed by up to `num_tokens` sampled tokens (stopping after `eos_id`), within `max_len` tokens:
+  the report's text sample. Uses the KV-cache decoder."""
   if not prompt_ids:
     raise ValueError("sample_tokens needs a non-empty prompt")
-  prompt_ids = prompt_ids[-(max_len - 1):]
-  length = min(max_len, len(prompt_ids) + num_tokens)
-  buffer = jnp.zeros((1, length), jnp.int32).at[0, :len(prompt_ids)].set(jnp.asarray(prompt_ids, jnp.int32))
-  out = _sample_loop(graphdef, params, buffer, len(prompt_ids), jax.random.key(seed), temperature, top_k)
-  tokens = [int(t) for t in jax.device_get(out)[0]]
-  generated = tokens[len(prompt_ids):]
-  if eos_id is not None and eos_id in generated:
-    generated = generated[:generated.index(eos_id) + 1]
+  prompt_ids = list(prompt_ids[-(max_len - 1):])
+  num_tokens = min(num_tokens, max_len - len(prompt_ids))
+  generated = generate(graphdef, params, [prompt_ids], num_tokens, temperature=temperature, top_k=top_k, seed=seed,
+                       stop_tokens=() if eos_id is None else (eos_id,))[0]
   return prompt_ids + generated
-
-
-@functools.partial(jax.jit, static_argnums=(0, 6))
-def _sample_loop(graphdef, params, buffer_1L, start, key, temperature, top_k):
-  model = nnx.merge(graphdef, params)
-
-  def step(i, carry):
-    buffer_1L, key = carry
-    key, sub = jax.random.split(key)
-    logits_V = model(buffer_1L)[0, i - 1]  # causal: positions >= i do not affect position i - 1
-    kth = jax.lax.top_k(logits_V, min(top_k, logits_V.shape[-1]))[0][-1]
-    logits_V = jnp.where(logits_V < kth, -jnp.inf, logits_V) / temperature
-    token = jax.random.categorical(sub, logits_V).astype(jnp.int32)
-    return buffer_1L.at[0, i].set(token), key
-
-  buffer_1L, _ = jax.lax.fori_loop(start, buffer_1L.shape[1], step, (buffer_1L, key))
-  return buffer_1L

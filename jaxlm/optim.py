@@ -53,11 +53,14 @@ def split_micro_batches(batch: dict, num_micro: int) -> dict:
   return jax.tree.map(split, batch)
 
 
-def accumulate_gradients(loss_fn: SumLossFn, params: Any, batch: dict, num_micro: int
+def accumulate_gradients(loss_fn: SumLossFn, params: Any, batch: dict, num_micro: int,
+                         reduce_sums: Callable[[Any], Any] = lambda sums: sums
                          ) -> tuple[jax.Array, jax.Array, Any, dict]:
   """Returns (mean loss, valid-token count, gradient of the mean loss, summed aux) over `num_micro` micro-batches.
 
   The mean is over all valid tokens of the whole batch (global count), exactly as for one unsplit batch.
+  `reduce_sums` combines the (loss sum, count, gradient sum, aux) of this shard with those of the others before
+  dividing, e.g. a `psum` over the data axes inside `shard_map`; under plain `jit` the sums are already global.
   """
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
   if num_micro == 1:
@@ -77,6 +80,7 @@ def accumulate_gradients(loss_fn: SumLossFn, params: Any, batch: dict, num_micro
     aux_zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(lambda: loss_fn(params, first)[1][1]))
     init = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), zeros, aux_zeros)
     (loss_sum, count, grad_sum, aux), _ = jax.lax.scan(step, init, micro)
+  loss_sum, count, grad_sum, aux = reduce_sums((loss_sum, count, grad_sum, aux))
   denominator = jnp.maximum(count, 1.0)
   grads = jax.tree.map(lambda g: (g / denominator).astype(jnp.float32), grad_sum)
   return loss_sum / denominator, count, grads, aux

@@ -28,6 +28,7 @@ RULES: dict[str, Any] = {
     "vocab": "tensor",
     "embed": "fsdp",
     "heads": "tensor",
+    "kv_heads": "tensor",  # grouped-query key/value heads; replicated when the tensor axis does not divide them
     "head_dim": None,
     "mlp": "tensor",
     "positions": None,
@@ -37,14 +38,37 @@ RULES: dict[str, Any] = {
     "act_seq": None,
     "act_embed": None,
     "act_heads": "tensor",
+    "act_kv_heads": "tensor",
     "act_mlp": "tensor",
     "act_vocab": "tensor",
 }
 
 
+# Named layouts (data, fsdp, tensor); -1 takes the devices left over. `fsdp_tp`/`dp_tp` put 2 devices on tensor.
+MESH_PRESETS = {
+    "dp": (-1, 1, 1),
+    "fsdp": (1, -1, 1),
+    "tp": (1, 1, -1),
+    "dp_tp": (-1, 1, 2),
+    "fsdp_tp": (1, -1, 2),
+}
+
+
+def mesh_sizes(config: MeshConfig) -> tuple[int, int, int]:
+  """(data, fsdp, tensor) as configured, with a preset expanded; a preset beside explicit sizes is an error."""
+  sizes = (config.data, config.fsdp, config.tensor)
+  if not config.preset:
+    return sizes
+  if config.preset not in MESH_PRESETS:
+    raise ValueError(f"mesh.preset={config.preset!r} is not one of {', '.join(MESH_PRESETS)}")
+  if sizes != (MeshConfig.data, MeshConfig.fsdp, MeshConfig.tensor):
+    raise ValueError(f"mesh.preset={config.preset} also sets mesh.data/fsdp/tensor; give either the preset or sizes")
+  return MESH_PRESETS[config.preset]
+
+
 def mesh_shape(config: MeshConfig, num_devices: int) -> tuple[int, int, int]:
   """Resolves -1 entries (at most one) so that data * fsdp * tensor == num_devices, or raises a one-line error."""
-  sizes = [config.data, config.fsdp, config.tensor]
+  sizes = list(mesh_sizes(config))
   wildcards = [i for i, s in enumerate(sizes) if s == -1]
   if len(wildcards) > 1:
     raise ValueError(f"at most one of mesh.data/fsdp/tensor may be -1, got {tuple(sizes)}")
@@ -89,7 +113,7 @@ def logical_to_spec(logical_axes: Sequence[str | None], shape: Sequence[int] | N
 def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
   """Pins an activation's layout at a block boundary; a no-op outside a mesh context (e.g. single-device use)."""
   mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty:
+  if mesh.empty or jax.sharding.AxisType.Manual in mesh.axis_types:  # no mesh, or inside shard_map
     return x
   return jax.lax.with_sharding_constraint(x, logical_to_spec(logical_axes, x.shape, mesh))
 

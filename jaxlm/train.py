@@ -18,10 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxlm import data as data_lib
-from jaxlm import generate, optim, sharding, telemetry
+from jaxlm import generate, optim, reliability, sharding, telemetry
 from jaxlm.checkpoint import Checkpointer, abstract_with_shardings
 from jaxlm.config import Config, ModelConfig
 from jaxlm.models.gpt import GPT
@@ -85,22 +85,52 @@ def make_loss_fn(graphdef: nnx.GraphDef) -> optim.SumLossFn:
   return loss_fn
 
 
+def make_gradient_fn(loss_fn: optim.SumLossFn, grad_accum: int, mesh: Mesh | None = None,
+                     gradient_sync: str = "auto"):
+  """(params, batch) -> (mean loss, token count, gradients, aux).
+
+  `auto` leaves the collectives to GSPMD. `shard_map` writes the data-parallel reduction by hand: each device
+  computes its shard's loss and gradient sums, one `psum` over the batch axes adds them up, then every device
+  divides by the global token count. Parameters enter replicated (FSDP/TP shards are all-gathered at the boundary),
+  so this path is data parallelism with an explicit collective, tested equal to `auto`.
+  """
+  if gradient_sync == "auto":
+    return lambda params, batch: optim.accumulate_gradients(loss_fn, params, batch, grad_accum)
+  batch_axes = sharding.RULES["act_batch"]
+
+  def per_shard(params, batch):
+    return optim.accumulate_gradients(loss_fn, params, batch, grad_accum,
+                                      reduce_sums=lambda sums: jax.lax.psum(sums, batch_axes))
+
+  # check_vma=False: with it on, autodiff already sums the gradient of a replicated input over devices (the
+  # transpose of its implicit broadcast), and the psum above would count every shard once per device.
+  return jax.shard_map(per_shard, mesh=mesh, in_specs=(P(), P(batch_axes)), out_specs=P(), check_vma=False)
+
+
 def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, grad_accum: int,
-                    schedule: optax.Schedule):
-  loss_fn = make_loss_fn(graphdef)
+                    schedule: optax.Schedule, mesh: Mesh | None = None, gradient_sync: str = "auto"):
+  gradient_fn = make_gradient_fn(make_loss_fn(graphdef), grad_accum, mesh, gradient_sync)
 
   def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
-    loss, count, grads, aux = optim.accumulate_gradients(loss_fn, state["params"], batch, grad_accum)
+    loss, count, grads, aux = gradient_fn(state["params"], batch)
     updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
+    grad_norm, update_norm = global_norm(grads), global_norm(updates)
+    # A NaN/inf loss, gradient or update skips the update on the device (no host sync): params and optimizer
+    # state keep their old values bit for bit (so Adam's count only counts applied updates); `step` still
+    # advances, as it counts batches consumed. The loop counts skips and stops after too many in a row.
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(update_norm)
+    params, opt_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
+                                     (params, opt_state), (state["params"], state["opt_state"]))
     metrics = {
         "loss": loss,
         "token_accuracy": aux["correct"] / jnp.maximum(count, 1.0),
         "tokens": count,
-        "grad_norm": global_norm(grads),
-        "update_norm": global_norm(updates),
+        "grad_norm": grad_norm,
+        "update_norm": update_norm,
         "param_norm": global_norm(params),
         "learning_rate": schedule(state["step"]),
+        "skipped_steps": 1.0 - finite.astype(jnp.float32),  # 1 when this step's update was skipped
     }
     return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
 
@@ -125,7 +155,8 @@ def jit_steps(graphdef, optimizer, config: Config, mesh: Mesh, state_shardings):
   """The train and eval steps, each compiled once, with explicit shardings and the train state donated."""
   batch_sharding = sharding.batch_sharding(mesh)
   schedule = optim.learning_rate_schedule(config.train)
-  train_step = jax.jit(make_train_step(graphdef, optimizer, config.train.grad_accum, schedule),
+  train_step = jax.jit(make_train_step(graphdef, optimizer, config.train.grad_accum, schedule, mesh,
+                                       config.mesh.gradient_sync),
                        in_shardings=(state_shardings, batch_sharding),
                        out_shardings=(state_shardings, sharding.replicated(mesh)), donate_argnums=0)
   eval_step = jax.jit(make_eval_step(graphdef), in_shardings=(state_shardings["params"], batch_sharding),
@@ -158,7 +189,17 @@ def train(config: Config, workdir: str, stop_at_step: int | None = None) -> dict
   """Trains (or resumes) a GPT into `workdir`; returns the summary written into report.md.
 
   `stop_at_step` ends this run early after checkpointing that step (as a preemption would); re-running resumes.
+  SIGTERM or SIGINT does the same at the end of the current step: it returns the last logged metrics with
+  `preempted_at_step`, and the next run with this workdir resumes exactly there (jaxlm/reliability.py).
+  Raises reliability.NonFiniteError after train.max_consecutive_nonfinite skipped (non-finite) steps in a row.
   """
+  with reliability.StopSignals() as stop:  # handlers restored on return and on errors
+    return _train(config, workdir, stop_at_step, stop)
+
+
+def _train(config: Config, workdir: str, stop_at_step: int | None, stop: reliability.StopSignals) -> dict:
+  if os.path.exists(workdir) and not os.path.isdir(workdir):
+    raise ValueError(f"--workdir={workdir!r} is a file, not a folder; give a folder path (it is created)")
   os.makedirs(workdir, exist_ok=True)
   started = time.time()
   mesh = sharding.make_mesh(config.mesh)
@@ -182,10 +223,11 @@ def train(config: Config, workdir: str, stop_at_step: int | None = None) -> dict
 
   checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), config.checkpoint.every_steps,
                               config.checkpoint.keep)
-  start_step = checkpointer.latest_step() or 0
-  if start_step:
-    state, data_state = checkpointer.restore(start_step, abstract_with_shardings(state, state_shardings),
-                                             config.model)
+  # The newest readable checkpoint that fits this run; unreadable ones are moved aside, mismatched ones raise.
+  restored = checkpointer.restore_latest(abstract_with_shardings(state, state_shardings), config.model)
+  start_step = 0
+  if restored is not None:
+    start_step, state, data_state = restored
     data_lib.set_loader_state(iterator, data_state)
   _write_json(os.path.join(workdir, "config.json"), dataclasses.asdict(config))
 
@@ -196,21 +238,27 @@ def train(config: Config, workdir: str, stop_at_step: int | None = None) -> dict
   writer = telemetry.MetricsWriter(workdir, start_step=start_step)
   bar = telemetry.ProgressBar(t.steps, initial_step=start_step, enable=config.log.progress_bar)
   last: dict[str, Any] = {}
+  nonfinite = reliability.NonFiniteCounter(t.max_consecutive_nonfinite)
+  failure: str | None = None  # set when too many non-finite steps in a row end the run
 
   window: list[dict] = []  # device metrics of the steps since the last logged step
 
   def finish_step(step: int, device_metrics: dict, eval_metrics: dict | None) -> None:
     """Called one step late; logs the mean of each metric over the steps since the last log (state-like metrics,
     learning_rate and param_norm, at this step)."""
-    nonlocal last
+    nonlocal last, failure
     # Waiting for step s while step s + 1 runs keeps one step in flight: the host still prepares the next batch in
     # parallel, and on simulated CPU devices two multi-device steps in flight can starve each other's collectives.
     jax.block_until_ready(device_metrics)
+    failure = failure or nonfinite.update(step, bool(device_metrics["skipped_steps"]))
     window.append(device_metrics)
     if step == start_step + 1 or step % config.log.every_steps == 0 or eval_metrics or step == t.steps:
       rates = throughput.update(step)
       fetched = jax.device_get(window)
-      last = {k: float(np.mean([m[k] for m in fetched])) for k in fetched[-1]}
+      applied = [m for m in fetched if not m["skipped_steps"]] or fetched  # a skipped step's NaN stays out
+      last = {k: float(np.mean([m[k] for m in applied])) for k in fetched[-1]}
+      last["skipped_steps"] = float(sum(m["skipped_steps"] for m in fetched))  # a count, not a mean
+      last["skipped_steps_total"] = nonfinite.total
       last.update({k: float(fetched[-1][k]) for k in ("learning_rate", "param_norm")})
       last.update({k: v for k, v in rates.items() if v is not None})
       last.update(eval_metrics or {})
@@ -220,26 +268,37 @@ def train(config: Config, workdir: str, stop_at_step: int | None = None) -> dict
     else:
       bar.update(step)
 
+  # A stop signal during set-up ends the run before its first step: the latest checkpoint is still the one to use.
+  stopped_at = start_step if reliability.should_stop(stop.requested, start_step) else None
   pending = None  # (step, device metrics, eval metrics) of the previous step
   for step in range(start_step + 1, t.steps + 1):
+    if stopped_at is not None:
+      break
     batch = to_global_batch(next(iterator), mesh)
     state, metrics = train_step(state, batch)
     if pending is not None:
       finish_step(*pending)
+      pending = None
+    if failure:  # stop before evaluating or saving again; checkpoints so far hold finite (pre-skip) states
+      break
     eval_metrics = None
     if step == t.steps or (t.eval_every_steps and step % t.eval_every_steps == 0):
       eval_metrics = evaluate(eval_step, state["params"], eval_batches, mesh)
     pending = (step, metrics, eval_metrics)
-    if step == t.steps or step == stop_at_step or checkpointer.should_save(step):
+    if reliability.should_stop(stop.requested, step) or step == stop_at_step:
+      stopped_at = step
+    if step == t.steps or stopped_at is not None or checkpointer.should_save(step):
       checkpointer.save(step, state, data_lib.get_loader_state(iterator), config.model)
-    if step == stop_at_step:
-      break
   if pending is not None:
     finish_step(*pending)
   bar.close()
-  checkpointer.close()
+  checkpointer.close()  # waits for the last save: a preempted run exits only once its checkpoint is complete
   writer.close()
-  if stop_at_step is not None and stop_at_step < t.steps:
+  if failure:
+    raise reliability.NonFiniteError(failure)
+  if stopped_at is not None and stopped_at < t.steps:
+    if stop.requested:
+      last["preempted_at_step"] = stopped_at
     return last
 
   summary: dict[str, Any] = dict(last)
@@ -269,6 +328,7 @@ def sample_text(graphdef, params, tokenizer, prompt: str, num_tokens: int, max_l
 
 
 def _write_json(path: str, obj: Any) -> None:
-  if jax.process_index() == 0:
-    with open(path, "w") as f:
+  if jax.process_index() == 0:  # written then renamed, so a kill never leaves half a file
+    with open(path + ".tmp", "w") as f:
       json.dump(obj, f, indent=2)
+    os.replace(path + ".tmp", path)

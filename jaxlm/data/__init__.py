@@ -47,13 +47,14 @@ def build_datasets(config: DataConfig, vocab_size: int, workdir: str | None, see
   future sources that sample documents stay reproducible; the current ones are deterministic without it.
   """
   del seed  # reading, tokenizing and packing are deterministic; only the train iterator shuffles
-  documents, read_stats = read_documents(config, "train")
+  hf_cache = None if workdir is None else os.path.join(workdir, CACHE_FOLDER, "hf")  # keeps datasets' cache inside
+  documents, read_stats = read_documents(config, "train", hf_cache)
   if not documents:
     raise ValueError(f"data.source={config.source} produced no documents ({read_stats['skipped_documents']} "
                      f"skipped as empty or non-text); check the files, data.text_column and data.max_documents")
   if config.eval_files:
     train_documents = documents
-    eval_documents, eval_read_stats = read_documents(config, "eval")
+    eval_documents, eval_read_stats = read_documents(config, "eval", hf_cache)
     if not eval_documents:
       raise ValueError(f"data.eval_files produced no documents ({eval_read_stats['skipped_documents']} skipped); "
                        f"check the files and data.text_column")

@@ -31,36 +31,33 @@ from jaxlm.data.packing import PackedSequences
 _NO_THREADS = gp.ReadOptions(num_threads=0, prefetch_buffer_size=0)
 
 
-def shard_bounds(num_rows: int, shard_options: gp.ShardOptions) -> tuple[int, int]:
-  """The contiguous [start, end) rows of one shard; every shard gets num_rows // shard_count (remainder dropped)."""
-  per_shard = num_rows // shard_options.shard_count
-  start = per_shard * shard_options.shard_index
-  return start, start + per_shard
-
-
 def make_train_iterator(packed: PackedSequences, batch_size_per_process: int, seed: int, shuffle: bool,
                         shard_options: gp.ShardOptions | None = None) -> gp.DatasetIterator:
   """An endless iterator of example dicts of [B_local, T] numpy arrays for this JAX process.
 
-  `shard_options` defaults to `ShardByJaxProcess(drop_remainder=True)`; tests pass explicit `ShardOptions` to
+  Every process walks the same shuffled order of *global* batches (B_local * process count rows) and gathers only
+  its own contiguous slice of each: the global batch at every step, hence the loss, is the same whether the job runs
+  as one process or several. `shard_options` defaults to this JAX process; tests pass explicit `ShardOptions` to
   simulate several processes. The iterator supports `get_loader_state` / `set_loader_state`.
   """
   if batch_size_per_process < 1:
     raise ValueError(f"batch_size_per_process={batch_size_per_process} must be >= 1; raise train.batch_size")
   if shard_options is None:
-    shard_options = gp.ShardByJaxProcess(drop_remainder=True)
-  start, end = shard_bounds(len(packed), shard_options)
-  if end - start < batch_size_per_process:
+    shard_options = gp.ShardOptions(jax.process_index(), jax.process_count(), drop_remainder=True)
+  global_batch = batch_size_per_process * shard_options.shard_count
+  if len(packed) < global_batch:
     raise ValueError(
-        f"process {shard_options.shard_index} of {shard_options.shard_count} holds {end - start} packed sequences "
-        f"({len(packed)} in all) but one batch needs {batch_size_per_process}; lower train.batch_size or "
+        f"the data holds {len(packed)} packed sequences but one global batch needs {global_batch} "
+        f"({shard_options.shard_count} process(es) x {batch_size_per_process}); lower train.batch_size or "
         f"data.seq_len, or add data")
-  rows = gp.MapDataset.range(start, end)  # row indices of this shard
+  first = shard_options.shard_index * batch_size_per_process
+  rows = gp.MapDataset.range(len(packed))
   if shuffle:
     rows = rows.shuffle(seed=_grain_seed(seed))
   # repeat(None) is endless; with an endless parent, batch never sees a remainder.
-  batches = rows.repeat(None).batch(batch_size_per_process, batch_fn=np.asarray).map(packed.batch)
-  return iter(batches.to_iter_dataset(_NO_THREADS))
+  batches = rows.repeat(None).batch(global_batch, batch_fn=np.asarray)
+  local = batches.map(lambda indices: packed.batch(indices[first:first + batch_size_per_process]))
+  return iter(local.to_iter_dataset(_NO_THREADS))
 
 
 def _grain_seed(seed: int) -> int:

@@ -28,26 +28,31 @@ _DEMO_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", 
                              "lib2to3", "turtledemo", "tkinter", "ensurepip", "config-3", "lib-dynload"})
 _LOADER_BY_SUFFIX = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 _ROWS_PER_READ = 1024  # rows pulled per Arrow batch when iterating a datasets.Dataset column
+_SNIFF_BYTES = 65536  # leading bytes searched for a NUL, the mark of a binary file
 
 
-def read_documents(config: DataConfig, split: str) -> tuple[list[str], dict[str, int]]:
-  """Reads the documents of `split` ("train" or "eval"; "eval" needs `data.eval_files`)."""
+def read_documents(config: DataConfig, split: str, cache_dir: str | None = None) -> tuple[list[str], dict[str, int]]:
+  """Reads the documents of `split` ("train" or "eval"; "eval" needs `data.eval_files`).
+
+  `cache_dir` is where `datasets` writes its Arrow cache (JSONL, Parquet, HF sources); training passes a folder
+  inside the workdir so that a run writes nothing outside it. None = the `datasets` default (~/.cache).
+  """
   if split not in ("train", "eval"):
     raise ValueError(f"split={split!r} is not one of train, eval")
   if split == "eval" and not config.eval_files:
     raise ValueError("split='eval' needs data.eval_files; without them hold out data.eval_fraction of train")
   if split == "eval":
-    texts = _iter_files(config.eval_files, config.text_column)
+    texts = _iter_files(config.eval_files, config.text_column, cache_dir)
   elif config.source == "demo":
     texts = _iter_demo()
   elif config.source == "files":
     if not config.train_files:
       raise ValueError("data.source=files needs data.train_files (comma-separated paths)")
-    texts = _iter_files(config.train_files, config.text_column)
+    texts = _iter_files(config.train_files, config.text_column, cache_dir)
   elif config.source == "hf":
     if not config.hf_name:
       raise ValueError("data.source=hf needs data.hf_name (a dataset name or a local folder)")
-    texts = _iter_hf(config)
+    texts = _iter_hf(config, cache_dir)
   else:
     raise ValueError(f"data.source={config.source!r} is not one of demo, files, hf")
   return _collect(texts, config.max_documents, config.max_bytes)
@@ -100,27 +105,59 @@ def _iter_demo() -> Iterator[Any]:
       yield None  # counted as a skipped document by _collect
 
 
-def _iter_files(paths: Iterable[str], text_column: str) -> Iterator[Any]:
+def _iter_files(paths: Iterable[str], text_column: str, cache_dir: str | None = None) -> Iterator[Any]:
   paths = list(paths)
   for path in paths:  # check all paths first so a typo in the last file fails before minutes of reading
     if not os.path.isfile(path):
       raise FileNotFoundError(f"data file {path!r} does not exist; fix data.train_files / data.eval_files")
+    if os.path.getsize(path) == 0:
+      raise ValueError(f"data file {path!r} is empty; remove it from data.train_files / data.eval_files")
   for path in paths:
     suffix = os.path.splitext(path)[1].lower()
     if suffix == ".txt":
       # Same split as the HF "text" builder (str.splitlines); empty lines become skipped documents.
-      with open(path, encoding="utf-8") as f:
-        yield from f.read().splitlines()
+      with open(path, "rb") as f:
+        yield from _decode_text(f.read(), path).splitlines()
     elif suffix in _LOADER_BY_SUFFIX:
       import datasets  # imported lazily: it is slow to import and only these sources need it
 
-      dataset = datasets.load_dataset(_LOADER_BY_SUFFIX[suffix], data_files=[path], split="train")
-      yield from _iter_column(dataset, text_column, path)
+      if suffix != ".parquet":
+        with open(path, "rb") as f:
+          _check_not_binary(f.read(_SNIFF_BYTES), path)
+      try:
+        dataset = datasets.load_dataset(_LOADER_BY_SUFFIX[suffix], data_files=[path], split="train",
+                                        cache_dir=cache_dir)
+      except Exception as e:  # noqa: BLE001 (pyarrow, json and datasets each raise their own types)
+        cause = e.__cause__ or e
+        detail = (str(cause).strip().splitlines() or [""])[0][:200]
+        raise ValueError(f"data file {path!r} could not be read as {suffix[1:]} ({type(cause).__name__}: "
+                         f"{detail}); fix the file or remove it from the data files") from e
+      try:
+        yield from _iter_column(dataset, text_column, path)
+      except UnicodeDecodeError as e:  # Arrow keeps the bytes; decoding fails only when a value is read
+        raise ValueError(f"data file {path!r} is not UTF-8 (a value holds byte 0x{e.object[e.start]:02x}); "
+                         f"re-encode it, e.g. iconv -f latin1 -t utf-8") from None
     else:
       raise ValueError(f"data file {path!r} has unsupported suffix {suffix!r}; use .txt, .jsonl, .json or .parquet")
 
 
-def _iter_hf(config: DataConfig) -> Iterator[Any]:
+def _check_not_binary(head: bytes, path: str) -> None:
+  nul = head.find(b"\0")
+  if nul != -1:
+    raise ValueError(f"data file {path!r} looks binary (a NUL byte at offset {nul}); give UTF-8 text "
+                     f"(.txt, .jsonl) or .parquet")
+
+
+def _decode_text(raw: bytes, path: str) -> str:
+  _check_not_binary(raw[:_SNIFF_BYTES], path)
+  try:
+    return raw.decode("utf-8")
+  except UnicodeDecodeError as e:
+    raise ValueError(f"data file {path!r} is not UTF-8 (byte 0x{raw[e.start]:02x} at offset {e.start}); "
+                     f"re-encode it, e.g. iconv -f latin1 -t utf-8") from None
+
+
+def _iter_hf(config: DataConfig, cache_dir: str | None = None) -> Iterator[Any]:
   import datasets
 
   name = config.hf_name
@@ -132,7 +169,7 @@ def _iter_hf(config: DataConfig) -> Iterator[Any]:
         raise ValueError(f"data.hf_split={config.hf_split!r} is not in {name!r}; splits: {', '.join(dataset)}")
       dataset = dataset[config.hf_split]
   else:
-    dataset = datasets.load_dataset(name, config.hf_config or None, split=config.hf_split)
+    dataset = datasets.load_dataset(name, config.hf_config or None, split=config.hf_split, cache_dir=cache_dir)
   yield from _iter_column(dataset, config.text_column, name)
 
 

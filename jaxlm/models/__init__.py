@@ -1,1 +1,1 @@
-"""Transformer models: shared layers and the GPT decoder."""
+"""Transformer models: shared layers (layers.py), the GPT decoder in gpt2 and llama flavours (gpt.py), BERT (bert.py)."""

@@ -1,7 +1,12 @@
-"""The GPT decoder (GPT-2 flavour): learned positions, pre-LayerNorm blocks, GELU MLP, tied embeddings.
+"""The GPT decoder in two flavours, chosen by `ModelConfig.flavour`:
+
+  gpt2   learned positions, pre-LayerNorm, GELU MLP, biases, tied embeddings
+  llama  rotary positions (`rope_theta`), pre-RMSNorm, SwiGLU MLP, no biases, tied or untied embeddings
+Both support grouped-query / multi-query attention (`num_kv_heads`).
 
 Blocks are created once with a leading layer axis (`nnx.vmap`) and run with `jax.lax.scan`, so compile time does not
-grow with depth. `model(input_ids) -> logits [B, T, V]` in f32.
+grow with depth. `model(input_ids) -> logits [B, T, V]` in f32; `model.decode(input_ids, cache, ...)` is the
+incremental (KV-cache) form of the same function, used by `jaxlm.generate`.
 """
 
 from __future__ import annotations
@@ -13,53 +18,74 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxlm.config import ModelConfig
-from jaxlm.models.layers import MLP, Attention, Embed, LayerNorm, attention_mask
+from jaxlm.models.layers import (MLP, Attention, Embed, GatedMLP, KVCache, LayerNorm, RMSNorm, cache_mask,
+                                 causal_mask, scan_blocks, stacked)
 from jaxlm.precision import Policy
 from jaxlm.sharding import constrain
 
 RESIDUAL_AXES = ("act_batch", "act_seq", "act_embed")
-
-REMAT_POLICIES = {
-    "full": None,  # save nothing inside a block: least memory, one extra forward
-    "dots": jax.checkpoint_policies.checkpoint_dots,  # keep matmul outputs, recompute elementwise ops
-}
+FLAVOURS = ("gpt2", "llama")
 
 
 class Block(nnx.Module):
-  """Pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+  """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
   def __init__(self, config: ModelConfig, policy: Policy, *, rngs: nnx.Rngs):
     std = config.init_std
     out_std = std / math.sqrt(2 * config.num_layers)  # GPT-2: scale residual projections by depth
-    self.attn_norm = LayerNorm(config.d_model, config.layer_norm_eps, policy)
-    self.attn = Attention(config.d_model, config.num_heads, policy, std, out_std, rngs=rngs)
-    self.mlp_norm = LayerNorm(config.d_model, config.layer_norm_eps, policy)
-    self.mlp = MLP(config.d_model, config.mlp_width, policy, std, out_std, rngs=rngs)
+    llama = config.flavour == "llama"
+    norm = RMSNorm if llama else LayerNorm
+    self.attn_norm = norm(config.d_model, config.layer_norm_eps, policy)
+    self.attn = Attention(config.d_model, config.num_heads, config.num_kv_heads or config.num_heads, policy, std,
+                          out_std, use_bias=not llama, rope_theta=config.rope_theta if llama else None, rngs=rngs)
+    self.mlp_norm = norm(config.d_model, config.layer_norm_eps, policy)
+    if llama:
+      self.mlp = GatedMLP(config.d_model, config.mlp_width, policy, std, out_std, rngs=rngs)
+    else:
+      self.mlp = MLP(config.d_model, config.mlp_width, policy, std, out_std, rngs=rngs)
 
-  def __call__(self, x_BTD: jax.Array, mask_B1TS: jax.Array) -> jax.Array:
-    x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), mask_B1TS)
+  def __call__(self, x_BTD: jax.Array, mask_BTS: jax.Array, positions_BT: jax.Array) -> jax.Array:
+    x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), mask_BTS, positions_BT)
     x_BTD = x_BTD + self.mlp(self.mlp_norm(x_BTD))
     return constrain(x_BTD, RESIDUAL_AXES)
+
+  def decode(self, x_BTD, mask_BTS, positions_BT, k_BSGK, v_BSGK, end):
+    attn_BTD, k_BSGK, v_BSGK = self.attn.decode(self.attn_norm(x_BTD), mask_BTS, positions_BT, k_BSGK, v_BSGK, end)
+    x_BTD = x_BTD + attn_BTD
+    x_BTD = x_BTD + self.mlp(self.mlp_norm(x_BTD))
+    return constrain(x_BTD, RESIDUAL_AXES), k_BSGK, v_BSGK
 
 
 class GPT(nnx.Module):
 
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    if config.flavour not in FLAVOURS:
+      raise ValueError(f"model.flavour={config.flavour!r} is not a decoder flavour ({', '.join(FLAVOURS)}); "
+                       "use jaxlm.models.bert for bert")
     self.config = config
     policy = Policy.from_model_config(config)
     self.policy = policy
     self.token_embed = Embed(config.vocab_size, config.d_model, ("vocab", "embed"), policy, config.init_std,
                              rngs=rngs)
-    self.position_embed = Embed(config.max_seq_len, config.d_model, ("positions", "embed"), policy,
-                                config.init_std / 2, rngs=rngs)
+    self.position_embed = (Embed(config.max_seq_len, config.d_model, ("positions", "embed"), policy,
+                                 config.init_std / 2, rngs=rngs) if config.flavour == "gpt2" else None)
+    self.blocks = stacked(config.num_layers, lambda r: Block(config, policy, rngs=r), rngs)
+    norm = RMSNorm if config.flavour == "llama" else LayerNorm
+    self.final_norm = norm(config.d_model, config.layer_norm_eps, policy)
+    # Untied embeddings: a separate [V, D] output table.
+    self.lm_head = (None if config.tie_embeddings else
+                    Embed(config.vocab_size, config.d_model, ("vocab", "embed"), policy, config.init_std, rngs=rngs))
 
-    @nnx.split_rngs(splits=config.num_layers)
-    @nnx.vmap(in_axes=(0,), out_axes=0)
-    def stacked_blocks(rngs: nnx.Rngs) -> Block:
-      return Block(config, policy, rngs=rngs)
+  def _embed(self, input_ids_BT: jax.Array, positions_BT: jax.Array) -> jax.Array:
+    x_BTD = self.token_embed(input_ids_BT)
+    if self.position_embed is not None:
+      x_BTD = x_BTD + self.position_embed(positions_BT)
+    return constrain(x_BTD, RESIDUAL_AXES)
 
-    self.blocks = stacked_blocks(rngs)  # every block parameter has a leading [L] axis
-    self.final_norm = LayerNorm(config.d_model, config.layer_norm_eps, policy)
+  def _logits(self, x_BTD: jax.Array) -> jax.Array:
+    head = self.lm_head if self.lm_head is not None else self.token_embed
+    logits_BTV = head.attend(self.final_norm(x_BTD))
+    return constrain(logits_BTV, ("act_batch", "act_seq", "act_vocab"))
 
   def __call__(self, input_ids_BT: jax.Array, positions_BT: jax.Array | None = None,
                segment_ids_BT: jax.Array | None = None) -> jax.Array:
@@ -69,19 +95,39 @@ class GPT(nnx.Module):
       positions_BT = jnp.broadcast_to(jnp.arange(input_ids_BT.shape[1]), input_ids_BT.shape)
     if segment_ids_BT is None:
       segment_ids_BT = jnp.ones_like(input_ids_BT)
-    mask_B1TS = attention_mask(segment_ids_BT)
+    mask_BTS = causal_mask(segment_ids_BT)
 
-    x_BTD = self.token_embed(input_ids_BT) + self.position_embed(positions_BT)
-    x_BTD = constrain(x_BTD, RESIDUAL_AXES)
+    def body(block, x_BTD, _):
+      return block(x_BTD, mask_BTS, positions_BT), None
 
-    block_def, block_params = nnx.split(self.blocks)
+    x_BTD, _ = scan_blocks(self.blocks, body, self._embed(input_ids_BT, positions_BT), remat=self.config.remat)
+    return self._logits(x_BTD)
 
-    def apply_block(x_BTD, params):
-      return nnx.merge(block_def, params)(x_BTD, mask_B1TS), None
+  def init_cache(self, batch: int, slots: int) -> KVCache:
+    """An empty KV cache of `slots` positions per row, in the compute dtype."""
+    c = self.config
+    return KVCache.zeros(c.num_layers, batch, slots, c.num_kv_heads or c.num_heads, c.head_dim,
+                         self.policy.compute_dtype)
 
-    if self.config.remat != "none":
-      apply_block = jax.checkpoint(apply_block, policy=REMAT_POLICIES[self.config.remat], prevent_cse=False)
-    x_BTD, _ = jax.lax.scan(apply_block, x_BTD, block_params)
+  def decode(self, input_ids_BT: jax.Array, cache: KVCache, positions_BT: jax.Array | None = None,
+             segment_ids_BT: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+    """Appends T tokens to the cache and returns their logits [B, T, V] (as `__call__` on the whole sequence would)
+    and the updated cache. Prefill passes the prompt, then each step one token. Defaults: positions continue from
+    the cache's end, one document per row."""
+    t = input_ids_BT.shape[1]
+    if positions_BT is None:
+      positions_BT = jnp.broadcast_to(cache.end + jnp.arange(t), input_ids_BT.shape)
+    if segment_ids_BT is None:
+      segment_ids_BT = jnp.ones_like(input_ids_BT)
+    zero = jnp.zeros((), jnp.int32)
+    cache_segments_BS = jax.lax.dynamic_update_slice(cache.segment_ids_BS, segment_ids_BT.astype(jnp.int32),
+                                                     (zero, cache.end))
+    mask_BTS = cache_mask(segment_ids_BT, cache_segments_BS, cache.end)
 
-    logits_BTV = self.token_embed.attend(self.final_norm(x_BTD))
-    return constrain(logits_BTV, ("act_batch", "act_seq", "act_vocab"))
+    def body(block, x_BTD, kv):
+      x_BTD, k_BSGK, v_BSGK = block.decode(x_BTD, mask_BTS, positions_BT, *kv, cache.end)
+      return x_BTD, (k_BSGK, v_BSGK)
+
+    x_BTD, (k_LBSGK, v_LBSGK) = scan_blocks(self.blocks, body, self._embed(input_ids_BT, positions_BT),
+                                             (cache.k_LBSGK, cache.v_LBSGK))
+    return self._logits(x_BTD), KVCache(k_LBSGK, v_LBSGK, cache_segments_BS, cache.end + t)

@@ -1,8 +1,8 @@
-"""Transformer layers shared by every model: embeddings, LayerNorm, attention, MLP.
+"""Transformer layers shared by every model: embeddings, norms, rotary positions, attention (with a KV cache), MLPs.
 
 Dimension alphabet used in names and comments:
-  B batch   T query positions   S key positions   D d_model   H heads   K head dim   F MLP width   V vocab
-  L layers
+  B batch   T query positions   S key positions (cache slots)   D d_model   H query heads   G key/value heads
+  R query heads per key/value head (H = G * R)   K head dim   F MLP width   V vocab   L layers
 
 We write these few layers ourselves instead of using `nnx.Linear` & co. because each parameter must carry its
 logical axis names (`axes=` metadata, read by `jaxlm.sharding`) and each matmul must follow the precision policy
@@ -12,6 +12,7 @@ logical axis names (`axes=` metadata, read by `jaxlm.sharding`) and each matmul 
 from __future__ import annotations
 
 import math
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -30,13 +31,16 @@ def _lead(v: jax.Array, ndim: int) -> jax.Array:
 
 
 def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], std: float, dtype) -> jax.Array:
-  return std * jax.random.normal(rngs.params(), shape, dtype)
+  # Drawn flat and reshaped: the same values (threefry is partitionable, so bits follow the linear index), but XLA
+  # on the CPU compiles a 3-D normal sampler about 10x slower than a 1-D one (7 s vs 0.7 s).
+  return std * jax.random.normal(rngs.params(), (math.prod(shape),), dtype).reshape(shape)
 
 
 class Embed(nnx.Module):
   """A lookup table [N, D]; `attend` reuses it as the output projection (tied embeddings)."""
 
-  def __init__(self, num: int, dim: int, axes: tuple[str, str], policy: Policy, std: float, *, rngs: nnx.Rngs):
+  def __init__(self, num: int, dim: int, axes: tuple[str | None, str], policy: Policy, std: float, *,
+               rngs: nnx.Rngs):
     self.policy = policy
     self.embedding = nnx.Param(_normal(rngs, (num, dim), std, policy.param_dtype), axes=axes)
 
@@ -48,6 +52,20 @@ class Embed(nnx.Module):
     # f32 accumulation and output: the logits feed a softmax over the whole vocabulary.
     return jnp.einsum("btd,vd->btv", self.policy.cast_to_compute(x_BTD), table_VD,
                       preferred_element_type=jnp.float32)  # [B, T, V]
+
+
+class Dense(nnx.Module):
+  """y = x @ w + b over the last axis; `axes` names [in, out] (heads and poolers of BERT)."""
+
+  def __init__(self, d_in: int, d_out: int, axes: tuple[str | None, str | None], policy: Policy, std: float, *,
+               rngs: nnx.Rngs):
+    self.policy = policy
+    self.w = nnx.Param(_normal(rngs, (d_in, d_out), std, policy.param_dtype), axes=axes)
+    self.b = nnx.Param(jnp.zeros((d_out,), policy.param_dtype), axes=axes[1:])
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    c = self.policy.cast_to_compute
+    return jnp.einsum("...i,io->...o", c(x), c(self.w[...])) + _lead(c(self.b[...]), x.ndim)
 
 
 class LayerNorm(nnx.Module):
@@ -68,56 +86,154 @@ class LayerNorm(nnx.Module):
     return self.policy.cast_to_compute(y)
 
 
-def attention_mask(segment_ids_BT: jax.Array) -> jax.Array:
-  """[B, 1, T, S] bool: causal, and only within the same packed document (segment 0 is padding)."""
+class RMSNorm(nnx.Module):
+  """RMSNorm (Llama): no mean subtraction and no bias; statistics in f32."""
+
+  def __init__(self, dim: int, eps: float, policy: Policy):
+    self.policy = policy
+    self.eps = eps
+    self.scale = nnx.Param(jnp.ones((dim,), policy.param_dtype), axes=("embed",))
+
+  def __call__(self, x_BTD: jax.Array) -> jax.Array:
+    x = x_BTD.astype(jnp.float32)
+    y = x * jax.lax.rsqrt(jnp.square(x).mean(axis=-1, keepdims=True) + self.eps)
+    return self.policy.cast_to_compute(y * _lead(self.scale[...].astype(jnp.float32), y.ndim))
+
+
+# ----------------------------------------------------------------------------------------------- masks and positions
+
+
+def causal_mask(segment_ids_BT: jax.Array) -> jax.Array:
+  """[B, T, S=T] bool: causal, and only within the same packed document (segment 0 is padding)."""
   t = segment_ids_BT.shape[1]
   causal_TS = jnp.tril(jnp.ones((t, t), dtype=bool))
-  same_doc_BTS = segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :]
-  return (causal_TS[None] & same_doc_BTS)[:, None]
+  return causal_TS[None] & (segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :])
+
+
+def cache_mask(segment_ids_BT: jax.Array, cache_segment_ids_BS: jax.Array, end: jax.Array) -> jax.Array:
+  """[B, T, S] bool for T new tokens written at cache slots end..end+T-1: a query sees the filled slots up to its own
+  and only those of its own document (the cache's segment ids already include the new tokens)."""
+  t, s = segment_ids_BT.shape[1], cache_segment_ids_BS.shape[1]
+  causal_TS = jnp.arange(s)[None, :] <= (end + jnp.arange(t))[:, None]
+  return causal_TS[None] & (segment_ids_BT[:, :, None] == cache_segment_ids_BS[:, None, :])
+
+
+def padding_mask(attention_mask_BS: jax.Array, num_queries: int) -> jax.Array:
+  """[B, T, S] bool for a bidirectional encoder: every query sees every non-padding key (HF BERT's mask)."""
+  b, s = attention_mask_BS.shape
+  return jnp.broadcast_to(attention_mask_BS.astype(bool)[:, None, :], (b, num_queries, s))
+
+
+def apply_rope(x_BTHK: jax.Array, positions_BT: jax.Array, theta: float) -> jax.Array:
+  """Rotary position embedding, HF's rotate_half convention: dims i and i + K/2 form one rotated pair."""
+  half = x_BTHK.shape[-1] // 2
+  inv_freq = 1.0 / theta ** (jnp.arange(0, 2 * half, 2, dtype=jnp.float32) / (2 * half))  # [K/2]
+  angles_BTk = positions_BT.astype(jnp.float32)[:, :, None] * _lead(inv_freq, 3)
+  cos, sin = jnp.cos(angles_BTk)[:, :, None, :], jnp.sin(angles_BTk)[:, :, None, :]  # [B, T, 1, K/2]
+  x = x_BTHK.astype(jnp.float32)
+  x1, x2 = x[..., :half], x[..., half:]
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BTHK.dtype)
+
+
+# ----------------------------------------------------------------------------------------------- attention
+
+
+class KVCache(NamedTuple):
+  """Keys and values of every layer for S slots; `end` slots are filled. A pytree, so it passes through jit/scan."""
+  k_LBSGK: jax.Array
+  v_LBSGK: jax.Array
+  segment_ids_BS: jax.Array  # document of each slot (0 = padding or empty): keeps packed documents apart
+  end: jax.Array  # int32 []: slots filled so far (the same for every row: prompts are left-padded)
+
+  @classmethod
+  def zeros(cls, num_layers: int, batch: int, slots: int, kv_heads: int, head_dim: int, dtype) -> "KVCache":
+    kv = jnp.zeros((num_layers, batch, slots, kv_heads, head_dim), dtype)
+    kv = constrain(kv, (None, "act_batch", None, "act_kv_heads", None))
+    return cls(kv, kv, jnp.zeros((batch, slots), jnp.int32), jnp.zeros((), jnp.int32))
+
+
+def dot_product_attention(q_BTHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, mask_BTS: jax.Array,
+                          policy: Policy) -> jax.Array:
+  """Softmax attention in f32 where R = H / G query heads share each key/value head (G = H: multi-head,
+  G = 1: multi-query). Query head h uses key/value head h // R, as HF's repeat_kv does."""
+  b, t, h, k = q_BTHK.shape
+  g = k_BSGK.shape[2]
+  q_BTGRK = q_BTHK.reshape(b, t, g, h // g, k)
+  scores_BGRTS = jnp.einsum("btgrk,bsgk->bgrts", q_BTGRK, k_BSGK, preferred_element_type=jnp.float32)
+  scores_BGRTS = jnp.where(mask_BTS[:, None, None], scores_BGRTS / math.sqrt(k), MASK_VALUE)
+  probs_BGRTS = policy.cast_to_compute(jax.nn.softmax(scores_BGRTS, axis=-1))  # softmax in f32
+  return jnp.einsum("bgrts,bsgk->btgrk", probs_BGRTS, v_BSGK).reshape(b, t, h, k)
 
 
 class Attention(nnx.Module):
-  """Multi-head causal self-attention; heads are the tensor-parallel dimension."""
+  """Self-attention with H query heads and G key/value heads (grouped-query when G < H); heads are the
+  tensor-parallel dimension. Optional biases (GPT-2, BERT) and rotary positions (Llama); the mask decides causal
+  or bidirectional."""
 
-  def __init__(self, d_model: int, num_heads: int, policy: Policy, std: float, out_std: float, *,
-               rngs: nnx.Rngs):
+  def __init__(self, d_model: int, num_heads: int, num_kv_heads: int, policy: Policy, std: float, out_std: float,
+               *, use_bias: bool = True, rope_theta: float | None = None, rngs: nnx.Rngs):
+    if num_heads % num_kv_heads:
+      raise ValueError(f"num_heads={num_heads} is not divisible by num_kv_heads={num_kv_heads}")
     self.policy = policy
-    head_dim = d_model // num_heads
-    dt = policy.param_dtype
-    qkv_axes = ("embed", "heads", "head_dim")
-    self.w_q = nnx.Param(_normal(rngs, (d_model, num_heads, head_dim), std, dt), axes=qkv_axes)
-    self.w_k = nnx.Param(_normal(rngs, (d_model, num_heads, head_dim), std, dt), axes=qkv_axes)
-    self.w_v = nnx.Param(_normal(rngs, (d_model, num_heads, head_dim), std, dt), axes=qkv_axes)
-    self.b_q = nnx.Param(jnp.zeros((num_heads, head_dim), dt), axes=("heads", "head_dim"))
-    self.b_k = nnx.Param(jnp.zeros((num_heads, head_dim), dt), axes=("heads", "head_dim"))
-    self.b_v = nnx.Param(jnp.zeros((num_heads, head_dim), dt), axes=("heads", "head_dim"))
-    self.w_o = nnx.Param(_normal(rngs, (num_heads, head_dim, d_model), out_std, dt),
-                         axes=("heads", "head_dim", "embed"))
-    self.b_o = nnx.Param(jnp.zeros((d_model,), dt), axes=("embed",))
+    self.rope_theta = rope_theta
+    h, g, k, dt = num_heads, num_kv_heads, d_model // num_heads, policy.param_dtype
+    self.w_q = nnx.Param(_normal(rngs, (d_model, h, k), std, dt), axes=("embed", "heads", "head_dim"))
+    self.w_k = nnx.Param(_normal(rngs, (d_model, g, k), std, dt), axes=("embed", "kv_heads", "head_dim"))
+    self.w_v = nnx.Param(_normal(rngs, (d_model, g, k), std, dt), axes=("embed", "kv_heads", "head_dim"))
+    self.w_o = nnx.Param(_normal(rngs, (h, k, d_model), out_std, dt), axes=("heads", "head_dim", "embed"))
+    if use_bias:
+      self.b_q = nnx.Param(jnp.zeros((h, k), dt), axes=("heads", "head_dim"))
+      self.b_k = nnx.Param(jnp.zeros((g, k), dt), axes=("kv_heads", "head_dim"))
+      self.b_v = nnx.Param(jnp.zeros((g, k), dt), axes=("kv_heads", "head_dim"))
+      self.b_o = nnx.Param(jnp.zeros((d_model,), dt), axes=("embed",))
+    else:
+      self.b_q = self.b_k = self.b_v = self.b_o = None
 
-  def _project(self, x_BTD: jax.Array, w: nnx.Param, b: nnx.Param) -> jax.Array:
+  def _project(self, x_BTD: jax.Array, w: nnx.Param, b: nnx.Param | None, heads_axis: str) -> jax.Array:
     c = self.policy.cast_to_compute
-    y = jnp.einsum("btd,dhk->bthk", x_BTD, c(w[...])) + _lead(c(b[...]), 4)
-    return constrain(y, ("act_batch", "act_seq", "act_heads", None))  # [B, T, H, K]
+    y = jnp.einsum("btd,dhk->bthk", x_BTD, c(w[...]))
+    if b is not None:
+      y = y + _lead(c(b[...]), 4)
+    return constrain(y, ("act_batch", "act_seq", heads_axis, None))  # [B, T, H or G, K]
 
-  def __call__(self, x_BTD: jax.Array, mask_B1TS: jax.Array) -> jax.Array:
+  def _qkv(self, x_BTD: jax.Array, positions_BT: jax.Array | None):
+    q = self._project(x_BTD, self.w_q, self.b_q, "act_heads")
+    k = self._project(x_BTD, self.w_k, self.b_k, "act_kv_heads")
+    v = self._project(x_BTD, self.w_v, self.b_v, "act_kv_heads")
+    if self.rope_theta is not None:
+      q, k = apply_rope(q, positions_BT, self.rope_theta), apply_rope(k, positions_BT, self.rope_theta)
+    return q, k, v
+
+  def _out(self, out_BTHK: jax.Array) -> jax.Array:
     c = self.policy.cast_to_compute
-    q = self._project(x_BTD, self.w_q, self.b_q)
-    k = self._project(x_BTD, self.w_k, self.b_k)
-    v = self._project(x_BTD, self.w_v, self.b_v)
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    scores_BHTS = jnp.einsum("bthk,bshk->bhts", q, k, preferred_element_type=jnp.float32) * scale
-    scores_BHTS = jnp.where(mask_B1TS, scores_BHTS, MASK_VALUE)
-    probs_BHTS = c(jax.nn.softmax(scores_BHTS, axis=-1))  # softmax in f32, then back to compute dtype
-    out_BTHK = jnp.einsum("bhts,bshk->bthk", probs_BHTS, v)
-    return jnp.einsum("bthk,hkd->btd", out_BTHK, c(self.w_o[...])) + _lead(c(self.b_o[...]), 3)
+    y = jnp.einsum("bthk,hkd->btd", out_BTHK, c(self.w_o[...]))
+    return y if self.b_o is None else y + _lead(c(self.b_o[...]), 3)
+
+  def __call__(self, x_BTD: jax.Array, mask_BTS: jax.Array, positions_BT: jax.Array | None = None) -> jax.Array:
+    q, k, v = self._qkv(x_BTD, positions_BT)
+    return self._out(dot_product_attention(q, k, v, mask_BTS, self.policy))
+
+  def decode(self, x_BTD: jax.Array, mask_BTS: jax.Array, positions_BT: jax.Array, k_BSGK: jax.Array,
+             v_BSGK: jax.Array, end: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Writes the T new keys/values at cache slots end..end+T-1, attends over the whole cache (the mask hides the
+    empty slots), and returns (output, updated keys, updated values)."""
+    q, k, v = self._qkv(x_BTD, positions_BT)
+    zero = jnp.zeros((), jnp.int32)
+    k_BSGK = jax.lax.dynamic_update_slice(k_BSGK, k.astype(k_BSGK.dtype), (zero, end, zero, zero))
+    v_BSGK = jax.lax.dynamic_update_slice(v_BSGK, v.astype(v_BSGK.dtype), (zero, end, zero, zero))
+    return self._out(dot_product_attention(q, k_BSGK, v_BSGK, mask_BTS, self.policy)), k_BSGK, v_BSGK
+
+
+# ----------------------------------------------------------------------------------------------- MLPs
 
 
 class MLP(nnx.Module):
-  """Two-layer GELU MLP; the hidden width F is the tensor-parallel dimension."""
+  """Two-layer GELU MLP with biases (GPT-2: tanh-approximate GELU; BERT: exact); F is tensor-parallel."""
 
-  def __init__(self, d_model: int, d_ff: int, policy: Policy, std: float, out_std: float, *, rngs: nnx.Rngs):
+  def __init__(self, d_model: int, d_ff: int, policy: Policy, std: float, out_std: float, *,
+               approximate_gelu: bool = True, rngs: nnx.Rngs):
     self.policy = policy
+    self.approximate_gelu = approximate_gelu
     dt = policy.param_dtype
     self.w_in = nnx.Param(_normal(rngs, (d_model, d_ff), std, dt), axes=("embed", "mlp"))
     self.b_in = nnx.Param(jnp.zeros((d_ff,), dt), axes=("mlp",))
@@ -127,5 +243,56 @@ class MLP(nnx.Module):
   def __call__(self, x_BTD: jax.Array) -> jax.Array:
     c = self.policy.cast_to_compute
     h_BTF = jnp.einsum("btd,df->btf", x_BTD, c(self.w_in[...])) + _lead(c(self.b_in[...]), 3)
-    h_BTF = constrain(jax.nn.gelu(h_BTF, approximate=True), ("act_batch", "act_seq", "act_mlp"))
+    h_BTF = constrain(jax.nn.gelu(h_BTF, approximate=self.approximate_gelu), ("act_batch", "act_seq", "act_mlp"))
     return jnp.einsum("btf,fd->btd", h_BTF, c(self.w_out[...])) + _lead(c(self.b_out[...]), 3)
+
+
+class GatedMLP(nnx.Module):
+  """SwiGLU MLP (Llama): down(silu(gate(x)) * up(x)), no biases; F is tensor-parallel."""
+
+  def __init__(self, d_model: int, d_ff: int, policy: Policy, std: float, out_std: float, *, rngs: nnx.Rngs):
+    self.policy = policy
+    dt = policy.param_dtype
+    self.w_gate = nnx.Param(_normal(rngs, (d_model, d_ff), std, dt), axes=("embed", "mlp"))
+    self.w_up = nnx.Param(_normal(rngs, (d_model, d_ff), std, dt), axes=("embed", "mlp"))
+    self.w_down = nnx.Param(_normal(rngs, (d_ff, d_model), out_std, dt), axes=("mlp", "embed"))
+
+  def __call__(self, x_BTD: jax.Array) -> jax.Array:
+    c = self.policy.cast_to_compute
+    gate_BTF = jnp.einsum("btd,df->btf", x_BTD, c(self.w_gate[...]))
+    up_BTF = jnp.einsum("btd,df->btf", x_BTD, c(self.w_up[...]))
+    h_BTF = constrain(jax.nn.silu(gate_BTF) * up_BTF, ("act_batch", "act_seq", "act_mlp"))
+    return jnp.einsum("btf,fd->btd", h_BTF, c(self.w_down[...]))
+
+
+# ----------------------------------------------------------------------------------------------- layer stacks
+
+REMAT_POLICIES = {
+    "full": None,  # save nothing inside a block: least memory, one extra forward
+    "dots": jax.checkpoint_policies.checkpoint_dots,  # keep matmul outputs, recompute elementwise ops
+}
+
+
+def stacked(num_layers: int, make_block: Callable[[nnx.Rngs], nnx.Module], rngs: nnx.Rngs) -> nnx.Module:
+  """`num_layers` blocks created at once: every parameter gets a leading [L] axis (sharding adds `layers`)."""
+
+  @nnx.split_rngs(splits=num_layers)
+  @nnx.vmap(in_axes=(0,), out_axes=0)
+  def make(rngs: nnx.Rngs) -> nnx.Module:
+    return make_block(rngs)
+
+  return make(rngs)
+
+
+def scan_blocks(blocks: nnx.Module, body: Callable, carry, xs=None, remat: str = "none"):
+  """Runs `body(block, carry, xs_l) -> (carry, ys_l)` over the stacked blocks with `jax.lax.scan`, so compile time
+  does not grow with depth; `xs` (e.g. one KV cache per layer) is sliced along its leading [L] axis."""
+  block_def, block_params = nnx.split(blocks)
+
+  def step(carry, params_and_xs):
+    params, xs_l = params_and_xs
+    return body(nnx.merge(block_def, params), carry, xs_l)
+
+  if remat != "none":
+    step = jax.checkpoint(step, policy=REMAT_POLICIES[remat], prevent_cse=False)
+  return jax.lax.scan(step, carry, (block_params, xs))

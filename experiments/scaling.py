@@ -1,0 +1,137 @@
+"""Scaling: the same model on 1, 2 and 4 devices for each parallelism strategy.
+
+  XLA_FLAGS=--xla_force_host_platform_device_count=4 JAX_PLATFORMS=cpu \
+    python experiments/scaling.py --config=experiments/configs/demo.py --workdir=runs/scaling
+
+For each (strategy, device count) it compiles the train step, reads the per-device memory from the compiled
+executable and the bytes each device sends through collectives from its HLO (jaxlm/hlo.py), compares those bytes
+with the minimum the strategy needs, and times a few steps. Writes `scaling.json` and `scaling.png`.
+On simulated CPU devices all "devices" share the same cores, so tokens/s shows overheads, not speed-up; run it on
+real GPUs for speed-ups.
+"""
+
+import dataclasses
+import json
+import os
+import time
+
+import jax
+import numpy as np
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from jaxlm import config as config_lib
+from jaxlm import hlo, optim, sharding, train
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file", lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "where scaling.json and scaling.png go")
+_STEPS = flags.DEFINE_integer("steps", 5, "timed steps per configuration")
+flags.mark_flags_as_required(["config", "workdir"])
+
+# strategy -> (data, fsdp, tensor) for n devices
+STRATEGIES = {
+    "dp": lambda n: (n, 1, 1),
+    "fsdp": lambda n: (1, n, 1),
+    "tp": lambda n: (1, 1, n),
+    "dp_tp": lambda n: (n // 2, 1, 2),
+}
+
+
+def minimum_bytes(strategy: str, sizes: tuple[int, int, int], param_bytes: int, config) -> float:
+  """Bytes a device must send per step with ring collectives, for the gradient sync or the activations."""
+  data, fsdp, tensor = sizes
+  replicas = data * fsdp
+  # Gradients: all-reduce (DP) or reduce-scatter + all-gather of params (FSDP): both 2 (n-1)/n of the (shard of) P.
+  grad_bytes = 2 * (replicas - 1) / replicas * param_bytes / tensor if replicas > 1 else 0.0
+  # Tensor parallel: per layer, 2 all-reduces of the [B_local, T, D] activations forward and 2 backward.
+  act_bytes = 0.0
+  if tensor > 1:
+    m, t = config.model, config.train
+    itemsize = 2 if m.compute_dtype == "bfloat16" else 4
+    activation = t.batch_size // replicas * config.data.seq_len * m.d_model * itemsize
+    act_bytes = 4 * m.num_layers * 2 * (tensor - 1) / tensor * activation
+  return grad_bytes + act_bytes
+
+
+def measure(config, strategy: str, num_devices: int) -> dict:
+  sizes = STRATEGIES[strategy](num_devices)
+  config = dataclasses.replace(config, mesh=config_lib.MeshConfig(*sizes))
+  mesh = sharding.make_mesh(config.mesh, jax.devices()[:num_devices])
+  optimizer = optim.make_optimizer(config.train)
+  graphdef, state, shardings = train.init_train_state(config, mesh, optimizer)
+  train_step, _ = train.jit_steps(graphdef, optimizer, config, mesh, shardings)
+  b, t = config.train.batch_size, config.data.seq_len
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(0, config.model.vocab_size, (b, t + 1)).astype(np.int32)
+  batch = train.to_global_batch({
+      "inputs": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": np.ones((b, t), np.int32),
+      "positions": np.tile(np.arange(t, dtype=np.int32), (b, 1)), "loss_mask": np.ones((b, t), np.float32)}, mesh)
+  compiled = train_step.lower(state, batch).compile()
+  memory = compiled.memory_analysis()
+  traffic = hlo.collective_bytes(compiled.as_text(), num_devices)
+  param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state["params"]))
+  state, metrics = train_step(state, batch)
+  jax.block_until_ready(metrics)
+  started = time.perf_counter()
+  for _ in range(_STEPS.value):
+    state, metrics = train_step(state, batch)
+  jax.block_until_ready(metrics)
+  seconds = (time.perf_counter() - started) / _STEPS.value
+  minimum = minimum_bytes(strategy, sizes, param_bytes, config)
+  return {
+      "strategy": strategy, "devices": num_devices, "mesh": "x".join(map(str, sizes)),
+      "tokens_per_sec": b * t / seconds, "step_time_sec": seconds, "loss": float(metrics["loss"]),
+      "device_memory_bytes": memory.argument_size_in_bytes + memory.output_size_in_bytes
+                             - memory.alias_size_in_bytes + memory.temp_size_in_bytes,
+      "collective_bytes": traffic["total"], "collective_ops": traffic["ops"], "minimum_collective_bytes": minimum,
+      "collective_ratio_to_minimum": traffic["total"] / minimum if minimum else None,
+  }
+
+
+def plot(rows: list[dict], path: str) -> None:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+  for strategy in STRATEGIES:
+    sub = [r for r in rows if r["strategy"] == strategy]
+    if not sub:
+      continue
+    n = [r["devices"] for r in sub]
+    axes[0].plot(n, [r["tokens_per_sec"] for r in sub], "o-", label=strategy)
+    axes[1].plot(n, [r["device_memory_bytes"] / 2**20 for r in sub], "o-", label=strategy)
+    axes[2].plot(n, [r["collective_bytes"] / 2**20 for r in sub], "o-", label=strategy)
+  for ax, title in zip(axes, ["tokens/s", "per-device memory (MiB)", "collective MiB sent per device per step"]):
+    ax.set_title(title)
+    ax.set_xlabel("devices")
+    ax.set_xticks([1, 2, 4])
+    ax.grid(alpha=0.3)
+  axes[0].legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+
+
+def main(argv):
+  del argv
+  logging.set_verbosity(logging.WARNING)
+  config = config_lib.from_config_dict(_CONFIG.value)
+  os.makedirs(_WORKDIR.value, exist_ok=True)
+  rows = []
+  for num_devices in (1, 2, 4):
+    if num_devices > jax.device_count():
+      continue
+    for strategy in STRATEGIES:
+      if num_devices == 1 and strategy != "dp":
+        continue  # one device: every strategy is the same program
+      if strategy == "dp_tp" and num_devices < 4:
+        continue
+      row = measure(config, strategy, num_devices)
+      rows.append(row)
+      print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
+  with open(os.path.join(_WORKDIR.value, "scaling.json"), "w") as f:
+    json.dump({"rows": rows, "device_kind": jax.devices()[0].device_kind}, f, indent=2)
+  plot(rows, os.path.join(_WORKDIR.value, "scaling.png"))
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,398 @@
+"""HF checkpoint folders (config.json + safetensors) <-> jaxlm models, for GPT-2, Llama and BERT.
+
+  model = hf.from_pretrained("path/to/folder")             # GPT (gpt2 or llama flavour) or a BERT model
+  model = hf.from_pretrained(folder, mesh=mesh)            # each tensor straight onto its NamedSharding
+  hf.save_pretrained(model, "out/")                        # transformers' from_pretrained loads it
+
+Only safetensors are read (with `safetensors.numpy`): nothing is unpickled, torch is not needed, and no remote code
+is ever run. Each architecture is one table of rules below: HF tensor names and shapes <-> jaxlm parameter paths, and
+a pure reshape/transpose between them, so a jaxlm -> HF -> jaxlm round trip is bit-identical. Loading with a mesh
+builds the abstract model, computes shardings with `jaxlm.sharding.param_shardings`, and places every parameter with
+`jax.make_array_from_callback`: each device receives only its shard, and the host holds one parameter (stacked over
+layers) at a time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from typing import Any, Callable
+
+import jax
+import numpy as np
+from flax import nnx, traverse_util
+from jax.sharding import Mesh
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from jaxlm import sharding
+from jaxlm.config import ModelConfig
+from jaxlm.models.bert import Bert, BertForMaskedLM, BertForSequenceClassification
+from jaxlm.models.gpt import GPT
+from jaxlm.precision import DTYPES
+
+_flat = lambda tree: traverse_util.flatten_dict(tree, sep="/")  # {"a/b/c": leaf}
+_nested = lambda flat: traverse_util.unflatten_dict(flat, sep="/")
+
+WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+# Buffers some checkpoints carry that are not parameters (masks, rotary tables, position ids, tied copies).
+IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq", "embeddings.position_ids",
+                    "cls.predictions.decoder.weight", "cls.predictions.decoder.bias")
+
+
+# ----------------------------------------------------------------------------------------------- the tables
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+  """HF tensors (name, shape) <-> jaxlm parameters. `{i}` in a name is the layer; those rules fill the stacked
+  `blocks/...` parameters one layer at a time. `kind`: copy (reshape only, incl. GPT-2's Conv1D [in, out]),
+  linear (nn.Linear [out, in]: transpose, then reshape), fused (GPT-2's c_attn: split/join q, k, v on the last axis)."""
+  kind: str
+  hf: str  # HF tensor name
+  shape: tuple[int, ...]  # its shape, as config.json implies
+  jax: tuple[str, ...]  # jaxlm parameter paths ("a/b/c")
+
+  @property
+  def per_layer(self) -> bool:
+    return "{i}" in self.hf
+
+
+def _r(kind: str, hf_name: str, hf_shape: tuple[int, ...], *jax_paths: str) -> Rule:
+  return Rule(kind, hf_name, hf_shape, jax_paths)
+
+
+def _to_jax(rule: Rule, hf: np.ndarray, shapes: list[tuple]) -> list[np.ndarray]:
+  if rule.kind == "copy":
+    return [hf.reshape(shapes[0])]
+  if rule.kind == "linear":
+    return [hf.T.reshape(shapes[0])]
+  return [part.reshape(s) for part, s in zip(np.split(hf, len(shapes), axis=-1), shapes)]
+
+
+def _to_hf(rule: Rule, arrays: list[np.ndarray]) -> np.ndarray:
+  if rule.kind == "copy":
+    return arrays[0].reshape(rule.shape)
+  if rule.kind == "linear":
+    return arrays[0].reshape(rule.shape[::-1]).T
+  return np.concatenate([a.reshape(rule.shape[:-1] + (-1,)) for a in arrays], axis=-1)
+
+
+def _gpt2_rules(c: ModelConfig) -> list[Rule]:
+  d, f, v = c.d_model, c.mlp_width, c.vocab_size
+  rules = [_r("copy", "wte.weight", (v, d), "token_embed/embedding"),
+           _r("copy", "wpe.weight", (c.max_seq_len, d), "position_embed/embedding"),
+           _r("copy", "ln_f.weight", (d,), "final_norm/scale"), _r("copy", "ln_f.bias", (d,), "final_norm/bias")]
+  layer = [("ln_1.weight", (d,), "attn_norm/scale"), ("ln_1.bias", (d,), "attn_norm/bias"),
+           ("attn.c_proj.weight", (d, d), "attn/w_o"), ("attn.c_proj.bias", (d,), "attn/b_o"),
+           ("ln_2.weight", (d,), "mlp_norm/scale"), ("ln_2.bias", (d,), "mlp_norm/bias"),
+           ("mlp.c_fc.weight", (d, f), "mlp/w_in"), ("mlp.c_fc.bias", (f,), "mlp/b_in"),
+           ("mlp.c_proj.weight", (f, d), "mlp/w_out"), ("mlp.c_proj.bias", (d,), "mlp/b_out")]
+  rules += [_r("copy", f"h.{{i}}.{name}", shape, f"blocks/{path}") for name, shape, path in layer]
+  rules += [_r("fused", "h.{i}.attn.c_attn.weight", (d, 3 * d), *(f"blocks/attn/w_{x}" for x in "qkv")),
+            _r("fused", "h.{i}.attn.c_attn.bias", (3 * d,), *(f"blocks/attn/b_{x}" for x in "qkv"))]
+  return rules
+
+
+def _llama_rules(c: ModelConfig) -> list[Rule]:
+  d, f, v = c.d_model, c.mlp_width, c.vocab_size
+  qd, kvd = c.num_heads * c.head_dim, (c.num_kv_heads or c.num_heads) * c.head_dim
+  rules = [_r("copy", "embed_tokens.weight", (v, d), "token_embed/embedding"),
+           _r("copy", "norm.weight", (d,), "final_norm/scale")]
+  layer = [("copy", "input_layernorm.weight", (d,), "attn_norm/scale"),
+           ("linear", "self_attn.q_proj.weight", (qd, d), "attn/w_q"),
+           ("linear", "self_attn.k_proj.weight", (kvd, d), "attn/w_k"),
+           ("linear", "self_attn.v_proj.weight", (kvd, d), "attn/w_v"),
+           ("linear", "self_attn.o_proj.weight", (d, qd), "attn/w_o"),
+           ("copy", "post_attention_layernorm.weight", (d,), "mlp_norm/scale"),
+           ("linear", "mlp.gate_proj.weight", (f, d), "mlp/w_gate"),
+           ("linear", "mlp.up_proj.weight", (f, d), "mlp/w_up"),
+           ("linear", "mlp.down_proj.weight", (d, f), "mlp/w_down")]
+  return rules + [_r(kind, f"layers.{{i}}.{name}", shape, f"blocks/{path}") for kind, name, shape, path in layer]
+
+
+def _bert_rules(c: ModelConfig, with_pooler: bool) -> list[Rule]:
+  d, f = c.d_model, c.mlp_width
+  rules = [_r("copy", "embeddings.word_embeddings.weight", (c.vocab_size, d), "token_embed/embedding"),
+           _r("copy", "embeddings.position_embeddings.weight", (c.max_seq_len, d), "position_embed/embedding"),
+           _r("copy", "embeddings.token_type_embeddings.weight", (c.type_vocab_size, d), "type_embed/embedding"),
+           _r("copy", "embeddings.LayerNorm.weight", (d,), "embed_norm/scale"),
+           _r("copy", "embeddings.LayerNorm.bias", (d,), "embed_norm/bias")]
+  layer = [("linear", "attention.self.query.weight", (d, d), "attn/w_q"),
+           ("copy", "attention.self.query.bias", (d,), "attn/b_q"),
+           ("linear", "attention.self.key.weight", (d, d), "attn/w_k"),
+           ("copy", "attention.self.key.bias", (d,), "attn/b_k"),
+           ("linear", "attention.self.value.weight", (d, d), "attn/w_v"),
+           ("copy", "attention.self.value.bias", (d,), "attn/b_v"),
+           ("linear", "attention.output.dense.weight", (d, d), "attn/w_o"),
+           ("copy", "attention.output.dense.bias", (d,), "attn/b_o"),
+           ("copy", "attention.output.LayerNorm.weight", (d,), "attn_norm/scale"),
+           ("copy", "attention.output.LayerNorm.bias", (d,), "attn_norm/bias"),
+           ("linear", "intermediate.dense.weight", (f, d), "mlp/w_in"),
+           ("copy", "intermediate.dense.bias", (f,), "mlp/b_in"),
+           ("linear", "output.dense.weight", (d, f), "mlp/w_out"),
+           ("copy", "output.dense.bias", (d,), "mlp/b_out"),
+           ("copy", "output.LayerNorm.weight", (d,), "mlp_norm/scale"),
+           ("copy", "output.LayerNorm.bias", (d,), "mlp_norm/bias")]
+  rules += [_r(kind, f"encoder.layer.{{i}}.{name}", shape, f"blocks/{path}") for kind, name, shape, path in layer]
+  if with_pooler:
+    rules += [_r("linear", "pooler.dense.weight", (d, d), "pooler/w"),
+              _r("copy", "pooler.dense.bias", (d,), "pooler/b")]
+  return rules
+
+
+def _head_rules(model: nnx.Module) -> list[Rule]:
+  """Rules outside the base model's prefix (HF names without `transformer.` / `model.` / `bert.`)."""
+  c = model.config
+  if isinstance(model, GPT):
+    return [] if c.tie_embeddings else [_r("copy", "lm_head.weight", (c.vocab_size, c.d_model), "lm_head/embedding")]
+  if isinstance(model, BertForMaskedLM):
+    d = c.d_model
+    return [_r("linear", "cls.predictions.transform.dense.weight", (d, d), "transform/w"),
+            _r("copy", "cls.predictions.transform.dense.bias", (d,), "transform/b"),
+            _r("copy", "cls.predictions.transform.LayerNorm.weight", (d,), "transform_norm/scale"),
+            _r("copy", "cls.predictions.transform.LayerNorm.bias", (d,), "transform_norm/bias"),
+            _r("copy", "cls.predictions.bias", (c.vocab_size,), "vocab_bias")]
+  if isinstance(model, BertForSequenceClassification):
+    return [_r("linear", "classifier.weight", (model.num_labels, c.d_model), "classifier/w"),
+            _r("copy", "classifier.bias", (model.num_labels,), "classifier/b")]
+  return []
+
+
+def _rules(model: nnx.Module) -> tuple[list[tuple[str, str, Rule]], str]:
+  """(HF prefix, jaxlm prefix, rule) for every parameter of `model`, and the HF base-model prefix."""
+  c = model.config
+  if isinstance(model, GPT) and c.flavour == "gpt2":
+    base, prefix, jax_prefix = _gpt2_rules(c), "transformer.", ""
+  elif isinstance(model, GPT):
+    base, prefix, jax_prefix = _llama_rules(c), "model.", ""
+  elif isinstance(model, Bert):
+    base, prefix, jax_prefix = _bert_rules(c, model.pooler is not None), "", ""
+  else:
+    base, prefix, jax_prefix = _bert_rules(c, model.bert.pooler is not None), "bert.", "bert/"
+  return [(prefix, jax_prefix, r) for r in base] + [("", "", r) for r in _head_rules(model)], prefix
+
+
+# ----------------------------------------------------------------------------------------------- configs
+
+
+def _model_from_hf_config(hf: dict, where: str, weight_names: set[str], c_dtype: str, p_dtype: str
+                          ) -> Callable[[nnx.Rngs], nnx.Module]:
+  """A constructor of the jaxlm model that config.json describes, or a one-line error naming the key."""
+
+  def get(key: str, default: Any = KeyError) -> Any:
+    if key not in hf and default is KeyError:
+      raise ValueError(f"{where}: missing key {key!r}")
+    return hf.get(key, default)
+
+  def need(ok: bool, key: str, supported: str) -> None:
+    if not ok:
+      raise ValueError(f"{where}: {key}={hf.get(key)!r} is not supported (jaxlm supports {supported})")
+
+  model_type, arch = hf.get("model_type"), (hf.get("architectures") or [None])[0]
+  if hf.get("auto_map"):
+    raise ValueError(f"{where}: auto_map names custom modelling code; jaxlm never runs remote code "
+                     "(trust_remote_code) and reads only gpt2, llama and bert")
+  common = dict(compute_dtype=c_dtype, param_dtype=p_dtype, vocab_size=get("vocab_size"),
+                init_std=get("initializer_range", 0.02))
+  if model_type == "gpt2":
+    need(get("activation_function", "gelu_new") in ("gelu_new", "gelu_pytorch_tanh"), "activation_function",
+         "gelu_new")
+    need(not hf.get("scale_attn_by_inverse_layer_idx"), "scale_attn_by_inverse_layer_idx", "false")
+    need(hf.get("scale_attn_weights", True), "scale_attn_weights", "true")
+    config = ModelConfig(flavour="gpt2", num_layers=get("n_layer"), d_model=get("n_embd"), num_heads=get("n_head"),
+                         d_ff=get("n_inner", None) or 0, max_seq_len=get("n_positions"),
+                         layer_norm_eps=get("layer_norm_epsilon", 1e-5),
+                         tie_embeddings=get("tie_word_embeddings", True), **common)
+    return lambda rngs: GPT(config, rngs=rngs)
+  if model_type == "llama":
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    need(rope.get("rope_type", rope.get("type", "default")) == "default",
+         "rope_parameters" if "rope_parameters" in hf else "rope_scaling", "default rotary positions, no scaling")
+    need(get("hidden_act", "silu") == "silu", "hidden_act", "silu")
+    need(not hf.get("attention_bias") and not hf.get("mlp_bias"), "attention_bias", "no biases")
+    d, h = get("hidden_size"), get("num_attention_heads")
+    need(hf.get("head_dim") in (None, d // h), "head_dim", "hidden_size / num_attention_heads")
+    config = ModelConfig(flavour="llama", num_layers=get("num_hidden_layers"), d_model=d, num_heads=h,
+                         num_kv_heads=get("num_key_value_heads", None) or h, d_ff=get("intermediate_size"),
+                         max_seq_len=get("max_position_embeddings", 2048), layer_norm_eps=get("rms_norm_eps", 1e-6),
+                         rope_theta=float(hf.get("rope_theta") or rope.get("rope_theta") or 10000.0),
+                         tie_embeddings=get("tie_word_embeddings", False), **common)
+    return lambda rngs: GPT(config, rngs=rngs)
+  if model_type == "bert":
+    need(get("hidden_act", "gelu") == "gelu", "hidden_act", "gelu")
+    need(get("position_embedding_type", "absolute") == "absolute", "position_embedding_type", "absolute")
+    config = ModelConfig(flavour="bert", num_layers=get("num_hidden_layers"), d_model=get("hidden_size"),
+                         num_heads=get("num_attention_heads"), d_ff=get("intermediate_size"),
+                         max_seq_len=get("max_position_embeddings"), layer_norm_eps=get("layer_norm_eps", 1e-12),
+                         type_vocab_size=get("type_vocab_size", 2), **common)
+    if arch in (None, "BertModel"):
+      pooler = any(n.endswith("pooler.dense.weight") for n in weight_names)
+      return lambda rngs: Bert(config, with_pooler=pooler, rngs=rngs)
+    if arch in ("BertForMaskedLM", "BertForPreTraining"):
+      return lambda rngs: BertForMaskedLM(config, rngs=rngs)
+    if arch == "BertForSequenceClassification":
+      labels = len(hf["id2label"]) if hf.get("id2label") else get("num_labels", 2)
+      return lambda rngs: BertForSequenceClassification(config, labels, rngs=rngs)
+    raise ValueError(f"{where}: architectures={hf.get('architectures')} is not supported for bert (jaxlm supports "
+                     "BertModel, BertForMaskedLM, BertForPreTraining, BertForSequenceClassification)")
+  raise ValueError(f"{where}: model_type={model_type!r} (architectures={hf.get('architectures')}) is not supported; "
+                   "jaxlm reads gpt2, llama and bert")
+
+
+def _hf_config(model: nnx.Module) -> dict:
+  c = model.config
+  common = {"vocab_size": c.vocab_size, "initializer_range": c.init_std, "torch_dtype": c.param_dtype,
+            "bos_token_id": None, "eos_token_id": None}
+  if isinstance(model, GPT) and c.flavour == "gpt2":
+    if (c.num_kv_heads or c.num_heads) != c.num_heads:
+      raise ValueError(f"model.num_kv_heads={c.num_kv_heads}: HF GPT-2 has no grouped-query attention; use llama")
+    return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_layer": c.num_layers,
+            "n_embd": c.d_model, "n_head": c.num_heads, "n_inner": c.d_ff or None, "n_positions": c.max_seq_len,
+            "layer_norm_epsilon": c.layer_norm_eps, "activation_function": "gelu_new", "scale_attn_weights": True,
+            "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,  # jaxlm trains without dropout
+            "tie_word_embeddings": c.tie_embeddings, **common}
+  if isinstance(model, GPT):
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": c.num_layers,
+            "hidden_size": c.d_model, "num_attention_heads": c.num_heads,
+            "num_key_value_heads": c.num_kv_heads or c.num_heads, "head_dim": c.head_dim,
+            "intermediate_size": c.mlp_width, "hidden_act": "silu", "max_position_embeddings": c.max_seq_len,
+            "rms_norm_eps": c.layer_norm_eps, "rope_theta": c.rope_theta,  # transformers < 5 reads rope_theta
+            "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta}, "attention_bias": False,
+            "mlp_bias": False, "tie_word_embeddings": c.tie_embeddings, **common}
+  arch = {Bert: "BertModel", BertForMaskedLM: "BertForMaskedLM",
+          BertForSequenceClassification: "BertForSequenceClassification"}[type(model)]
+  out = {"architectures": [arch], "model_type": "bert", "num_hidden_layers": c.num_layers, "hidden_size": c.d_model,
+         "num_attention_heads": c.num_heads, "intermediate_size": c.mlp_width, "hidden_act": "gelu",
+         "max_position_embeddings": c.max_seq_len, "type_vocab_size": c.type_vocab_size,
+         "layer_norm_eps": c.layer_norm_eps, "position_embedding_type": "absolute", "pad_token_id": 0,
+         "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0, **common}
+  if isinstance(model, BertForSequenceClassification):
+    out["id2label"] = {str(i): f"LABEL_{i}" for i in range(model.num_labels)}
+    out["label2id"] = {f"LABEL_{i}": i for i in range(model.num_labels)}
+  return out
+
+
+# ----------------------------------------------------------------------------------------------- load and save
+
+
+class _Weights:
+  """The folder's safetensors files, opened lazily (memory-mapped); refuses pickle-only checkpoints."""
+
+  def __init__(self, folder: str):
+    self.folder = folder
+    index = os.path.join(folder, INDEX)
+    if os.path.exists(index):
+      with open(index) as f:
+        self.file_of = {k: os.path.join(folder, v) for k, v in json.load(f)["weight_map"].items()}
+    elif os.path.exists(os.path.join(folder, WEIGHTS)):
+      with safe_open(os.path.join(folder, WEIGHTS), framework="numpy") as f:
+        self.file_of = {k: os.path.join(folder, WEIGHTS) for k in f.keys()}
+    else:
+      pickles = sorted(n for n in os.listdir(folder) if n.endswith(PICKLE_SUFFIXES))
+      if pickles:
+        raise ValueError(f"{os.path.join(folder, pickles[0])} is a pickle checkpoint and there is no {WEIGHTS}; "
+                         "jaxlm never unpickles weights: convert it where you trust it (transformers "
+                         "save_pretrained(..., safe_serialization=True))")
+      raise ValueError(f"{folder}: no {WEIGHTS} or {INDEX}; an HF checkpoint folder needs its weights as safetensors")
+    self.handles: dict[str, Any] = {}
+    self.used: set[str] = set()
+
+  def read(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    if name not in self.file_of and name == "cls.predictions.bias":
+      name = "cls.predictions.decoder.bias"  # some BERT checkpoints keep only the decoder's copy of the bias
+    if name not in self.file_of:
+      raise ValueError(f"{self.folder}: weights lack tensor {name!r} that config.json implies")
+    path = self.file_of[name]
+    if path not in self.handles:
+      self.handles[path] = safe_open(path, framework="numpy")
+    array = self.handles[path].get_tensor(name)
+    if tuple(array.shape) != tuple(shape):
+      raise ValueError(f"{path}: tensor {name!r} has shape {tuple(array.shape)} but config.json implies {shape}")
+    if not np.issubdtype(array.dtype, np.floating) and array.dtype.name != "bfloat16":
+      raise ValueError(f"{path}: tensor {name!r} has dtype {array.dtype}, expected floating point weights")
+    self.used.add(name)
+    return array
+
+
+def from_pretrained(folder: str, *, mesh: Mesh | None = None, compute_dtype: str = "float32",
+                    param_dtype: str = "float32") -> nnx.Module:
+  """The jaxlm model of an HF checkpoint folder (config.json + safetensors) of GPT-2, Llama or BERT.
+
+  With `mesh`, every parameter is created directly in its sharding (`jaxlm.sharding.RULES`); without, on the
+  default device. Returns GPT, Bert, BertForMaskedLM or BertForSequenceClassification."""
+  where = os.path.join(folder, "config.json")
+  if not os.path.exists(where):
+    raise ValueError(f"{where} not found: from_pretrained needs an HF checkpoint folder (config.json + safetensors)")
+  with open(where) as f:
+    hf_config = json.load(f)
+  weights = _Weights(folder)
+  make = _model_from_hf_config(hf_config, where, set(weights.file_of), compute_dtype, param_dtype)
+  abstract = nnx.eval_shape(lambda: make(nnx.Rngs(0)))
+  graphdef, abstract_state = nnx.split(abstract)
+  shapes = {k: v.shape for k, v in _flat(abstract_state.to_pure_dict()).items()}
+  shardings = _flat(sharding.param_shardings(abstract_state, mesh)) if mesh is not None else {}
+  rules, base_prefix = _rules(abstract)
+  # Checkpoints of a bare base model (GPT2Model, LlamaModel, BertModel) have no `transformer.` / `model.` prefix.
+  first = rules[0][2].hf
+  if base_prefix and base_prefix + first not in weights.file_of and first in weights.file_of:
+    rules = [("" if p == base_prefix else p, jp, r) for p, jp, r in rules]
+  dtype = DTYPES[param_dtype]
+  values = {}
+  for hf_prefix, jax_prefix, rule in rules:
+    paths = [jax_prefix + p for p in rule.jax]
+    layer_shapes = [shapes[p][1:] if rule.per_layer else shapes[p] for p in paths]
+    per_layer = [_to_jax(rule, weights.read(hf_prefix + rule.hf.format(i=i), rule.shape), layer_shapes)
+                 for i in (range(abstract.config.num_layers) if rule.per_layer else [0])]
+    for j, path in enumerate(paths):
+      host = np.stack([arrays[j] for arrays in per_layer]) if rule.per_layer else per_layer[0][j]
+      values[path] = _place(host.astype(dtype), shardings.get(path))
+    del per_layer
+  missing = sorted(set(shapes) - set(values))
+  if missing:  # a table bug, not a user error
+    raise AssertionError(f"jaxlm.hf has no HF name for parameter {missing[0]}")
+  unused = sorted(n for n in set(weights.file_of) - weights.used if not n.endswith(IGNORED_SUFFIXES))
+  if unused:
+    logging.getLogger(__name__).warning("%s: %d tensors not used, e.g. %s", folder, len(unused), unused[0])
+  abstract_state.replace_by_pure_dict(_nested(values))
+  return nnx.merge(graphdef, abstract_state)
+
+
+def _place(host: np.ndarray, target: jax.sharding.Sharding | None) -> jax.Array:
+  if target is None:
+    return jax.device_put(host)
+  # Each addressable device copies only its slice of the host array.
+  return jax.make_array_from_callback(host.shape, target, lambda index: host[index])
+
+
+def _to_host(x: jax.Array) -> np.ndarray:
+  if isinstance(x, jax.Array) and not x.is_fully_addressable:  # multi-process: gather the shards of other hosts
+    from jax.experimental import multihost_utils
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+  return np.asarray(jax.device_get(x))
+
+
+def save_pretrained(model: nnx.Module, folder: str) -> None:
+  """Writes config.json and model.safetensors that transformers' `from_pretrained` loads (process 0 writes)."""
+  hf_config = _hf_config(model)
+  params = {k: _to_host(v) for k, v in _flat(nnx.state(model, nnx.Param).to_pure_dict()).items()}
+  rules, _ = _rules(model)
+  tensors, used = {}, set()
+  for hf_prefix, jax_prefix, rule in rules:
+    arrays = [params[jax_prefix + p] for p in rule.jax]
+    used.update(jax_prefix + p for p in rule.jax)
+    for i in range(model.config.num_layers) if rule.per_layer else [None]:
+      out = _to_hf(rule, [a[i] for a in arrays] if rule.per_layer else arrays)
+      if out.shape != rule.shape:
+        raise ValueError(f"parameter {rule.jax[0]} gives HF tensor {rule.hf} of shape {out.shape}, not {rule.shape}")
+      tensors[hf_prefix + rule.hf.format(i=i)] = np.ascontiguousarray(out)
+  if set(params) - used:
+    raise ValueError(f"parameter {sorted(set(params) - used)[0]} has no HF counterpart; cannot save this model")
+  if jax.process_index() == 0:
+    os.makedirs(folder, exist_ok=True)
+    save_file(tensors, os.path.join(folder, WEIGHTS), metadata={"format": "pt"})
+    with open(os.path.join(folder, "config.json"), "w") as f:
+      json.dump(hf_config, f, indent=2)

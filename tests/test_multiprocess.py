@@ -1,0 +1,75 @@
+"""A real multi-process job: launch/local.sh 2 2 (two processes, two CPU devices each, gloo collectives) computes
+the same per-step losses as one process with four devices."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+from jaxlm import config as config_lib
+from jaxlm import distributed, train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+OVERRIDES = {
+    "model.vocab_size": 320, "model.num_layers": 2, "model.d_model": 64, "model.max_seq_len": 32,
+    "data.seq_len": 16, "data.source": "files", "train.steps": 4, "train.batch_size": 8, "train.eval_batches": 1,
+    "train.eval_every_steps": 0, "checkpoint.every_steps": 2, "log.every_steps": 1, "log.progress_bar": False,
+    "log.sample_tokens": 4, "mesh.data": 2, "mesh.fsdp": 2,
+}
+
+
+def _write_corpus(path):
+  rng = np.random.default_rng(0)
+  words = ["alpha", "beta", "gamma", "return", "def", "(", ")", ":", "=", "1"]
+  with open(path, "w") as f:
+    for _ in range(300):
+      f.write(json.dumps({"text": " ".join(rng.choice(words, size=rng.integers(5, 30)))}) + "\n")
+
+
+def _demo_config(overrides):
+  spec = importlib.util.spec_from_file_location("demo_config", os.path.join(ROOT, "experiments/configs/demo.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  cd = module.get_config()
+  for key, value in overrides.items():
+    section, name = key.split(".")
+    cd[section][name] = (value,) if name == "train_files" else value
+  return config_lib.from_config_dict(cd)
+
+
+def _losses(workdir):
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [json.loads(line)["loss"] for line in f]
+
+
+def test_two_processes_match_one_process(tmp_path):
+  corpus = tmp_path / "corpus.jsonl"
+  _write_corpus(corpus)
+  overrides = dict(OVERRIDES, **{"data.train_files": str(corpus)})
+  flags = [f"--config.{k}={v}" for k, v in overrides.items()]
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", distributed.ENV_COORDINATOR)}
+  env["PYTHON"] = sys.executable
+  result = subprocess.run(
+      [os.path.join(ROOT, "launch/local.sh"), "2", "2", os.path.join(ROOT, "experiments/train_lm.py"),
+       f"--config={os.path.join(ROOT, 'experiments/configs/demo.py')}", f"--workdir={tmp_path / 'two'}", *flags],
+      env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0, result.stderr[-3000:]
+
+  train.train(_demo_config(overrides), str(tmp_path / "one"))
+  one, two = _losses(tmp_path / "one"), _losses(tmp_path / "two")
+  assert len(one) == len(two) == 4
+  np.testing.assert_allclose(two, one, rtol=1e-5)
+
+
+def test_unreachable_coordinator_fails_with_a_timeout_not_a_hang(tmp_path):
+  env = dict(os.environ, JAXLM_COORDINATOR_ADDRESS="127.0.0.1:1", JAXLM_NUM_PROCESSES="2", JAXLM_PROCESS_ID="1",
+             JAX_PLATFORMS="cpu")
+  code = "from jaxlm import distributed; distributed.initialize(timeout_s=5)"
+  result = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+  assert result.returncode != 0
+  assert "could not join the job through the coordinator at 127.0.0.1:1 within 5 s" in result.stderr
