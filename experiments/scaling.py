@@ -16,12 +16,13 @@ import os
 import time
 
 import jax
-import numpy as np
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from jaxlm import cli
 from jaxlm import config as config_lib
-from jaxlm import hlo, optim, sharding, train
+from jaxlm import hlo, optim, plan, sharding, train
+from jaxlm import measure as measure_lib
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "where scaling.json and scaling.png go")
@@ -33,8 +34,10 @@ STRATEGIES = {
     "dp": lambda n: (n, 1, 1),
     "fsdp": lambda n: (1, n, 1),
     "tp": lambda n: (1, 1, n),
+    "tp_sp": lambda n: (1, 1, n),  # tensor parallel + sequence-sharded residual stream (Megatron-SP)
     "dp_tp": lambda n: (n // 2, 1, 2),
 }
+SEQUENCE_PARALLEL = {"tp_sp"}
 
 
 def minimum_bytes(strategy: str, sizes: tuple[int, int, int], param_bytes: int, config) -> float:
@@ -55,19 +58,15 @@ def minimum_bytes(strategy: str, sizes: tuple[int, int, int], param_bytes: int, 
 
 def measure(config, strategy: str, num_devices: int) -> dict:
   sizes = STRATEGIES[strategy](num_devices)
-  config = dataclasses.replace(config, mesh=config_lib.MeshConfig(*sizes))
+  config = dataclasses.replace(config, mesh=config_lib.MeshConfig(
+      *sizes, sequence_parallel=strategy in SEQUENCE_PARALLEL))
   mesh = sharding.make_mesh(config.mesh, jax.devices()[:num_devices])
   optimizer = optim.make_optimizer(config.train)
   graphdef, state, shardings = train.init_train_state(config, mesh, optimizer)
   train_step, _ = train.jit_steps(graphdef, optimizer, config, mesh, shardings)
   b, t = config.train.batch_size, config.data.seq_len
-  rng = np.random.default_rng(0)
-  tokens = rng.integers(0, config.model.vocab_size, (b, t + 1)).astype(np.int32)
-  batch = train.to_global_batch({
-      "inputs": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": np.ones((b, t), np.int32),
-      "positions": np.tile(np.arange(t, dtype=np.int32), (b, 1)), "loss_mask": np.ones((b, t), np.float32)}, mesh)
+  batch = measure_lib.synthetic_batch(b, t, config.model.vocab_size, mesh)
   compiled = train_step.lower(state, batch).compile()
-  memory = compiled.memory_analysis()
   traffic = hlo.collective_bytes(compiled.as_text(), num_devices)
   param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state["params"]))
   state, metrics = train_step(state, batch)
@@ -81,8 +80,7 @@ def measure(config, strategy: str, num_devices: int) -> dict:
   return {
       "strategy": strategy, "devices": num_devices, "mesh": "x".join(map(str, sizes)),
       "tokens_per_sec": b * t / seconds, "step_time_sec": seconds, "loss": float(metrics["loss"]),
-      "device_memory_bytes": memory.argument_size_in_bytes + memory.output_size_in_bytes
-                             - memory.alias_size_in_bytes + memory.temp_size_in_bytes,
+      "device_memory_bytes": plan.compiled_memory_bytes(compiled),
       "collective_bytes": traffic["total"], "collective_ops": traffic["ops"], "minimum_collective_bytes": minimum,
       "collective_ratio_to_minimum": traffic["total"] / minimum if minimum else None,
   }
@@ -134,4 +132,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -9,12 +9,15 @@ Re-running with the same --workdir resumes from its latest checkpoint.
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from jaxlm import cli
 from jaxlm import config as config_lib
 from jaxlm import distributed, train
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file (experiments/configs/*.py)",
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "run folder: checkpoints, metrics.jsonl, report.md")
+_STOP_AT_STEP = flags.DEFINE_integer("stop_at_step", None, "checkpoint after this step and exit, as a preemption "
+                                     "would (re-running the same command resumes); for tests and rehearsals")
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -24,7 +27,7 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint step at INFO
   config = config_lib.from_config_dict(_CONFIG.value)
   distributed.initialize()  # a no-op unless launched as several processes (launch/local.sh, SLURM, Kubernetes)
-  summary = train.train(config, _WORKDIR.value)
+  summary = train.train(config, _WORKDIR.value, stop_at_step=_STOP_AT_STEP.value)
   if "preempted_at_step" in summary:  # SIGTERM/SIGINT: checkpoint saved; exit 0 so schedulers see a clean stop
     print(f"stopped by a signal after step {summary['preempted_at_step']} (checkpoint saved); "
           f"re-run the same command to resume")
@@ -33,4 +36,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

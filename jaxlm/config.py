@@ -26,7 +26,10 @@ class ModelConfig:
   param_dtype: str = "float32"  # master weights (kept in f32 for stable updates)
   compute_dtype: str = "bfloat16"  # matmul inputs; use float32 on the CPU where bf16 matmuls are slow
   remat: str = "none"  # activation recomputation per block: none | full | dots (save matmul outputs only)
-  attention: str = "xla"  # attention implementation: xla (einsum + f32 softmax)
+  attention: str = "xla"  # attention implementation: xla (einsum + f32 softmax, the reference) | jax
+                          # (jax.nn.dot_product_attention's XLA path) | cudnn (its cuDNN flash path; GPUs only)
+  cross_entropy_chunk: int = 0  # 0: [B, T, V] logits, then the loss (reference) | N: fused loss + gradient over
+                                # N-token chunks, no [B, T, V] array (jaxlm/cross_entropy.py)
   flavour: str = "gpt2"  # gpt2 | llama (decoders, see jaxlm/models/gpt.py) | bert (encoder, jaxlm/models/bert.py)
   num_kv_heads: int = 0  # key/value heads: 0 = num_heads; fewer = grouped-query, 1 = multi-query attention
   rope_theta: float = 10000.0  # rotary position base of the llama flavour
@@ -49,6 +52,8 @@ class MeshConfig:
   tensor: int = 1  # devices that split attention heads and the MLP width (Megatron style)
   preset: str = ""  # dp | fsdp | tp | dp_tp | fsdp_tp: sets data/fsdp/tensor (see jaxlm.sharding.MESH_PRESETS)
   gradient_sync: str = "auto"  # auto: GSPMD inserts the collectives | shard_map: explicit psum over the batch axes
+  sequence_parallel: bool = False  # Megatron-SP: the residual stream (norms, residual adds) is sharded along the
+                                   # sequence over the tensor axis; all-reduces become reduce-scatter + all-gather
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +71,13 @@ class DataConfig:
   max_bytes: int = 8_000_000  # cap on corpus bytes read, so demos stay small (0 = no cap)
   tokenizer: str = ""  # path to a tokenizer.json; empty = train a byte-level BPE and save it in the workdir
   shuffle: bool = True  # shuffle packed sequences each epoch (seeded by train.seed)
+  # Fine-tuning (experiments/finetune.py; data.seq_len is then the longest tokenized example, longer ones are cut).
+  label_column: str = "label"  # column holding the class: an integer id or a string name
+  text_pair_column: str = ""  # second text of a pair (sentence B, e.g. the hypothesis of NLI); empty = single texts
+  labels: tuple[str, ...] = ()  # class names in id order; empty = sorted training labels (int labels: 0..max)
+  hf_eval_split: str = ""  # HF split for evaluation (source=hf without eval_files); empty = hold out eval_fraction
+  batching: str = "bucket"  # dynamic: pad each batch to its longest example (rounded to a multiple of 16) |
+                            # bucket: also group similar lengths into batches | max: pad every batch to seq_len
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +97,8 @@ class TrainConfig:
   eval_every_steps: int = 0  # run eval on held-out data every N steps (0 = only at the end)
   eval_batches: int = 4  # batches per eval
   max_consecutive_nonfinite: int = 5  # NaN/inf steps are skipped; this many in a row stop the run
+  best_metric: str = "f1_macro"  # fine-tuning: eval metric whose best value keeps <workdir>/best_model (higher is
+                                 # better, except names ending in "loss")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +123,10 @@ class Config:
   train: TrainConfig = TrainConfig()
   checkpoint: CheckpointConfig = CheckpointConfig()
   log: LogConfig = LogConfig()
+  init_from: str = ""  # fine-tuning: an HF checkpoint folder (config.json + safetensors) or a jaxlm run workdir
+
+
+_TOP_LEVEL_KEYS = ("init_from",)  # Config fields that are values, not sections
 
 
 def default_config() -> ml_collections.ConfigDict:
@@ -130,6 +148,9 @@ def from_config_dict(cd: ml_collections.ConfigDict | dict) -> Config:
   raw = cd.to_dict() if isinstance(cd, ml_collections.ConfigDict) else dict(cd)
   sections = {}
   for field in dataclasses.fields(Config):
+    if field.name in _TOP_LEVEL_KEYS:  # plain values beside the sections, e.g. init_from
+      sections[field.name] = str(raw.pop(field.name, field.default) or "")
+      continue
     section_cls = field.type if not isinstance(field.type, str) else globals()[field.type]
     values = dict(raw.pop(field.name, {}) or {})
     known = {f.name: f for f in dataclasses.fields(section_cls)}
@@ -166,13 +187,17 @@ def validate(config: Config) -> None:
     raise ValueError(f"model.num_heads={m.num_heads} is not divisible by model.num_kv_heads={m.num_kv_heads}")
   if m.flavour == "llama" and m.head_dim % 2:
     raise ValueError(f"model.d_model/num_heads={m.head_dim} must be even for rotary positions (llama)")
-  if m.attention not in ("xla",):
-    raise ValueError(f"model.attention={m.attention!r} is not one of: xla")
+  if m.attention not in ("xla", "jax", "cudnn"):
+    raise ValueError(f"model.attention={m.attention!r} is not one of: xla, jax, cudnn")
+  if m.cross_entropy_chunk < 0:
+    raise ValueError(f"model.cross_entropy_chunk={m.cross_entropy_chunk} must be >= 0 (0 = full logits)")
   for name in ("param_dtype", "compute_dtype"):
     if getattr(m, name) not in ("float32", "bfloat16", "float16"):
       raise ValueError(f"model.{name}={getattr(m, name)!r} is not one of float32, bfloat16, float16")
   if d.source not in ("demo", "files", "hf"):
     raise ValueError(f"data.source={d.source!r} is not one of demo, files, hf")
+  if d.batching not in ("dynamic", "bucket", "max"):
+    raise ValueError(f"data.batching={d.batching!r} is not one of dynamic, bucket, max")
   if d.source == "files" and not d.train_files:
     raise ValueError("data.source=files needs data.train_files (comma-separated paths)")
   if d.source == "hf" and not d.hf_name:

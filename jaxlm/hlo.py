@@ -84,12 +84,10 @@ def collective_bytes(hlo_text: str, num_devices: int) -> dict[str, float]:
       callers[callee].append((caller, n))
 
   @functools.lru_cache(maxsize=None)
-  def times(computation: str, depth: int = 0) -> float:  # executions per step; XLA call graphs are acyclic
+  def times(computation: str) -> float:  # executions per step; XLA call graphs are acyclic
     if computation == entry:
       return 1.0
-    if depth > 64:  # a mis-read header made a loop: count nothing rather than recurse forever
-      return 0.0
-    return sum(times(caller, depth + 1) * n for caller, n in callers.get(computation, []) if caller != computation)
+    return sum(times(caller) * n for caller, n in callers.get(computation, []) if caller != computation)
 
   result = {kind: 0.0 for kind in COLLECTIVES}
   count = 0.0

@@ -116,12 +116,14 @@ def loss_summary(records: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def write_report(workdir: str, title: str, summary: dict[str, Any], config_text: str, sample_text: str | None = None,
-                 data_stats: dict[str, Any] | None = None, log_y: bool | None = None) -> str:
+                 data_stats: dict[str, Any] | None = None, log_y: bool | None = None,
+                 extra_sections: list[tuple[str, str]] | None = None) -> str:
   """Writes <workdir>/report.md (and loss.png) on process 0 and returns the report's path (on every process).
 
   The summary table starts with the loss figures read from metrics.jsonl (first/final loss, eval loss, last step),
   then the caller's `summary` (steps, tokens, tokens_per_sec, mfu, wall time, devices, ...); a caller key of the
   same name overrides the derived one. `log_y=None` picks a log axis when the loss spans more than a decade.
+  `extra_sections`: (heading, markdown) pairs placed before the config (e.g. fine-tuning's confusion matrix).
   """
   report_path = os.path.join(workdir, "report.md")
   if jax.process_index() != 0:
@@ -138,6 +140,8 @@ def write_report(workdir: str, title: str, summary: dict[str, Any], config_text:
     sections += ["## Data", _table(data_stats)]
   if sample_text is not None:
     sections += ["## Sample", _fenced(sample_text)]
+  for heading, markdown in extra_sections or []:
+    sections += [f"## {heading}", markdown]
   sections += ["## Config", _fenced(config_text)]
   text = "\n\n".join(sections) + "\n"
   temp_path = report_path + ".tmp"

@@ -30,24 +30,38 @@ from jaxlm.config import ModelConfig
 from jaxlm.report import read_metrics, write_report  # noqa: F401  (re-exported: telemetry is the public face)
 
 
-def flops_per_token(model: ModelConfig, seq_len: int) -> float:
-  """Training FLOPs per token (forward + backward = 3x forward) of the GPT decoder.
+def flops_per_token(model: ModelConfig, seq_len: int, num_labels: int = 0) -> float:
+  """Training FLOPs per token (forward + backward = 3x forward) of the model's matmuls, for every flavour.
 
-  Convention (PaLM paper, appendix B; also nanoGPT / Chinchilla-style MFU):
-    N = num_layers * (4 * d_model^2          # q, k, v and output projections
-                      + 2 * d_model * mlp_width)  # MLP up and down projections
-        + vocab_size * d_model               # LM head (tied with the token embedding, counted once)
-    flops = 6 * N + 12 * num_layers * d_model * seq_len
-  6N is 2 FLOPs per multiply-add times 3 for forward + backward over the matmul parameters; the second term is the
-  attention scores (QK^T) and the weighted sum of values, 2 matmuls * 2 FLOPs * 3 passes * d_model per layer per
-  token of context. There is no causal discount (the XLA path computes the full T x T scores), and nothing is counted
-  for biases, norms, softmax, the position table or rematerialised recomputation: MFU is model FLOPs, so remat
-  lowers it by design.
+  Convention (PaLM paper, appendix B; also nanoGPT / Chinchilla-style MFU): 6 FLOPs per matmul parameter per token
+  (2 per multiply-add, times 3 for forward + backward) plus the attention matmuls:
+    per layer  q and output projections   2 * D * H * K          (H * K = d_model)
+               k and v projections        2 * D * G * K          (G = num_kv_heads: grouped/multi-query shrink them)
+               MLP                        2 * D * F  (gpt2, bert: up, down)  or  3 * D * F  (llama SwiGLU: gate, up,
+                                          down)
+    head       decoders                   V * D  (the output projection, tied or untied: the input embedding is a
+                                          table lookup, which is no matmul, so untying adds parameters, not FLOPs)
+               bert, num_labels == 0      D * D + V * D  (masked-LM transform and decoder, on every token)
+               bert, num_labels > 0       (D * D + D * num_labels) / seq_len  (pooler and classifier, on the first
+                                          token of each sequence only)
+    attention  12 * num_layers * H * K * seq_len: scores (QK^T) and the weighted sum of values, 2 matmuls * 2 FLOPs
+               * 3 passes per layer per token of context; every query head attends, whatever G is.
+  There is no causal discount (the XLA path computes the full T x T scores), and nothing is counted for biases,
+  norms, softmax, embeddings lookups or rematerialised recomputation: MFU is model FLOPs, so remat lowers it by
+  design. tests/test_flops.py checks this count against the matmuls in the jaxpr of each flavour's gradient.
   """
-  d, num_layers = model.d_model, model.num_layers
-  matmul_params = num_layers * (4 * d * d + 2 * d * model.mlp_width) + model.vocab_size * d
-  attention_flops = 12 * num_layers * d * seq_len
-  return float(6 * matmul_params + attention_flops)
+  d, num_layers, width = model.d_model, model.num_layers, model.num_heads * model.head_dim
+  kv_width = (model.num_kv_heads or model.num_heads) * model.head_dim
+  mlp_matrices = 3 if model.flavour == "llama" else 2
+  layer_params = 2 * d * width + 2 * d * kv_width + mlp_matrices * d * model.mlp_width
+  if model.flavour != "bert":
+    head_params = model.vocab_size * d
+  elif num_labels:
+    head_params = (d * d + d * num_labels) / seq_len
+  else:
+    head_params = d * d + model.vocab_size * d
+  attention_flops = 12 * num_layers * width * seq_len
+  return float(6 * (num_layers * layer_params + head_params) + attention_flops)
 
 
 # Dense (no 2:4 sparsity) bf16 tensor-core peak per device, FLOP/s, keyed by a lower-case substring of

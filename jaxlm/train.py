@@ -21,20 +21,23 @@ from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxlm import data as data_lib
-from jaxlm import generate, optim, reliability, sharding, telemetry
+from jaxlm import cross_entropy, generate, optim, reliability, sharding, telemetry
+from jaxlm.evaluate import lm_metrics
 from jaxlm.checkpoint import Checkpointer, abstract_with_shardings
 from jaxlm.config import Config, ModelConfig
 from jaxlm.models.gpt import GPT
 
 TrainState = dict  # {"step": int32 [], "params": pure dict of f32 arrays, "opt_state": optax state}
+ModelFactory = Any  # Callable[[nnx.Rngs], nnx.Module]: builds the model to train (default: the GPT of the config)
 
 
 # ----------------------------------------------------------------------------------------------- model and state
 
 
-def abstract_model(config: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
+def abstract_model(config: ModelConfig, make_model: ModelFactory | None = None) -> tuple[nnx.GraphDef, nnx.State]:
   """Graph definition and parameter shapes, without allocating any parameter."""
-  return nnx.split(nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0))))
+  make_model = make_model or (lambda rngs: GPT(config, rngs=rngs))
+  return nnx.split(nnx.eval_shape(lambda: make_model(nnx.Rngs(0))))
 
 
 def check_mesh_fits_model(config: ModelConfig, mesh: Mesh) -> None:
@@ -43,15 +46,18 @@ def check_mesh_fits_model(config: ModelConfig, mesh: Mesh) -> None:
   sharding.check_divisible("model MLP width", config.mlp_width, mesh, "tensor", hint)
 
 
-def init_train_state(config: Config, mesh: Mesh, optimizer: optax.GradientTransformation
-                     ) -> tuple[nnx.GraphDef, TrainState, Any]:
-  """Initialises parameters and optimizer state directly in their shardings (never whole on one device)."""
+def init_train_state(config: Config, mesh: Mesh, optimizer: optax.GradientTransformation,
+                     make_model: ModelFactory | None = None) -> tuple[nnx.GraphDef, TrainState, Any]:
+  """Initialises parameters and optimizer state directly in their shardings (never whole on one device).
+
+  `make_model(rngs)` builds another model than the config's GPT (fine-tuning passes a BERT classifier)."""
   check_mesh_fits_model(config.model, mesh)
-  graphdef, abstract_params = abstract_model(config.model)
+  make_model = make_model or (lambda rngs: GPT(config.model, rngs=rngs))
+  graphdef, abstract_params = abstract_model(config.model, make_model)
   param_shardings = sharding.param_shardings(abstract_params, mesh)
 
   def init():
-    params = nnx.split(GPT(config.model, rngs=nnx.Rngs(config.train.seed)))[1].to_pure_dict()
+    params = nnx.split(make_model(nnx.Rngs(config.train.seed)))[1].to_pure_dict()
     return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": optimizer.init(params)}
 
   abstract_state = jax.eval_shape(init)
@@ -75,6 +81,8 @@ def make_loss_fn(graphdef: nnx.GraphDef) -> optim.SumLossFn:
 
   def loss_fn(params, batch):
     model = nnx.merge(graphdef, params)
+    if getattr(getattr(model, "config", None), "cross_entropy_chunk", 0):  # fused: no [B, T, V] logits
+      return fused_loss(model, batch)
     logits_BTV = model(batch["inputs"], batch["positions"], batch["segment_ids"])
     losses_BT = optax.softmax_cross_entropy_with_integer_labels(logits_BTV, batch["targets"])
     mask_BT = batch["loss_mask"].astype(jnp.float32)
@@ -83,6 +91,18 @@ def make_loss_fn(graphdef: nnx.GraphDef) -> optim.SumLossFn:
     return (losses_BT * mask_BT).sum(), (count, {"correct": (correct_BT * mask_BT).sum()})
 
   return loss_fn
+
+
+def fused_loss(model: GPT, batch: dict):
+  """make_loss_fn's (loss sum, (count, {"correct"})) through jaxlm.cross_entropy, model.cross_entropy_chunk tokens
+  at a time (tested equal to the logits path in tests/test_perf_options.py)."""
+  features_BTD = model.features(batch["inputs"], batch["positions"], batch["segment_ids"])
+  b, t, d = features_BTD.shape
+  mask_BT = batch["loss_mask"].astype(jnp.float32)
+  loss_sum, correct = cross_entropy.fused_cross_entropy(
+      features_BTD.reshape(b * t, d), model.output_table(), batch["targets"].reshape(b * t), mask_BT.reshape(b * t),
+      model.config.cross_entropy_chunk)
+  return loss_sum, (mask_BT.sum(), {"correct": correct})
 
 
 def make_gradient_fn(loss_fn: optim.SumLossFn, grad_accum: int, mesh: Mesh | None = None,
@@ -108,8 +128,11 @@ def make_gradient_fn(loss_fn: optim.SumLossFn, grad_accum: int, mesh: Mesh | Non
 
 
 def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, grad_accum: int,
-                    schedule: optax.Schedule, mesh: Mesh | None = None, gradient_sync: str = "auto"):
-  gradient_fn = make_gradient_fn(make_loss_fn(graphdef), grad_accum, mesh, gradient_sync)
+                    schedule: optax.Schedule, mesh: Mesh | None = None, gradient_sync: str = "auto",
+                    loss_fn: optim.SumLossFn | None = None):
+  """`loss_fn` (default: the LM's token cross-entropy) returns (loss sum, (count, {"correct": ...})); the metric
+  `token_accuracy` is correct / count, i.e. example accuracy for a classification loss."""
+  gradient_fn = make_gradient_fn(loss_fn or make_loss_fn(graphdef), grad_accum, mesh, gradient_sync)
 
   def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
     loss, count, grads, aux = gradient_fn(state["params"], batch)
@@ -155,11 +178,13 @@ def jit_steps(graphdef, optimizer, config: Config, mesh: Mesh, state_shardings):
   """The train and eval steps, each compiled once, with explicit shardings and the train state donated."""
   batch_sharding = sharding.batch_sharding(mesh)
   schedule = optim.learning_rate_schedule(config.train)
-  train_step = jax.jit(make_train_step(graphdef, optimizer, config.train.grad_accum, schedule, mesh,
-                                       config.mesh.gradient_sync),
+  overrides = sharding.rule_overrides(config.mesh)
+  train_step = jax.jit(sharding.traced_on(mesh, make_train_step(graphdef, optimizer, config.train.grad_accum,
+                                                                  schedule, mesh, config.mesh.gradient_sync),
+                                          overrides),
                        in_shardings=(state_shardings, batch_sharding),
                        out_shardings=(state_shardings, sharding.replicated(mesh)), donate_argnums=0)
-  eval_step = jax.jit(make_eval_step(graphdef), in_shardings=(state_shardings["params"], batch_sharding),
+  eval_step = jax.jit(sharding.traced_on(mesh, make_eval_step(graphdef), overrides), in_shardings=(state_shardings["params"], batch_sharding),
                       out_shardings=sharding.replicated(mesh))
   return train_step, eval_step
 
@@ -176,10 +201,7 @@ def evaluate(eval_step, params, batches: list[dict], mesh: Mesh) -> dict:
     out = eval_step(params, to_global_batch(batch, mesh))
     totals = out if totals is None else jax.tree.map(jnp.add, totals, out)
   totals = jax.device_get(totals)
-  tokens = max(float(totals["tokens"]), 1.0)
-  loss = float(totals["loss_sum"]) / tokens
-  return {"eval_loss": loss, "eval_perplexity": float(np.exp(min(loss, 50.0))),
-          "eval_token_accuracy": float(totals["correct"]) / tokens}
+  return lm_metrics(totals["loss_sum"], totals["tokens"], totals["correct"])
 
 
 # ----------------------------------------------------------------------------------------------- the loop

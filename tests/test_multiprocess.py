@@ -1,5 +1,6 @@
-"""A real multi-process job: launch/local.sh 2 2 (two processes, two CPU devices each, gloo collectives) computes
-the same per-step losses as one process with four devices."""
+"""A real multi-process job: launch/local.sh 2 2 (two processes, two CPU devices each, gloo collectives), stopped
+after a collective checkpoint and resumed by a second launch, computes the same per-step losses as one process with
+four devices running straight through."""
 
 import importlib.util
 import json
@@ -46,18 +47,20 @@ def _losses(workdir):
     return [json.loads(line)["loss"] for line in f]
 
 
-def test_two_processes_match_one_process(tmp_path):
+def test_two_processes_stopped_and_resumed_match_one_process(tmp_path):
   corpus = tmp_path / "corpus.jsonl"
   _write_corpus(corpus)
   overrides = dict(OVERRIDES, **{"data.train_files": str(corpus)})
   flags = [f"--config.{k}={v}" for k, v in overrides.items()]
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", distributed.ENV_COORDINATOR)}
   env["PYTHON"] = sys.executable
-  result = subprocess.run(
-      [os.path.join(ROOT, "launch/local.sh"), "2", "2", os.path.join(ROOT, "experiments/train_lm.py"),
-       f"--config={os.path.join(ROOT, 'experiments/configs/demo.py')}", f"--workdir={tmp_path / 'two'}", *flags],
-      env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
-  assert result.returncode == 0, result.stderr[-3000:]
+  command = [os.path.join(ROOT, "launch/local.sh"), "2", "2", os.path.join(ROOT, "experiments/train_lm.py"),
+             f"--config={os.path.join(ROOT, 'experiments/configs/demo.py')}", f"--workdir={tmp_path / 'two'}", *flags]
+  # First launch: both processes save step 2 together and exit; the second launch restores it collectively.
+  for extra in (["--stop_at_step=2"], []):
+    result = subprocess.run(command + extra, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+  assert {"2", "4"} <= set(os.listdir(tmp_path / "two" / "checkpoints"))
 
   train.train(_demo_config(overrides), str(tmp_path / "one"))
   one, two = _losses(tmp_path / "one"), _losses(tmp_path / "two")

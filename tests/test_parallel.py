@@ -50,6 +50,14 @@ def test_layouts_and_shard_map_match_one_device(single_device, preset, gradient_
   np.testing.assert_allclose(metrics["grad_norm"], ref_metrics["grad_norm"], rtol=1e-4)
 
 
+def test_sequence_parallel_matches_one_device(single_device):
+  """Megatron-SP on 4 tensor devices: the residual stream is sequence-sharded, the function is unchanged."""
+  ref_losses, ref_metrics, _ = single_device
+  losses, metrics, _ = _run(MeshConfig(preset="tp", sequence_parallel=True))
+  np.testing.assert_allclose(losses, ref_losses, rtol=2e-5)
+  np.testing.assert_allclose(metrics["grad_norm"], ref_metrics["grad_norm"], rtol=1e-4)
+
+
 def test_shard_map_path_equals_automatic_path_with_accumulation():
   auto_losses, auto_metrics, auto_state = _run(MeshConfig(data=2, fsdp=2, tensor=1), "auto", grad_accum=2)
   sm_losses, sm_metrics, sm_state = _run(MeshConfig(data=2, fsdp=2, tensor=1), "shard_map", grad_accum=2)
@@ -87,12 +95,16 @@ def test_batch_not_divisible_by_data_axes_is_refused_before_compiling(tmp_path):
     train.train(config, str(tmp_path / "run"))
 
 
-def test_hlo_collective_bytes_of_data_parallel_step_are_near_the_ring_minimum():
+@pytest.mark.parametrize("axis, slack", [("data", 1.3), ("fsdp", 2.0)])
+def test_hlo_collective_bytes_of_data_parallel_and_fsdp_steps_are_near_the_ring_minimum(axis, slack):
   """The gradient all-reduce of a 4-way data-parallel step, read from the HLO, is close to 2 (n-1)/n of the params'
-  bytes (the loss and token-count sums add a few bytes), and a one-device step has no collectives at all."""
+  bytes (the loss and token-count sums add a few bytes), and a one-device step has no collectives at all. FSDP
+  gathers each layer's weights and reduces their gradients: same minimum; 2x allows the un-fused reduce-scatter
+  (all-reduce + slice on the CPU) and a second gather. Before weights were gathered explicitly (sharding.gather_fsdp)
+  GSPMD sharded activations along `embed` instead and moved ~10x the minimum."""
   from jaxlm import hlo
   for devices in (1, 4):
-    config = Config(model=MODEL, mesh=MeshConfig(data=devices), data=DataConfig(seq_len=16),
+    config = Config(model=MODEL, mesh=MeshConfig(**{"data": 1, axis: devices}), data=DataConfig(seq_len=16),
                     train=TrainConfig(steps=10, batch_size=8))
     mesh = sharding.make_mesh(config.mesh, jax.devices()[:devices])
     optimizer = optim.make_optimizer(config.train)
@@ -102,4 +114,4 @@ def test_hlo_collective_bytes_of_data_parallel_step_are_near_the_ring_minimum():
     moved = hlo.collective_bytes(compiled.as_text(), devices)["total"]
     param_bytes = sum(x.size * 4 for x in jax.tree.leaves(state["params"]))
     minimum = 2 * (devices - 1) / devices * param_bytes
-    assert (moved == 0) if devices == 1 else (minimum <= moved <= 1.3 * minimum), (moved, minimum)
+    assert (moved == 0) if devices == 1 else (minimum <= moved <= slack * minimum), (moved, minimum)

@@ -34,7 +34,8 @@ MODEL = ModelConfig(vocab_size=320, num_layers=2, d_model=64, num_heads=4, max_s
 
 
 @pytest.mark.parametrize("flag, message", [
-    ("--config.train.stepz=5", r"stepz.*Did you mean \"steps\""),  # row 1
+    ("--config.train.stepz=5", r"error: unknown flag --config.train.stepz: train has no 'stepz'; "
+                               r"did you mean \"steps\"\? it has: .*warmup_steps"),  # row 1
     ("--config.train.steps=ten", r"flag --config.train.steps=ten: invalid literal for int"),  # row 2
 ])
 def test_bad_flags_stop_the_script_before_training(tmp_path, flag, message):

@@ -21,7 +21,7 @@ from jaxlm.models.layers import MLP, Attention, Dense, Embed, LayerNorm, padding
 from jaxlm.precision import Policy
 from jaxlm.sharding import constrain
 
-RESIDUAL_AXES = ("act_batch", "act_seq", "act_embed")
+RESIDUAL_AXES = ("act_batch", "act_residual_seq", "act_embed")
 
 
 def _check(config: ModelConfig) -> None:

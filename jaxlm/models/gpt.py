@@ -21,9 +21,9 @@ from jaxlm.config import ModelConfig
 from jaxlm.models.layers import (MLP, Attention, Embed, GatedMLP, KVCache, LayerNorm, RMSNorm, cache_mask,
                                  causal_mask, scan_blocks, stacked)
 from jaxlm.precision import Policy
-from jaxlm.sharding import constrain
+from jaxlm.sharding import constrain, gather_fsdp
 
-RESIDUAL_AXES = ("act_batch", "act_seq", "act_embed")
+RESIDUAL_AXES = ("act_batch", "act_residual_seq", "act_embed")
 FLAVOURS = ("gpt2", "llama")
 
 
@@ -37,7 +37,8 @@ class Block(nnx.Module):
     norm = RMSNorm if llama else LayerNorm
     self.attn_norm = norm(config.d_model, config.layer_norm_eps, policy)
     self.attn = Attention(config.d_model, config.num_heads, config.num_kv_heads or config.num_heads, policy, std,
-                          out_std, use_bias=not llama, rope_theta=config.rope_theta if llama else None, rngs=rngs)
+                          out_std, use_bias=not llama, rope_theta=config.rope_theta if llama else None,
+                          implementation=config.attention, rngs=rngs)
     self.mlp_norm = norm(config.d_model, config.layer_norm_eps, policy)
     if llama:
       self.mlp = GatedMLP(config.d_model, config.mlp_width, policy, std, out_std, rngs=rngs)
@@ -45,7 +46,9 @@ class Block(nnx.Module):
       self.mlp = MLP(config.d_model, config.mlp_width, policy, std, out_std, rngs=rngs)
 
   def __call__(self, x_BTD: jax.Array, mask_BTS: jax.Array, positions_BT: jax.Array) -> jax.Array:
-    x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), mask_BTS, positions_BT)
+    # Constraining after each residual add makes a row-parallel output's all-reduce a reduce-scatter under
+    # sequence parallelism (and pins the layout otherwise).
+    x_BTD = constrain(x_BTD + self.attn(self.attn_norm(x_BTD), mask_BTS, positions_BT), RESIDUAL_AXES)
     x_BTD = x_BTD + self.mlp(self.mlp_norm(x_BTD))
     return constrain(x_BTD, RESIDUAL_AXES)
 
@@ -82,15 +85,29 @@ class GPT(nnx.Module):
       x_BTD = x_BTD + self.position_embed(positions_BT)
     return constrain(x_BTD, RESIDUAL_AXES)
 
+  def _head(self) -> Embed:
+    return self.lm_head if self.lm_head is not None else self.token_embed
+
   def _logits(self, x_BTD: jax.Array) -> jax.Array:
-    head = self.lm_head if self.lm_head is not None else self.token_embed
-    logits_BTV = head.attend(self.final_norm(x_BTD))
-    return constrain(logits_BTV, ("act_batch", "act_seq", "act_vocab"))
+    return self._vocab_logits(self.final_norm(x_BTD))
+
+  def _vocab_logits(self, features_BTD: jax.Array) -> jax.Array:
+    return constrain(self._head().attend(features_BTD), ("act_batch", "act_seq", "act_vocab"))
+
+  def output_table(self) -> jax.Array:
+    """The output projection [V, D] in the compute dtype: logits = features @ output_table().T (in f32)."""
+    return self.policy.cast_to_compute(gather_fsdp(self._head().embedding)[...])
 
   def __call__(self, input_ids_BT: jax.Array, positions_BT: jax.Array | None = None,
                segment_ids_BT: jax.Array | None = None) -> jax.Array:
     """Logits [B, T, V] in f32. `segment_ids` (packed documents, 0 = padding) restrict attention to one document;
     `positions` restart at each document start. Both default to one unpadded document per row."""
+    return self._vocab_logits(self.features(input_ids_BT, positions_BT, segment_ids_BT))
+
+  def features(self, input_ids_BT: jax.Array, positions_BT: jax.Array | None = None,
+               segment_ids_BT: jax.Array | None = None) -> jax.Array:
+    """The final-normed hidden states [B, T, D] in the compute dtype, before the vocabulary projection (the fused
+    cross-entropy of jaxlm.cross_entropy consumes these instead of [B, T, V] logits)."""
     if positions_BT is None:
       positions_BT = jnp.broadcast_to(jnp.arange(input_ids_BT.shape[1]), input_ids_BT.shape)
     if segment_ids_BT is None:
@@ -101,7 +118,7 @@ class GPT(nnx.Module):
       return block(x_BTD, mask_BTS, positions_BT), None
 
     x_BTD, _ = scan_blocks(self.blocks, body, self._embed(input_ids_BT, positions_BT), remat=self.config.remat)
-    return self._logits(x_BTD)
+    return self.final_norm(x_BTD)
 
   def init_cache(self, batch: int, slots: int) -> KVCache:
     """An empty KV cache of `slots` positions per row, in the compute dtype."""

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxlm.precision import Policy
-from jaxlm.sharding import constrain
+from jaxlm.sharding import constrain, gather_fsdp
 
 # A large finite negative instead of -inf: a fully masked row then gives a uniform softmax rather than NaNs.
 MASK_VALUE = -1e30
@@ -45,10 +45,11 @@ class Embed(nnx.Module):
     self.embedding = nnx.Param(_normal(rngs, (num, dim), std, policy.param_dtype), axes=axes)
 
   def __call__(self, ids_BT: jax.Array) -> jax.Array:
-    return self.policy.cast_to_compute(jnp.take(self.embedding[...], ids_BT, axis=0))  # [B, T, D]
+    table_ND = gather_fsdp(self.embedding)[...]  # FSDP: gather the table rather than reshard the activations
+    return self.policy.cast_to_compute(jnp.take(table_ND, ids_BT, axis=0))  # [B, T, D]
 
   def attend(self, x_BTD: jax.Array) -> jax.Array:
-    table_VD = self.policy.cast_to_compute(self.embedding[...])
+    table_VD = self.policy.cast_to_compute(gather_fsdp(self.embedding)[...])
     # f32 accumulation and output: the logits feed a softmax over the whole vocabulary.
     return jnp.einsum("btd,vd->btv", self.policy.cast_to_compute(x_BTD), table_VD,
                       preferred_element_type=jnp.float32)  # [B, T, V]
@@ -165,17 +166,28 @@ def dot_product_attention(q_BTHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Arra
   return jnp.einsum("bgrts,bsgk->btgrk", probs_BGRTS, v_BSGK).reshape(b, t, h, k)
 
 
+def library_attention(q_BTHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, mask_BTS: jax.Array,
+                      implementation: str) -> jax.Array:
+  """`dot_product_attention` through jax.nn.dot_product_attention: `jax` is its XLA path, `cudnn` its cuDNN flash
+  path (GPUs, bf16/fp16). The full [B, T, S] mask (causal and document boundaries) is always passed, so packed
+  documents stay apart on every path (cuDNN takes it as an additive bias); softmax is in f32 on both."""
+  return jax.nn.dot_product_attention(q_BTHK, k_BSGK, v_BSGK, mask=mask_BTS[:, None],
+                                      implementation="xla" if implementation == "jax" else implementation)
+
+
 class Attention(nnx.Module):
   """Self-attention with H query heads and G key/value heads (grouped-query when G < H); heads are the
   tensor-parallel dimension. Optional biases (GPT-2, BERT) and rotary positions (Llama); the mask decides causal
   or bidirectional."""
 
   def __init__(self, d_model: int, num_heads: int, num_kv_heads: int, policy: Policy, std: float, out_std: float,
-               *, use_bias: bool = True, rope_theta: float | None = None, rngs: nnx.Rngs):
+               *, use_bias: bool = True, rope_theta: float | None = None, implementation: str = "xla",
+               rngs: nnx.Rngs):
     if num_heads % num_kv_heads:
       raise ValueError(f"num_heads={num_heads} is not divisible by num_kv_heads={num_kv_heads}")
     self.policy = policy
     self.rope_theta = rope_theta
+    self.implementation = implementation  # ModelConfig.attention: xla | jax | cudnn
     h, g, k, dt = num_heads, num_kv_heads, d_model // num_heads, policy.param_dtype
     self.w_q = nnx.Param(_normal(rngs, (d_model, h, k), std, dt), axes=("embed", "heads", "head_dim"))
     self.w_k = nnx.Param(_normal(rngs, (d_model, g, k), std, dt), axes=("embed", "kv_heads", "head_dim"))
@@ -211,7 +223,9 @@ class Attention(nnx.Module):
 
   def __call__(self, x_BTD: jax.Array, mask_BTS: jax.Array, positions_BT: jax.Array | None = None) -> jax.Array:
     q, k, v = self._qkv(x_BTD, positions_BT)
-    return self._out(dot_product_attention(q, k, v, mask_BTS, self.policy))
+    if self.implementation == "xla":
+      return self._out(dot_product_attention(q, k, v, mask_BTS, self.policy))
+    return self._out(library_attention(q, k, v, mask_BTS, self.implementation))
 
   def decode(self, x_BTD: jax.Array, mask_BTS: jax.Array, positions_BT: jax.Array, k_BSGK: jax.Array,
              v_BSGK: jax.Array, end: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -291,7 +305,7 @@ def scan_blocks(blocks: nnx.Module, body: Callable, carry, xs=None, remat: str =
 
   def step(carry, params_and_xs):
     params, xs_l = params_and_xs
-    return body(nnx.merge(block_def, params), carry, xs_l)
+    return body(nnx.merge(block_def, gather_fsdp(params)), carry, xs_l)
 
   if remat != "none":
     step = jax.checkpoint(step, policy=REMAT_POLICIES[remat], prevent_cse=False)

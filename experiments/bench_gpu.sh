@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# The GPU benchmark in one script (under 8 minutes on an H100/H200): GPT-2 124M against torch (when torch has CUDA),
+# then the ~1.1B Llama flavour, each with the cuDNN-vs-XLA attention check. Results: runs/bench_gpu*/bench.json.
+#   bash experiments/bench_gpu.sh [python]
+set -euo pipefail
+PY=${1:-python}
+cd "$(dirname "$0")/.."
+$PY experiments/bench.py --config=experiments/configs/bench_gpu.py --workdir=runs/bench_gpu \
+    --rounds=5 --steps_per_round=5 --depths=2,12,24
+$PY experiments/bench.py --config=experiments/configs/bench_llama_1b.py --workdir=runs/bench_gpu_llama_1b \
+    --frameworks=jaxlm --sections=peak,step,gpu --rounds=5 --steps_per_round=5

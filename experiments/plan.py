@@ -1,0 +1,197 @@
+"""Plan a run before renting: which devices, mesh and micro-batch fit the model, how fast it trains, what it costs.
+
+  python experiments/plan.py --config=experiments/configs/gpt2_small.py --hardware=h100_80gb,l4_24gb \
+      --workdir=runs/plan_gpt2
+
+For every mesh of 1, 2, 4 and 8 devices (data x fsdp x tensor) on every --hardware profile (jaxlm/hardware.json, or
+--hardware_file), it predicts the per-device memory of each accumulation split (jaxlm.plan.predict_memory, no
+compile), picks the fewest micro-batches that fit, and predicts step time, MFU, wall time and cost for the token
+budget. It then compiles the train step on simulated CPU devices for each profile's recommended mesh and the
+one-device mesh, and reports the compiled memory and the collective bytes read from the HLO beside the prediction.
+Writes <workdir>/plan.json, plan.md (the table) and plan.png. Needs no accelerator.
+
+--measure also runs the train step here (as configured, on this machine's devices) and compares the predicted step
+time and memory with the measured ones: with a CPU "hardware profile" measured in the same run, or on a GPU with
+--measure_hardware=<profile> (e.g. h200_141gb).
+"""
+
+import os
+
+# The planner compiles meshes of up to 8 devices on simulated CPU devices; XLA reads this flag once, when jax is
+# imported, so it must be set before that import. A user's own setting (e.g. =4) is kept.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+
+import json  # noqa: E402
+
+import jax  # noqa: E402
+from absl import app, flags, logging  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+from jaxlm import config as config_lib  # noqa: E402
+from jaxlm import measure, plan  # noqa: E402
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file", lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "where plan.json, plan.md and plan.png go")
+_HARDWARE = flags.DEFINE_list("hardware", ["h100_80gb"], "hardware profiles (names in --hardware_file)")
+_HARDWARE_FILE = flags.DEFINE_string("hardware_file", plan.PROFILES_PATH, "JSON file of hardware profiles")
+_DEVICES = flags.DEFINE_list("devices", ["1", "2", "4", "8"], "device counts to plan for (powers of two)")
+_TOKENS = flags.DEFINE_float("tokens", 0, "token budget of the run; 0 = train.steps * train.batch_size * seq_len")
+_COMPILE = flags.DEFINE_enum("compile", "recommended", ["recommended", "all", "none"],
+                             "which rows to compile on simulated CPU devices (tens of seconds each on a CPU)")
+_CHECKPOINT_BPS = flags.DEFINE_float("checkpoint_bytes_per_sec", 1e9, "checkpoint write rate per device, bytes/s")
+_RESTART_SEC = flags.DEFINE_float("restart_sec", 600, "seconds a spot run loses per preemption besides lost steps")
+_MEASURE = flags.DEFINE_bool("measure", False, "also run the configured train step here and compare with prediction")
+_MEASURE_HARDWARE = flags.DEFINE_string("measure_hardware", "", "profile to predict --measure with (default: "
+                                        "measure this host's matmul and memory rates)")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def compile_row(config, row: dict, compiled_cache: dict) -> None:
+  """Adds the compiled (CPU) memory and HLO collective bytes to a row, and re-times it with those bytes."""
+  key = (row["mesh"], row["grad_accum"])
+  sizes = (row["data"], row["fsdp"], row["tensor"])
+  if key not in compiled_cache:
+    run_config = plan.with_mesh(config, sizes, row["grad_accum"])
+    compiled = plan.compile_train_step(run_config, jax.devices()[:row["devices"]])
+    compiled_cache[key] = (plan.compiled_memory_bytes(compiled),
+                           plan.compiled_collective_bytes(compiled, row["devices"])["total"],
+                           plan.predict_memory(plan.as_compiled_on(run_config, "cpu"), sizes,
+                                               row["grad_accum"])["total"])
+  memory, collective, predicted_as_cpu = compiled_cache[key]
+  row.update({"compiled_memory_gib": memory / plan.GIB, "predicted_memory_as_compiled_gib": predicted_as_cpu / plan.GIB,
+              "memory_prediction_error": predicted_as_cpu / memory - 1,
+              "collective_bytes": collective, "collective_source": "compiled HLO"})
+
+
+def retime(config, row: dict, hardware: plan.Hardware) -> None:
+  sizes = (row["data"], row["fsdp"], row["tensor"])
+  timing = plan.predict_step_time(config, sizes, row["grad_accum"], hardware,
+                                  plan.activation_model(config, row["tensor"]),
+                                  plan.state_bytes(config, sizes).params_f32, row["collective_bytes"])
+  row.update(timing)
+
+
+def format_table(rows: list[dict]) -> str:
+  header = ("| hardware | devices | mesh (data x fsdp x tensor) | fits | grad_accum x micro-batch | largest local "
+            "micro-batch | memory/device GiB (predicted) | compiled (CPU) | headroom GiB | step s | MFU | "
+            "hours | on-demand $ | spot $ |")
+  lines = [header, "|" + " --- |" * 14]
+  for r in rows:
+    compiled = f"{r['compiled_memory_gib']:.2f}" if "compiled_memory_gib" in r else "-"
+    lines.append(
+        f"| {r['hardware']} | {r['devices']} | {r['mesh']} | {'yes' if r['fits'] else 'NO'} | "
+        f"{r['grad_accum']} x {r['micro_batch']} | {r['largest_local_micro_batch']} | "
+        f"{r['predicted_memory_gib']:.2f} | {compiled} | {r['headroom_gib']:.2f} | {r['step_time_sec']:.3f} | {100 * r['mfu']:.1f}% | "
+        f"{r['on_demand_hours']:.2f} | {r['on_demand_usd']:.2f} | {r['spot_usd']:.2f} |")
+  return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: str) -> None:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  names = list(dict.fromkeys(r["hardware"] for r in rows))
+  fig, axes = plt.subplots(1, 2, figsize=(13, 4.2))
+  for i, name in enumerate(names):
+    sub = [r for r in rows if r["hardware"] == name]
+    xs = [j + i / (len(names) + 1) for j in range(len(sub))]
+    axes[0].bar(xs, [r["predicted_memory_gib"] for r in sub], width=1 / (len(names) + 1), label=name,
+                color=[f"C{i}" if r["fits"] else "lightgray" for r in sub], edgecolor=f"C{i}")
+    axes[0].axhline(sub[0]["usable_memory_gib"], color=f"C{i}", linestyle="--", linewidth=1)
+    fit = [r for r in sub if r["fits"]]
+    axes[1].scatter([r["on_demand_hours"] for r in fit], [r["on_demand_usd"] for r in fit], color=f"C{i}", label=name)
+    for r in fit:
+      axes[1].annotate(r["mesh"], (r["on_demand_hours"], r["on_demand_usd"]), fontsize=6)
+  meshes = [r["mesh"] for r in rows if r["hardware"] == names[0]]
+  axes[0].set_xticks(range(len(meshes)), meshes, rotation=90, fontsize=7)
+  axes[0].set_title("predicted GiB per device (grey: does not fit; dashed: usable)")
+  axes[0].legend()
+  axes[1].set_xscale("log")
+  axes[1].set_yscale("log")
+  axes[1].set_xlabel("wall hours (on-demand)")
+  axes[1].set_ylabel("on-demand $")
+  axes[1].set_title("cost vs time of the fitting meshes")
+  axes[1].grid(alpha=0.3)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+  logging.set_verbosity(logging.WARNING)
+  config = config_lib.from_config_dict(_CONFIG.value)
+  if config.model.flavour == "bert":
+    raise ValueError("model.flavour=bert: the planner plans the decoder train step (jaxlm.train); plan a gpt2 or "
+                     "llama config")
+  hardware = plan.load_hardware(_HARDWARE.value, _HARDWARE_FILE.value)
+  counts = [int(n) for n in _DEVICES.value]
+  if any(n < 1 or n & (n - 1) for n in counts):
+    raise ValueError(f"--devices={','.join(_DEVICES.value)} must be powers of two (1, 2, 4, 8)")
+  assumptions = plan.RunAssumptions(
+      tokens=_TOKENS.value or config.train.steps * config.train.batch_size * config.data.seq_len,
+      checkpoint_every_steps=config.checkpoint.every_steps, checkpoint_bytes_per_sec=_CHECKPOINT_BPS.value,
+      restart_sec=_RESTART_SEC.value)
+  os.makedirs(_WORKDIR.value, exist_ok=True)
+  rows = plan.plan(config, hardware, counts, assumptions)
+  if not rows:
+    raise ValueError("no mesh can run this config on the given devices (heads or batch not divisible); "
+                     "try other --devices or train.batch_size")
+
+  compiled_cache: dict = {}
+  for profile in hardware:
+    chosen = [r for r in rows if r["hardware"] == profile.name]
+    if _COMPILE.value == "recommended":
+      best = plan.recommend(rows, profile.name)
+      chosen = [r for r in chosen if r["devices"] == 1 or r is best]
+    elif _COMPILE.value == "none":
+      chosen = []
+    for row in chosen:
+      if row["devices"] <= jax.device_count():
+        compile_row(config, row, compiled_cache)
+        retime(config, row, profile)
+
+  summary = {"config": _CONFIG.value.to_json(), "tokens": assumptions.tokens,
+             "cpu_devices_simulated": jax.device_count()}
+  for profile in hardware:
+    best = plan.recommend(rows, profile.name)
+    summary[f"{profile.name}/recommended_mesh"] = best["mesh"] if best else "none fits"
+    if best:
+      summary[f"{profile.name}/recommended_grad_accum"] = best["grad_accum"]
+      summary[f"{profile.name}/recommended_on_demand_usd"] = best["on_demand_usd"]
+    message = plan.does_not_fit_message(rows, profile.name)
+    if message:
+      summary[f"{profile.name}/one_device"] = message
+      print(f"{profile.name}: {message}")
+  if _MEASURE.value:
+    measure_profile = plan.load_hardware([_MEASURE_HARDWARE.value], _HARDWARE_FILE.value)[0] \
+        if _MEASURE_HARDWARE.value else None
+    check = measure.check_step_prediction(config, jax.devices(), measure_profile)
+    summary.update({f"measure/{k}": v for k, v in check.items() if not isinstance(v, dict)})
+    summary.update({f"measure/predicted_{k}": v for k, v in check["predicted"].items()})
+    summary["measure/hardware"] = check["hardware"]["description"]
+    print(f"measured here on mesh {check['mesh']}: step {check['measured_step_time_sec']:.4f} s, predicted "
+          f"{check['predicted_step_time_sec']:.4f} s ({100 * check['step_time_error']:+.1f}%); memory compiled "
+          f"{check['compiled_memory_bytes'] / 2**20:.1f} MiB, predicted {check['predicted_memory_bytes'] / 2**20:.1f} "
+          f"MiB ({100 * (check['predicted_memory_bytes'] / check['compiled_memory_bytes'] - 1):+.1f}%)")
+
+  flat_rows = []
+  for r in rows:
+    flat = {k: v for k, v in r.items() if k != "memory_parts_gib"}
+    flat.update({f"memory_{k}_gib": v for k, v in r["memory_parts_gib"].items()})
+    flat_rows.append(flat)
+  with open(os.path.join(_WORKDIR.value, "plan.json"), "w") as f:
+    json.dump({**summary, "rows": flat_rows}, f, indent=2)
+  table = format_table(rows)
+  with open(os.path.join(_WORKDIR.value, "plan.md"), "w") as f:
+    f.write(f"# Plan for {config.model.flavour} d{config.model.d_model} x {config.model.num_layers} layers, batch "
+            f"{config.train.batch_size} x {config.data.seq_len}, {assumptions.tokens:.3g} tokens\n\n{table}\n")
+  plot(rows, os.path.join(_WORKDIR.value, "plan.png"))
+  print(table)
+  print(f"wrote {_WORKDIR.value}/plan.json, plan.md, plan.png")
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,49 @@
+"""Running experiment scripts: `cli.run(main)` instead of `absl.app.run(main)`.
+
+ml_collections parses `--config.section.key=value` overrides inside absl's flag parsing, and a key the config does
+not have surfaces there as a bare `AttributeError: "'foo'"` with a traceback. `run` checks every override against
+the config file first and stops with one line that names the key and what the section does have.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.util
+import os
+import sys
+from typing import Callable, Sequence
+
+from absl import app
+
+_PREFIX = "--config."
+
+
+def unknown_override(argv: Sequence[str]) -> str | None:
+  """The one-line error for the first `--config.*` override that the `--config=<file>` does not define, or None."""
+  config_path = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
+  overrides = [a[len(_PREFIX):].split("=", 1)[0] for a in argv if a.startswith(_PREFIX)]
+  if not config_path or not overrides or not os.path.isfile(config_path.split(":", 1)[0]):
+    return None  # no file to check against: absl/ml_collections report their own errors
+  spec = importlib.util.spec_from_file_location("_jaxlm_cli_config", config_path.split(":", 1)[0])
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  config = module.get_config()
+  for key in overrides:
+    node = config
+    for depth, name in enumerate(key.split(".")):
+      if not hasattr(node, "keys") or name not in node.keys():
+        where = ".".join(key.split(".")[:depth]) or "the config"
+        known = sorted(node.keys()) if hasattr(node, "keys") else []
+        close = difflib.get_close_matches(name, known, n=1)
+        hint = f'did you mean "{close[0]}"? ' if close else ""
+        return (f"unknown flag --config.{key}: {where} has no '{name}'; {hint}"
+                f"it has: {', '.join(known) or 'no sub-keys'}")
+      node = node[name]
+  return None
+
+
+def run(main: Callable[[list[str]], None], argv: Sequence[str] | None = None) -> None:
+  argv = list(sys.argv if argv is None else argv)
+  if error := unknown_override(argv):
+    sys.exit(f"error: {error}")
+  app.run(main, argv=argv)

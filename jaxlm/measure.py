@@ -1,0 +1,100 @@
+"""Measured counterparts of jaxlm.plan's predictions: a real train step's time and memory, and this host's rates.
+
+`experiments/plan.py --measure` and `experiments/doctor.py` use these; the planner itself never runs a step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from jaxlm import optim, plan, sharding, telemetry, train
+from jaxlm.config import Config
+
+
+def synthetic_batch(batch_size: int, seq_len: int, vocab_size: int, mesh: Mesh, seed: int = 0) -> dict:
+  """A random global batch laid out over the mesh, with the keys and dtypes of the data loader's batches."""
+  tokens = np.random.default_rng(seed).integers(0, vocab_size, (batch_size, seq_len + 1)).astype(np.int32)
+  return train.to_global_batch({
+      "inputs": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": np.ones((batch_size, seq_len), np.int32),
+      "positions": np.tile(np.arange(seq_len, dtype=np.int32), (batch_size, 1)),
+      "loss_mask": np.ones((batch_size, seq_len), np.float32)}, mesh)
+
+
+def check_step_prediction(config: Config, devices: Sequence[jax.Device] | None = None,
+                          hardware: plan.Hardware | None = None, rounds: int = 3, steps_per_round: int = 3
+                          ) -> dict[str, Any]:
+  """Runs the real train step on `devices` and sets it beside the planner's prediction.
+
+  `hardware` is the profile to predict with (e.g. the h200 entry of hardware.json on an H200); without it, a
+  profile of this host is measured in the same rounds as the step (the best matmul and softmax-stream rates), so
+  that a shared, busy machine slows the rates and the step alike. The compiled program's memory and collective
+  bytes come from the same executable that runs.
+  """
+  devices = list(devices if devices is not None else jax.devices())
+  mesh = sharding.make_mesh(config.mesh, devices)
+  sizes = tuple(mesh.shape[a] for a in sharding.MESH_AXES)
+  optimizer = optim.make_optimizer(config.train)
+  graphdef, state, shardings = train.init_train_state(config, mesh, optimizer)
+  train_step, _ = train.jit_steps(graphdef, optimizer, config, mesh, shardings)
+  batch = synthetic_batch(config.train.batch_size, config.data.seq_len, config.model.vocab_size, mesh)
+  compiled = train_step.lower(state, batch).compile()
+  state, metrics = train_step(state, batch)
+  jax.block_until_ready(metrics)
+  step_times, flops, bandwidths = [], [], []
+  for _ in range(rounds):
+    if hardware is None:
+      flops.append(telemetry.measure_matmul_flops(1024, jnp.float32, device=devices[0]))
+      bandwidths.append(measure_stream_bandwidth(device=devices[0]))
+    for _ in range(steps_per_round):
+      started = time.perf_counter()
+      state, metrics = train_step(state, batch)
+      jax.block_until_ready(metrics)
+      step_times.append(time.perf_counter() - started)
+  num = len(devices)
+  hardware = hardware or host_hardware(max(flops) / num, max(bandwidths) / num, num)
+  collective = plan.compiled_collective_bytes(compiled, num)["total"]
+  predicted = plan.predict_step_time(config, sizes, config.train.grad_accum, hardware,
+                                     plan.activation_model(config, sizes[2]),
+                                     plan.state_bytes(config, sizes).params_f32, collective)
+  return {"mesh": "x".join(map(str, sizes)), "grad_accum": config.train.grad_accum,
+          "measured_step_time_sec": min(step_times), "median_step_time_sec": float(np.median(step_times)),
+          "predicted_step_time_sec": predicted["step_time_sec"], "predicted": predicted,
+          "step_time_error": predicted["step_time_sec"] / min(step_times) - 1,
+          "compiled_memory_bytes": plan.compiled_memory_bytes(compiled),
+          "predicted_memory_bytes": plan.predict_memory(plan.as_compiled_on(config, devices[0].platform), sizes,
+                                                        config.train.grad_accum)["total"],
+          "collective_bytes": collective, "hardware": dataclasses.asdict(hardware)}
+
+
+def measure_stream_bandwidth(num_elements: int = 2**24, repeats: int = 5, device=None) -> float:
+  """Bytes/s a softmax over rows streams (read + write, f32) on the first device: the memory term's rate.
+
+  On a GPU or TPU this is close to the HBM bandwidth; on a CPU the exponentials, not DRAM, limit elementwise work,
+  and this measures that limit, which is what the step's non-matmul work runs at."""
+  x = jax.device_put(np.random.default_rng(0).standard_normal((num_elements // 1024, 1024), dtype=np.float32),
+                     device or jax.devices()[0])
+  softmax = jax.jit(lambda x: jax.nn.softmax(x, axis=-1))
+  softmax(x).block_until_ready()
+  best = math.inf
+  for _ in range(repeats):
+    started = time.perf_counter()
+    softmax(x).block_until_ready()
+    best = min(best, time.perf_counter() - started)
+  return 2 * x.nbytes / best
+
+
+def host_hardware(matmul_flops: float, bandwidth: float, num_devices: int) -> plan.Hardware:
+  """A profile of this host from measured per-device rates (a CPU's rates split over its simulated devices)."""
+  return plan.Hardware(
+      name=f"{jax.devices()[0].platform}_measured", memory_gib=0.0, bf16_flops=matmul_flops, matmul_efficiency=1.0,
+      hbm_bytes_per_sec=bandwidth, interconnect_bytes_per_sec=bandwidth, usd_per_hour_on_demand=0.0,
+      usd_per_hour_spot=0.0, description=f"this host, measured: {matmul_flops * num_devices / 1e9:.0f} GFLOP/s "
+      f"1024^3 f32 matmul, {bandwidth * num_devices / 1e9:.1f} GB/s softmax stream, over {num_devices} device(s)")

@@ -1,0 +1,145 @@
+"""Where fine-tuning starts from (`init_from`): an HF checkpoint folder, a jaxlm run workdir, or nothing.
+
+  pretrained = load_pretrained(config, mesh)   # model config, tokenizer, pure-dict params (encoder, maybe a head)
+  params, kept_random = merge_pretrained(state["params"], pretrained.params, shardings, config.init_from)
+
+HF folders are read with `jaxlm.hf.from_pretrained` (safetensors only), each tensor straight onto its sharding. A
+jaxlm workdir's latest orbax checkpoint is opened read-only and only its parameters are kept; its `labels.json` and
+`tokenizer.json` come along. The model's shape comes from the checkpoint, its precision and remat from the config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import tokenizers
+from flax import nnx
+from jax.sharding import Mesh
+
+from jaxlm import hf, sharding
+from jaxlm.config import Config, ModelConfig
+from jaxlm.data import classification as cls_data
+from jaxlm.models.bert import Bert, BertForMaskedLM, BertForSequenceClassification
+
+LABELS_FILE, TOKENIZER_FILE = "labels.json", "tokenizer.json"
+
+
+@dataclasses.dataclass
+class Pretrained:
+  model_config: ModelConfig
+  tokenizer: tokenizers.Tokenizer
+  params: dict | None  # pure dict: {"bert": ...} and, when the checkpoint has one, {"classifier": ...}
+  class_names: list[str] | None  # the classes of a checkpoint that already is a classifier
+
+
+def load_pretrained(config: Config, mesh: Mesh) -> Pretrained:
+  source, m = config.init_from, config.model
+  precision = dict(compute_dtype=m.compute_dtype, param_dtype=m.param_dtype, remat=m.remat)
+  if not source:
+    if m.flavour != "bert":
+      raise ValueError(f"model.flavour={m.flavour!r}: fine-tuning from scratch needs model.flavour=bert (or set "
+                       f"init_from to a BERT checkpoint)")
+    if not config.data.tokenizer:
+      raise ValueError("fine-tuning without init_from needs data.tokenizer (a tokenizer.json or an HF folder)")
+    return Pretrained(m, cls_data.load_checkpoint_tokenizer(config.data.tokenizer), None, None)
+  if not os.path.isdir(source):
+    raise FileNotFoundError(f"init_from={source!r} is not a folder; give an HF checkpoint folder (config.json + "
+                            f"model.safetensors) or a jaxlm run workdir")
+  if os.path.isdir(os.path.join(source, "checkpoints")):
+    return _load_jaxlm_workdir(source, mesh, precision)
+  model = hf.from_pretrained(source, mesh=mesh, compute_dtype=m.compute_dtype, param_dtype=m.param_dtype)
+  if not isinstance(model, (Bert, BertForMaskedLM, BertForSequenceClassification)):
+    raise ValueError(f"init_from={source!r} holds a {model.config.flavour} decoder; fine-tuning classifies with a "
+                     f"BERT encoder (model_type bert)")
+  params = nnx.state(model, nnx.Param).to_pure_dict()
+  class_names = None
+  if isinstance(model, BertForSequenceClassification):
+    class_names = _hf_class_names(source, model.num_labels)
+  elif isinstance(model, BertForMaskedLM):
+    params = {"bert": params["bert"]}
+  else:
+    params = {"bert": params}
+  tokenizer = cls_data.load_checkpoint_tokenizer(config.data.tokenizer or source)
+  return Pretrained(dataclasses.replace(model.config, **precision), tokenizer, params, class_names)
+
+
+def _hf_class_names(folder: str, num_labels: int) -> list[str]:
+  with open(os.path.join(folder, "config.json")) as f:
+    id2label = json.load(f).get("id2label") or {}
+  return [str(id2label.get(str(i), f"LABEL_{i}")) for i in range(num_labels)]
+
+
+def _load_jaxlm_workdir(workdir: str, mesh: Mesh, precision: dict) -> Pretrained:
+  import orbax.checkpoint as ocp  # noqa: PLC0415
+
+  directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
+  manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(read_only=True), item_handlers={
+      "state": ocp.StandardCheckpointHandler(), "data": ocp.JsonCheckpointHandler(),
+      "model": ocp.JsonCheckpointHandler()})
+  step = manager.latest_step()
+  if step is None:
+    raise ValueError(f"init_from={workdir!r} has no complete checkpoint under checkpoints/; train it first")
+  saved_model = manager.restore(step, args=ocp.args.Composite(model=ocp.args.JsonRestore()))["model"]
+  known = {f.name for f in dataclasses.fields(ModelConfig)}
+  model_config = dataclasses.replace(ModelConfig(**{k: v for k, v in saved_model.items() if k in known}), **precision)
+  if model_config.flavour != "bert":
+    raise ValueError(f"init_from={workdir!r} holds a {model_config.flavour} model; fine-tuning needs a BERT encoder")
+  # The whole state is restored replicated (optimizer moments included), then only the parameters are kept.
+  metadata = manager.item_metadata(step)["state"]
+  abstract = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=sharding.replicated(mesh)),
+                          metadata)
+  state = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))["state"]
+  manager.close()
+  params = state["params"]
+  if "bert" not in params:  # a bare encoder
+    params = {"bert": params}
+  dtype = jnp.dtype(model_config.param_dtype)
+  params = jax.tree.map(lambda x: x.astype(dtype), params)
+  class_names = None
+  labels_path = os.path.join(workdir, LABELS_FILE)
+  if os.path.isfile(labels_path):
+    with open(labels_path) as f:
+      class_names = json.load(f)
+  tokenizer = cls_data.load_checkpoint_tokenizer(os.path.join(workdir, TOKENIZER_FILE))
+  return Pretrained(model_config, tokenizer, params, class_names)
+
+
+def merge_pretrained(state_params: dict, pretrained: dict, shardings: dict, where: str) -> tuple[dict, list[str]]:
+  """Pretrained arrays replace the random ones where the path and shape agree; returns (params, paths kept random)."""
+  flat_state = _flatten(state_params)
+  flat_pretrained = _flatten(pretrained)
+  flat_shardings = _flatten(shardings)
+  kept_random = []
+  for path, value in flat_state.items():
+    source = flat_pretrained.get(path)
+    if source is None or source.shape != value.shape:
+      kept_random.append(path)
+      continue
+    flat_state[path] = jax.device_put(source.astype(value.dtype), flat_shardings[path])
+  if not any(p.startswith("bert/") and p not in kept_random for p in flat_state):
+    raise ValueError(f"init_from={where!r}: no encoder parameter fits this model; is it a BERT checkpoint?")
+  return _unflatten(flat_state), kept_random
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+  out = {}
+  for key, value in tree.items():
+    path = f"{prefix}{key}"
+    out.update(_flatten(value, path + "/") if isinstance(value, dict) else {path: value})
+  return out
+
+
+def _unflatten(flat: dict[str, Any]) -> dict:
+  tree: dict = {}
+  for path, value in flat.items():
+    node = tree
+    *parents, leaf = path.split("/")
+    for key in parents:
+      node = node.setdefault(key, {})
+    node[leaf] = value
+  return tree

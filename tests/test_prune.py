@@ -1,0 +1,105 @@
+"""Pruning (jaxlm/prune.py): exact target sparsity (global and per layer), valid 2:4 patterns, masks that survive a
+fine-tune, and int8 on top of pruning keeping the zeros."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx, traverse_util
+
+from jaxlm import prune, quant, train
+from jaxlm.config import ModelConfig
+from jaxlm.models.gpt import GPT
+
+CONFIG = ModelConfig(vocab_size=64, num_layers=2, d_model=32, num_heads=4, max_seq_len=16, compute_dtype="float32",
+                     init_std=0.1)
+_MODEL = []
+
+
+def _model():
+  if not _MODEL:  # initialised in one compiled program, shared by the tests
+    make = lambda: GPT(CONFIG, rngs=nnx.Rngs(0))
+    graphdef, _ = nnx.split(nnx.eval_shape(make))
+    _MODEL.append(nnx.merge(graphdef, jax.jit(lambda: nnx.split(make())[1])()))
+  return _MODEL[0]
+
+
+def _masked_values(model, masks):
+  flat = traverse_util.flatten_dict(nnx.state(model).to_pure_dict())
+  return {p: (np.asarray(flat[p]), np.asarray(m)) for p, m in traverse_util.flatten_dict(masks).items()}
+
+
+@pytest.mark.parametrize("target", [0.5, 0.3])
+def test_global_magnitude_pruning_hits_the_target_exactly_and_drops_the_smallest(target):
+  model = _model()
+  masks = prune.magnitude_masks(model, target)
+  values = _masked_values(model, masks)
+  total = sum(w.size for w, _ in values.values())
+  pruned = sum(int((~m).sum()) for _, m in values.values())
+  assert pruned == round(target * total)
+  largest_pruned = max(float(np.max(np.where(m, 0, np.abs(w)))) for w, m in values.values())
+  smallest_kept = min(float(np.min(np.where(m, np.abs(w), np.inf))) for w, m in values.values())
+  assert largest_pruned <= smallest_kept
+  pruned_model = prune.apply_masks(model, masks)
+  assert prune.sparsity(pruned_model, masks) == pytest.approx(pruned / total, abs=0)
+  assert "token_embed" not in masks  # embedding tables are never pruned
+  # Global: layers end up with different sparsities (w_o is scaled down at init, so it loses more).
+  per_weight = {p: float((~m).mean()) for p, (_, m) in values.items()}
+  assert max(per_weight.values()) - min(per_weight.values()) > 0.05
+
+
+def test_per_layer_pruning_hits_the_target_in_every_layer_of_every_matrix():
+  masks = prune.magnitude_masks(_model(), 0.5, per_layer=True)
+  for path, (w, m) in _masked_values(_model(), masks).items():
+    assert m.shape == w.shape
+    for layer in range(CONFIG.num_layers):  # blocks are stacked [L, ...]
+      assert int((~m[layer]).sum()) == round(0.5 * m[layer].size), (path, layer)
+
+
+def test_two_four_pattern_is_valid_along_the_contracted_axis():
+  model = _model()
+  masks = prune.two_four_masks(model)
+  pruned = prune.apply_masks(model, masks)
+  values = _masked_values(pruned, masks)
+  assert values
+  for path, (w, m) in values.items():
+    axis = {"w_o": 2}.get(path[-1], 1)  # the innermost contracted axis of a stacked weight
+    assert prune.is_n_m(w, axis), path
+    groups = np.moveaxis(m, axis, -1).reshape(-1, 4)
+    assert bool(np.all(groups.sum(-1) == 2)), path  # exactly 2 of 4 kept: 50% sparsity
+    # The kept two are the two largest magnitudes of each group.
+    original = _masked_values(model, masks)[path][0]
+    mags = np.moveaxis(np.abs(original), axis, -1).reshape(-1, 4)
+    kept_min = np.min(np.where(groups, mags, np.inf), -1)
+    dropped_max = np.max(np.where(groups, -np.inf, mags), -1)
+    assert bool(np.all(kept_min >= dropped_max)), path
+  assert not prune.is_n_m(np.ones((8, 4)), 0)
+  with pytest.raises(ValueError, match="multiple of 4"):
+    prune.n_m_mask(jnp.ones((6, 4)), 0)
+
+
+def test_masks_survive_fine_tuning_and_int8_keeps_the_zeros():
+  model = _model()
+  masks = prune.magnitude_masks(model, 0.5)
+  graphdef, state = nnx.split(model)
+  params = state.to_pure_dict()
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(0, CONFIG.vocab_size, (3, 4, 17)).astype(np.int32)
+  batches = [{"inputs": t[:, :-1], "targets": t[:, 1:], "positions": np.broadcast_to(np.arange(16), (4, 16)),
+              "segment_ids": np.ones((4, 16), np.int32), "loss_mask": np.ones((4, 16), np.float32)} for t in tokens]
+  loss_fn = train.make_loss_fn(graphdef)
+  tuned = prune.finetune(graphdef, params, masks, loss_fn, batches, learning_rate=1e-2, weight_decay=0.1)
+  before = prune.apply_masks(params, masks)
+  for path, m in traverse_util.flatten_dict(masks).items():
+    old, new = traverse_util.flatten_dict(before)[path], traverse_util.flatten_dict(tuned)[path]
+    assert bool(np.all(np.where(m, True, new == 0))), path  # pruned stay exactly zero
+    assert float(np.mean(np.where(m, new != old, False)) / np.mean(m)) > 0.9, path  # the rest trained
+  assert prune.sparsity(tuned, masks) == pytest.approx(0.5, abs=1e-6)
+  # int8 on top of pruning: a zero weight quantizes to exactly zero.
+  tuned_state = jax.tree.map(lambda x: x, state)
+  nnx.replace_by_pure_dict(tuned_state, tuned)
+  tuned_model = nnx.merge(graphdef, tuned_state)
+  qmodel = quant.quantize(tuned_model, "weight_only")
+  qflat = dict(nnx.to_flat_state(nnx.state(qmodel)))
+  for path, m in traverse_util.flatten_dict(masks).items():
+    assert bool(np.all(np.where(m, True, qflat[path].get_value().q.qvalue == 0))), path
