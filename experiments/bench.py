@@ -98,7 +98,7 @@ def random_batch(config, seed: int = 0) -> tuple[np.ndarray, dict]:
 def peak_section(platform: str, dtype: str) -> dict:
   n = 1024 if platform == "cpu" else 8192
   out = {"peak_matmul_n": n, "peak_jax_flops": telemetry.measure_matmul_flops(n=n, dtype=jnp.dtype(dtype))}
-  if bench_torch.available() is None:
+  if bench_torch.available(platform) is None:
     out["peak_torch_flops"] = bench_torch.matmul_flops(n, platform)
   out["peak_flops"] = max(v for k, v in out.items() if k.startswith("peak_") and k.endswith("_flops"))
   if platform != "cpu":
@@ -156,7 +156,7 @@ def step_section(config, platform: str, peak: float, datasheet_peak: float | Non
       out.update({f"jaxlm_memory_{k}_bytes": v for k, v in m.items()})
       out["jaxlm_memory_per_device_bytes"] = m["arguments"] + m["outputs"] + m["temporaries"] - m["aliased"]
     else:
-      reason = bench_torch.available()
+      reason = bench_torch.available(platform)
       if config.model.flavour != "gpt2":
         reason = f"no torch reference for flavour {config.model.flavour}"
       if reason:

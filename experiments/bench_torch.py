@@ -14,13 +14,15 @@ import time
 import numpy as np
 
 
-def available() -> str | None:
-  """None when torch and transformers import, else the reason they do not."""
+def available(platform: str = "cpu") -> str | None:
+  """None when torch and transformers import (with CUDA when JAX runs on a GPU), else the reason they do not."""
   try:
-    import torch  # noqa: F401
+    import torch
     import transformers  # noqa: F401
   except ImportError as error:  # the `hf` extra is not installed (e.g. a GPU image without torch)
     return f"torch/transformers not importable: {error}"
+  if platform == "gpu" and not torch.cuda.is_available():  # the CPU wheel: a GPU-sized model on the CPU takes hours
+    return f"torch {torch.__version__} has no CUDA"
   return None
 
 
@@ -72,7 +74,7 @@ class TorchGPT2Step:
     loss = self.forward_backward(self.inputs, self.targets)
     self.torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
     self.optimizer.step()
-    return loss
+    return loss.detach()
 
   def run(self, steps: int) -> float:
     """Seconds per step over `steps` consecutive steps (the loss of the last is read, so the device has finished)."""

@@ -16,7 +16,7 @@ import os
 import time
 
 import jax
-from absl import app, flags, logging
+from absl import flags, logging
 from ml_collections import config_flags
 
 from jaxlm import cli

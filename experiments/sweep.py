@@ -150,7 +150,8 @@ def _write(path: str, text: str) -> None:
 def main(argv):
   extra = argv[1:]  # the flags after `--`, given to every run
   if any(not a.startswith("--") for a in extra):
-    raise app.UsageError(f"unexpected arguments {extra}; give per-run flags after `--`, e.g. -- --config.train.steps=50")
+    raise app.UsageError(f"unexpected arguments {extra}; give per-run flags after `--`, e.g. "
+                         f"-- --config.train.steps=50")
   try:
     points = run_points(_GRID.value, _SAMPLE.value, _RANDOM.value, _SEED.value)
   except ValueError as e:

@@ -4,10 +4,11 @@ The run reuses pre-training's pieces: the mesh and sharded init (`train.init_tra
 gradient accumulation (`train.make_train_step` with a classification loss), orbax checkpoints with the loader
 position (`Checkpointer`), NaN skipping and stop signals (`reliability`) and the metrics writer. What it adds:
 
-  init_from   an HF checkpoint folder (config.json + safetensors, e.g. all-MiniLM-L6-v2) or a jaxlm run workdir
-              (its latest orbax checkpoint); the encoder (and a classification head with the same number of classes)
-              is loaded, anything missing (the head, a pooler) starts from the seeded random init. The model's shape
-              comes from the checkpoint; `model.compute_dtype`, `model.param_dtype` and `model.remat` from the config.
+  init_from   (jaxlm/pretrained.py) an HF checkpoint folder (config.json + safetensors, e.g. all-MiniLM-L6-v2)
+              or a jaxlm run workdir (its latest orbax checkpoint); the encoder (and a classification head for the
+              same classes) is loaded, anything missing (the head, a pooler) starts from the seeded random init. The
+              model's shape comes from the checkpoint; `model.compute_dtype`, `model.param_dtype` and `model.remat`
+              from the config.
   tokenizer   the checkpoint's own (tokenizer.json or vocab.txt); `data.tokenizer` when init_from is empty.
   eval        every `train.eval_every_steps` and at the end, on every held-out example: accuracy, precision,
               recall, F1 (macro, weighted, per class), confusion matrix (jaxlm/evaluate.py).
@@ -168,8 +169,8 @@ def _finetune(config: Config, workdir: str, stop_at_step: int | None, stop: reli
     head_fits = saved_names is not None and (saved_names == class_names or (
         len(saved_names) == num_labels and saved_names == [f"LABEL_{i}" for i in range(num_labels)]))
     params = pretrained.params if head_fits else {"bert": pretrained.params["bert"]}
-    state["params"], kept_random = pretrained_lib.merge_pretrained(state["params"], params, state_shardings["params"],
-                                                     config.init_from)
+    state["params"], kept_random = pretrained_lib.merge_pretrained(state["params"], params,
+                                                                   state_shardings["params"], config.init_from)
     if jax.process_index() == 0:
       fresh = sorted({"/".join(p.split("/")[:2]) for p in kept_random}) or ["nothing"]
       print(f"init_from {config.init_from}: loaded; random init for {', '.join(fresh)}", flush=True)

@@ -347,11 +347,13 @@ def largest_local_micro_batch(config: Config, sizes: tuple[int, int, int], usabl
 # ----------------------------------------------------------------------------------------------- step time
 
 
-# Bytes the non-matmul work of a step moves, in units of the activations a micro-batch's forward pass produces (what
-# it would save without remat): the forward writes them and the backward reads them (2), and the elementwise passes
-# around them (norms, softmax, GELU, their gradients) touch each about once more each way (2). Set from that count,
-# not fitted; WORKSPACE.md (2026-11-29) has the CPU errors it gives. Remat recomputes the forward: half again.
-ACTIVATION_PASSES = 4.0
+# Bytes the non-matmul work of a step moves per micro-batch: the forward writes the saved activations and the
+# backward reads them (SAVED_PASSES x saved), and the elementwise passes (norms, softmax, GELU, their gradients)
+# touch the whole activation volume of the forward (what it would save without remat) about once more each way
+# (ELEMENTWISE_PASSES x that volume; remat recomputes the forward, half again). Set from that count, not fitted;
+# WORKSPACE.md (2026-11-29) has the CPU errors it gives.
+SAVED_PASSES = 2.0
+ELEMENTWISE_PASSES = 2.0
 REMAT_TRAFFIC = {"none": 1.0, "dots": 1.5, "full": 1.5}
 # The optimizer step reads gradients, params, both Adam moments and writes three of them back (7), and the
 # gradient/update/param norms and the finite-step select read them again (5): in units of the f32 params per device.
@@ -394,8 +396,8 @@ def predict_step_time(config: Config, sizes: tuple[int, int, int], grad_accum: i
 
     compute   matmul FLOPs (telemetry.flops_per_token; plus the recomputed forward under remat=full) at the
               device's sustained matmul rate
-    memory    the bytes of the non-matmul work (ACTIVATION_PASSES x the activations of each micro-batch's forward,
-              more under remat; OPTIMIZER_PASSES x f32 params) at the memory bandwidth
+    memory    the bytes of the non-matmul work (saved activations written and read, elementwise passes over the
+              forward's activations, more under remat; OPTIMIZER_PASSES x f32 params) at the memory bandwidth
     network   collective bytes per device at the interconnect bandwidth, not overlapped (an upper bound: XLA
               overlaps some of it with compute on GPUs and TPUs)
   The parts run one after another (matmul kernels are compute bound, the rest memory bound), so they add up.
@@ -406,8 +408,9 @@ def predict_step_time(config: Config, sizes: tuple[int, int, int], grad_accum: i
   model_flops = telemetry.flops_per_token(config.model, config.data.seq_len) * tokens
   executed_flops = model_flops * (4 / 3 if config.model.remat == "full" else 1.0)
   local_batch = config.train.batch_size // grad_accum // (data * fsdp)
-  memory_bytes = (grad_accum * ACTIVATION_PASSES * REMAT_TRAFFIC[config.model.remat] * activations.unremat(local_batch)
-                  + OPTIMIZER_PASSES * param_bytes_per_device)
+  activation_bytes = (SAVED_PASSES * activations.total(local_batch)
+                      + ELEMENTWISE_PASSES * REMAT_TRAFFIC[config.model.remat] * activations.unremat(local_batch))
+  memory_bytes = grad_accum * activation_bytes + OPTIMIZER_PASSES * param_bytes_per_device
   parts = {
       "compute_sec": executed_flops / devices / hardware.matmul_flops,
       "memory_sec": memory_bytes / hardware.hbm_bytes_per_sec,

@@ -184,8 +184,8 @@ def jit_steps(graphdef, optimizer, config: Config, mesh: Mesh, state_shardings):
                                           overrides),
                        in_shardings=(state_shardings, batch_sharding),
                        out_shardings=(state_shardings, sharding.replicated(mesh)), donate_argnums=0)
-  eval_step = jax.jit(sharding.traced_on(mesh, make_eval_step(graphdef), overrides), in_shardings=(state_shardings["params"], batch_sharding),
-                      out_shardings=sharding.replicated(mesh))
+  eval_step = jax.jit(sharding.traced_on(mesh, make_eval_step(graphdef), overrides),
+                      in_shardings=(state_shardings["params"], batch_sharding), out_shardings=sharding.replicated(mesh))
   return train_step, eval_step
 
 

@@ -79,6 +79,7 @@ def test_text_pairs_jsonl_and_parquet_int_labels(tokenizer, tmp_path):
     ([("a", 0), ("b", 1)], [("c", 2)], {}, r"eval label 2 \(row 1 of .*\) is outside the class range 0..1 seen in"),
     ([("a", "x"), ("b", "x")], None, {}, r"the training data holds a single class"),
     ([("", "x"), (" ", "y")], None, {}, r"holds no usable rows \(2 with empty text, 0 without a label\)"),
+    ([("a", 0), ("b", 0.5)], None, {}, r"train label 0.5 \(row 2 of .*\) is neither a class id nor a class name"),
 ])
 def test_bad_rows_are_one_line_errors(tokenizer, tmp_path, rows, eval_rows, overrides, message):
   train = _csv(tmp_path / "train.csv", rows)
@@ -127,7 +128,8 @@ def test_loader_pads_per_batch_visits_every_example_and_resumes(batching):
   for batch in batches:
     length = batch["input_ids"].shape[1]
     assert length in ((16, 32, 64) if batching != "max" else (64,))
-    assert batch["attention_mask"].sum(1).max() <= length and (batch["input_ids"] * (1 - batch["attention_mask"])).sum() == 0
+    assert batch["attention_mask"].sum(1).max() <= length
+    assert (batch["input_ids"] * (1 - batch["attention_mask"])).sum() == 0  # padding holds id 0
   if batching == "dynamic":
     assert len({b["input_ids"].shape[1] for b in batches}) == 1  # random lengths: every batch holds a long one
   if batching == "bucket":

@@ -26,7 +26,8 @@ def test_classification_metrics_match_sklearn(num_classes, size, seed):
   p, r, f, support = sklearn_metrics.precision_recall_fscore_support(labels, predictions, labels=classes,
                                                                      average=None, zero_division=0)
   for c in classes:
-    assert (ours[f"precision/{c}"], ours[f"recall/{c}"], ours[f"support/{c}"]) == pytest.approx((p[c], r[c], support[c]))
+    assert (ours[f"precision/{c}"], ours[f"recall/{c}"], ours[f"support/{c}"]) == pytest.approx(
+        (p[c], r[c], support[c]))
     assert ours[f"f1/{c}"] == pytest.approx(f[c], abs=1e-12)
   expected = sklearn_metrics.confusion_matrix(labels, predictions, labels=classes)
   np.testing.assert_array_equal(evaluate.confusion_matrix(labels, predictions, num_classes), expected)

@@ -147,3 +147,34 @@ def test_config_errors_before_anything_compiles(tmp_path, tiny_hf_folder):
                       str(tmp_path / "c"))
   with pytest.raises(ValueError, match=r"data.batching='sorted' is not one of dynamic, bucket, max"):
     _tiny_config(tmp_path, source, **{"data.batching": "sorted"})
+
+
+def test_classification_loss_accumulates_exactly_with_padding_and_zero_weights():
+  """Two micro-batches give the update of one batch: the loss is a weighted sum over the global weight count."""
+  from jaxlm import optim, train
+  from jaxlm.config import TrainConfig
+
+  config = ModelConfig(flavour="bert", vocab_size=50, num_layers=1, d_model=16, num_heads=2, d_ff=32,
+                       max_seq_len=16, compute_dtype="float32")
+  graphdef, params = nnx.split(BertForSequenceClassification(config, 3, rngs=nnx.Rngs(0)))
+  rng = np.random.default_rng(0)
+  lengths = np.array([3, 8, 5, 8, 2, 7])
+  mask = (np.arange(8)[None] < lengths[:, None]).astype(np.int32)
+  batch = {"input_ids": rng.integers(1, 50, (6, 8)).astype(np.int32) * mask, "attention_mask": mask,
+           "token_type_ids": np.zeros((6, 8), np.int32), "labels": np.array([0, 1, 2, 1, 0, 2], np.int32),
+           "weights": np.array([1, 1, 1, 1, 0, 1], np.float32)}  # row 4: an eval-style filler, counts nothing
+  train_config = TrainConfig(steps=10, warmup_steps=0, learning_rate=1e-2)
+  optimizer = optim.make_optimizer(train_config)
+  state = {"step": np.int32(0), "params": params.to_pure_dict(), "opt_state": optimizer.init(params.to_pure_dict())}
+  results = []
+  for accum in (1, 2):
+    step = jax.jit(train.make_train_step(graphdef, optimizer, accum, optim.learning_rate_schedule(train_config),
+                                         loss_fn=finetune.make_classification_loss_fn(graphdef)))
+    new_state, metrics = step(state, batch)
+    results.append((new_state["params"], metrics))
+  assert results[0][1]["tokens"] == 5 and results[1][1]["tokens"] == 5  # the weight sum, fillers left out
+  np.testing.assert_allclose(results[0][1]["loss"], results[1][1]["loss"], rtol=1e-6)
+  one, two = (jax.tree.leaves(r[0]) for r in results)
+  assert max(float(np.abs(a - b).max()) for a, b in zip(one, jax.tree.leaves(params.to_pure_dict()))) > 1e-3
+  for a, b in zip(one, two):
+    np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-7)

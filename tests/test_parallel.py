@@ -38,7 +38,7 @@ def single_device():
 
 @pytest.mark.parametrize("preset, gradient_sync", [
     ("tp", "auto"),  # (1, 1, 4): heads and MLP split four ways
-    ("dp_tp", "auto"),  # (2, 1, 2)
+    # dp_tp (2, 1, 2) with the automatic path: tests/test_train.py::test_meshes_give_the_same_loss_and_update
     ("fsdp_tp", "auto"),  # (1, 2, 2)
     ("dp", "shard_map"),  # (4, 1, 1), explicit psum
     ("fsdp", "shard_map"),  # (1, 4, 1), explicit psum, params all-gathered at the boundary

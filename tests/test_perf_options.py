@@ -96,3 +96,32 @@ def test_cudnn_attention_close_to_xla_attention_in_bf16():
   config = dataclasses.replace(LLAMA, compute_dtype="bfloat16", d_model=64, num_heads=4)  # head_dim 16
   reference, cudnn = _logits(config), _logits(dataclasses.replace(config, attention="cudnn"))
   assert float(jnp.max(jnp.abs(cudnn - reference))) < 0.05 * float(jnp.max(jnp.abs(reference)))
+
+
+_STEP_SCRIPT = """
+import jax, numpy as np
+from flax import nnx
+from jaxlm import train
+from jaxlm.config import ModelConfig
+config = ModelConfig(vocab_size=96, num_layers=2, d_model=32, num_heads=4, max_seq_len=32, compute_dtype="float32")
+graphdef, state = nnx.split(train.GPT(config, rngs=nnx.Rngs(0)))
+tokens = np.arange(2 * 17).reshape(2, 17).astype(np.int32) % 96
+batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": np.ones((2, 16), np.int32),
+         "positions": np.tile(np.arange(16, dtype=np.int32), (2, 1)), "loss_mask": np.ones((2, 16), np.float32)}
+loss, grads = jax.jit(jax.value_and_grad(lambda p: train.make_loss_fn(graphdef)(p, batch)[0]))(state.to_pure_dict())
+print(repr(float(loss)), repr(float(sum(np.abs(g).sum() for g in jax.tree.leaves(grads)))))
+"""
+
+
+def test_hugepage_malloc_used_by_the_bench_changes_no_number():
+  """experiments/bench.py runs with GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (an allocation policy): bit-identical."""
+  import os
+  import subprocess
+  import sys
+
+  def run(tunables):
+    env = {**os.environ, "GLIBC_TUNABLES": tunables, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    return subprocess.run([sys.executable, "-c", _STEP_SCRIPT], env=env, capture_output=True, text=True,
+                          check=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))).stdout
+
+  assert run("glibc.malloc.hugetlb=1") == run("")

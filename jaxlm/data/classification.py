@@ -17,7 +17,7 @@ Handling of bad rows, every case counted in the statistics or raised as a one-li
   * empty, missing or non-string text, missing label: the row is skipped and counted (`skipped_empty_text`,
     `skipped_missing_label`);
   * a label outside the classes (negative id, id >= number of classes, a name not in `data.labels`, an eval label
-    never seen in training): an error naming the file, row and value;
+    never seen in training, a fractional number): an error naming the file, row and value;
   * a text longer than `data.seq_len` tokens: cut (longest-first for pairs) and counted (`truncated_examples`,
     `truncation_rate`);
   * a file that is missing, empty, binary or not UTF-8: an error naming the file (and the byte offset).
@@ -160,13 +160,17 @@ def _columns(where: str, dataset: Any, config: DataConfig) -> dict[str, list]:
     if column not in dataset.column_names:
       raise ValueError(f"column {column!r} not found in {where!r}; columns are {dataset.column_names}; "
                        f"set {setting[key]}")
-  return {key: dataset[column] for key, column in wanted.items()}
+  try:
+    return {key: dataset[column] for key, column in wanted.items()}
+  except UnicodeDecodeError as e:  # Arrow keeps the bytes; decoding fails only when a value is read
+    raise ValueError(f"{where!r} is not UTF-8 (a value holds byte 0x{e.object[e.start]:02x}); re-encode it, e.g. "
+                     f"iconv -f latin1 -t utf-8") from None
 
 
 # ----------------------------------------------------------------------------------------------- labels
 
 
-def _as_label(value: Any) -> int | str | None:
+def _as_label(value: Any) -> int | str | float | None:
   """An int id, a string name, or None (missing). Floats appear when pandas reads an int column with gaps."""
   if value is None or isinstance(value, bool):
     return None if value is None else int(value)
@@ -175,7 +179,7 @@ def _as_label(value: Any) -> int | str | None:
   if isinstance(value, (float, np.floating)):
     if math.isnan(value):
       return None
-    return int(value) if float(value).is_integer() else str(value)
+    return int(value) if float(value).is_integer() else float(value)  # a fraction: refused by the caller
   text = str(value).strip()
   return text or None
 
@@ -287,6 +291,9 @@ def build_classification_data(config: DataConfig, tokenizer: tokenizers.Tokenize
         if label is None:
           skipped["skipped_missing_label"] += 1
           continue
+        if isinstance(label, float):
+          raise ValueError(f"{split} label {label} (row {i + 1} of {where!r}) is neither a class id nor a class "
+                           f"name; fine-tuning classifies (regression targets are not supported)")
         rows.append((where, i + 1, text, pair, label))
     return rows
 
