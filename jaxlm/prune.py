@@ -174,7 +174,10 @@ def finetune(graphdef: nnx.GraphDef, params: Any, masks: Masks,
     return optax.apply_updates(params, updates), opt_state, loss
 
   for batch in batches:
-    params, opt_state, _ = step(params, opt_state, batch)
+    params, opt_state, loss = step(params, opt_state, batch)
+    # One step in flight: on simulated CPU devices, queued multi-device steps can starve each other's collectives
+    # (XLA aborts after a 40 s rendezvous timeout), as jaxlm.train notes.
+    jax.block_until_ready(loss)
   return params
 
 
