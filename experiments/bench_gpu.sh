@@ -6,6 +6,6 @@ set -euo pipefail
 PY=${1:-python}
 cd "$(dirname "$0")/.."
 $PY experiments/bench.py --config=experiments/configs/bench_gpu.py --workdir=runs/bench_gpu \
-    --rounds=5 --steps_per_round=5 --depths=2,12,24
+    --frameworks=jaxlm,torch_compile --sections=peak,step,gpu --rounds=3 --steps_per_round=5
 $PY experiments/bench.py --config=experiments/configs/bench_llama_1b.py --workdir=runs/bench_gpu_llama_1b \
-    --frameworks=jaxlm --sections=peak,step,gpu --rounds=5 --steps_per_round=5
+    --frameworks=jaxlm --sections=peak,step,gpu --rounds=3 --steps_per_round=5

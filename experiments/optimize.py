@@ -75,7 +75,9 @@ def load_lm(workdir: str, config) -> Task:
   datasets = data_lib.build_datasets(config.data, config.model.vocab_size, workdir, config.train.seed)
   batch = config.train.batch_size
   eval_batches = data_lib.eval_batches(datasets.eval, batch, max(1, min(_MAX_EVAL.value, len(datasets.eval) // batch)))
-  train_batches = data_lib.eval_batches(datasets.train, batch, max(_CALIBRATION.value, _PRUNE_STEPS.value, 1))
+  # Shuffled training batches (the run's seed): the first rows in order would be a few neighbouring source files.
+  iterator = data_lib.make_train_iterator(datasets.train, batch, config.train.seed, shuffle=True)
+  train_batches = [next(iterator) for _ in range(max(_CALIBRATION.value, _PRUNE_STEPS.value, 1))]
 
   def evaluate(m):
     g, p = nnx.split(m)

@@ -28,6 +28,7 @@ class ModelConfig:
   remat: str = "none"  # activation recomputation per block: none | full | dots (save matmul outputs only)
   attention: str = "xla"  # attention implementation: xla (einsum + f32 softmax, the reference) | jax
                           # (jax.nn.dot_product_attention's XLA path) | cudnn (its cuDNN flash path; GPUs only)
+  fuse_qkv: bool = False  # compute q, k, v with one matmul over the concatenated weights (params stay separate)
   cross_entropy_chunk: int = 0  # 0: [B, T, V] logits, then the loss (reference) | N: fused loss + gradient over
                                 # N-token chunks, no [B, T, V] array (jaxlm/cross_entropy.py)
   flavour: str = "gpt2"  # gpt2 | llama (decoders, see jaxlm/models/gpt.py) | bert (encoder, jaxlm/models/bert.py)

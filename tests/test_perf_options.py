@@ -1,6 +1,7 @@
 """Every speed option computes the same function as its reference path: the fused chunked cross-entropy
-(model.cross_entropy_chunk) against [B, T, V] logits + optax, and jax.nn.dot_product_attention
-(model.attention=jax|cudnn) against the einsum attention, on packed documents. Tiny shapes: seconds on a CPU."""
+(model.cross_entropy_chunk) against [B, T, V] logits + optax, the fused q/k/v matmul (model.fuse_qkv), and
+jax.nn.dot_product_attention (model.attention=jax|cudnn) against the einsum attention on packed documents. Tiny
+shapes: seconds on a CPU."""
 
 import dataclasses
 import functools
@@ -29,7 +30,7 @@ def _reference_ce(x, table, targets, weights):
   return jnp.sum(losses * weights), jnp.sum(correct * weights)
 
 
-@pytest.mark.parametrize("chunk", [8, 13, 64])  # divides N=40, does not (padded), larger than N
+@pytest.mark.parametrize("chunk", [8, 64])  # divides N=40; larger than N (one padded chunk)
 def test_fused_cross_entropy_equals_logits_path_value_and_gradients(chunk):
   rng = np.random.default_rng(0)
   x = jnp.asarray(rng.standard_normal((40, 16)), jnp.float32)
@@ -77,6 +78,12 @@ def test_train_loss_with_fused_cross_entropy_equals_logits_path(base):
   chex.assert_trees_all_close(got, expected, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("base", [TINY, LLAMA], ids=["gpt2_biases", "llama_gqa"])
+def test_fused_qkv_projection_equals_three_projections(base):
+  chex.assert_trees_all_close(_loss_value_and_grads(dataclasses.replace(base, fuse_qkv=True)),
+                              _loss_value_and_grads(base), rtol=1e-5, atol=1e-6)
+
+
 @functools.lru_cache(maxsize=None)
 def _logits(config):
   graphdef, state = nnx.split(GPT(config, rngs=nnx.Rngs(0)))
@@ -97,31 +104,3 @@ def test_cudnn_attention_close_to_xla_attention_in_bf16():
   reference, cudnn = _logits(config), _logits(dataclasses.replace(config, attention="cudnn"))
   assert float(jnp.max(jnp.abs(cudnn - reference))) < 0.05 * float(jnp.max(jnp.abs(reference)))
 
-
-_STEP_SCRIPT = """
-import jax, numpy as np
-from flax import nnx
-from jaxlm import train
-from jaxlm.config import ModelConfig
-config = ModelConfig(vocab_size=96, num_layers=2, d_model=32, num_heads=4, max_seq_len=32, compute_dtype="float32")
-graphdef, state = nnx.split(train.GPT(config, rngs=nnx.Rngs(0)))
-tokens = np.arange(2 * 17).reshape(2, 17).astype(np.int32) % 96
-batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": np.ones((2, 16), np.int32),
-         "positions": np.tile(np.arange(16, dtype=np.int32), (2, 1)), "loss_mask": np.ones((2, 16), np.float32)}
-loss, grads = jax.jit(jax.value_and_grad(lambda p: train.make_loss_fn(graphdef)(p, batch)[0]))(state.to_pure_dict())
-print(repr(float(loss)), repr(float(sum(np.abs(g).sum() for g in jax.tree.leaves(grads)))))
-"""
-
-
-def test_hugepage_malloc_used_by_the_bench_changes_no_number():
-  """experiments/bench.py runs with GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (an allocation policy): bit-identical."""
-  import os
-  import subprocess
-  import sys
-
-  def run(tunables):
-    env = {**os.environ, "GLIBC_TUNABLES": tunables, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
-    return subprocess.run([sys.executable, "-c", _STEP_SCRIPT], env=env, capture_output=True, text=True,
-                          check=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))).stdout
-
-  assert run("glibc.malloc.hugetlb=1") == run("")

@@ -182,12 +182,13 @@ class Attention(nnx.Module):
 
   def __init__(self, d_model: int, num_heads: int, num_kv_heads: int, policy: Policy, std: float, out_std: float,
                *, use_bias: bool = True, rope_theta: float | None = None, implementation: str = "xla",
-               rngs: nnx.Rngs):
+               fuse_qkv: bool = False, rngs: nnx.Rngs):
     if num_heads % num_kv_heads:
       raise ValueError(f"num_heads={num_heads} is not divisible by num_kv_heads={num_kv_heads}")
     self.policy = policy
     self.rope_theta = rope_theta
     self.implementation = implementation  # ModelConfig.attention: xla | jax | cudnn
+    self.fuse_qkv = fuse_qkv  # ModelConfig.fuse_qkv: one [D, H+2G, K] matmul instead of three
     h, g, k, dt = num_heads, num_kv_heads, d_model // num_heads, policy.param_dtype
     self.w_q = nnx.Param(_normal(rngs, (d_model, h, k), std, dt), axes=("embed", "heads", "head_dim"))
     self.w_k = nnx.Param(_normal(rngs, (d_model, g, k), std, dt), axes=("embed", "kv_heads", "head_dim"))
@@ -209,12 +210,30 @@ class Attention(nnx.Module):
     return constrain(y, ("act_batch", "act_seq", heads_axis, None))  # [B, T, H or G, K]
 
   def _qkv(self, x_BTD: jax.Array, positions_BT: jax.Array | None):
-    q = self._project(x_BTD, self.w_q, self.b_q, "act_heads")
-    k = self._project(x_BTD, self.w_k, self.b_k, "act_kv_heads")
-    v = self._project(x_BTD, self.w_v, self.b_v, "act_kv_heads")
+    if self.fuse_qkv:
+      q, k, v = self._fused_project(x_BTD)
+    else:
+      q = self._project(x_BTD, self.w_q, self.b_q, "act_heads")
+      k = self._project(x_BTD, self.w_k, self.b_k, "act_kv_heads")
+      v = self._project(x_BTD, self.w_v, self.b_v, "act_kv_heads")
     if self.rope_theta is not None:
       q, k = apply_rope(q, positions_BT, self.rope_theta), apply_rope(k, positions_BT, self.rope_theta)
     return q, k, v
+
+  def _fused_project(self, x_BTD: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """q, k, v from ONE matmul with the three weights concatenated along heads (the parameters stay separate):
+    on a 2-core CPU a [2048, 384] x [384, 384] matmul ran at 17-43 GFLOP/s, a [384, 1152] one near the large-matmul
+    rate, and the backward pass gets one dX and one dW matmul instead of three each (tested equal)."""
+    c = self.policy.cast_to_compute
+    h, g = self.w_q.shape[1], self.w_k.shape[1]
+    w_DNK = jnp.concatenate([c(self.w_q[...]), c(self.w_k[...]), c(self.w_v[...])], axis=1)  # N = H + 2G
+    y_BTNK = jnp.einsum("btd,dnk->btnk", x_BTD, w_DNK)
+    if self.b_q is not None:
+      y_BTNK = y_BTNK + _lead(jnp.concatenate([c(self.b_q[...]), c(self.b_k[...]), c(self.b_v[...])]), 4)
+    q, k, v = y_BTNK[:, :, :h], y_BTNK[:, :, h:h + g], y_BTNK[:, :, h + g:]
+    return (constrain(q, ("act_batch", "act_seq", "act_heads", None)),
+            constrain(k, ("act_batch", "act_seq", "act_kv_heads", None)),
+            constrain(v, ("act_batch", "act_seq", "act_kv_heads", None)))
 
   def _out(self, out_BTHK: jax.Array) -> jax.Array:
     c = self.policy.cast_to_compute
