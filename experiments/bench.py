@@ -62,6 +62,7 @@ from ml_collections import config_flags  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_torch beside this file
 import bench_torch  # noqa: E402
 
+from jaxlm import cli  # noqa: E402
 from jaxlm import config as config_lib  # noqa: E402
 from jaxlm import data as data_lib  # noqa: E402
 from jaxlm import optim, sharding, telemetry, train  # noqa: E402
@@ -359,4 +360,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -28,6 +28,7 @@ import jax  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
+from jaxlm import cli  # noqa: E402
 from jaxlm import config as config_lib  # noqa: E402
 from jaxlm import measure, plan  # noqa: E402
 
@@ -194,4 +195,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -204,8 +204,11 @@ def saved_activation_bytes(model: ModelConfig, seq_len: int, tensor: int, local_
   """
   graphdef, abstract_params = train.abstract_model(model)
   mesh = _abstract_mesh((1, 1, tensor))
-  specs = jax.tree.map(lambda s: s.spec, sharding.param_shardings(abstract_params, mesh))
-  params = abstract_params.to_pure_dict()
+  shardings = sharding.param_shardings(abstract_params, mesh)
+  specs = jax.tree.map(lambda s: s.spec, shardings)
+  # The abstract inputs carry the shardings that in_specs name: jax >= 0.11 checks that they agree.
+  params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                        abstract_params.to_pure_dict(), shardings)
   batch = abstract_batch(local_batch, seq_len)
   loss_fn = train.make_loss_fn(graphdef)
   counted: list[int] = []

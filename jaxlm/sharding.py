@@ -155,6 +155,8 @@ def gather_fsdp(params: Any) -> Any:
     if not isinstance(variable, nnx.Variable) or not variable.get_metadata().get("axes"):
       return variable
     value = variable.get_value()
+    if not isinstance(value, jax.Array):  # e.g. jaxlm.quant's int8 weight + scales: left to GSPMD
+      return variable
     spec = logical_to_spec(variable.get_metadata()["axes"], value.shape, mesh)
     spec = P(*(_drop_axis(entry, "fsdp") for entry in spec))
     return variable.replace(jax.lax.with_sharding_constraint(value, spec))
