@@ -96,7 +96,7 @@ def load_classifier(workdir: str, config) -> Task:
   import jax  # noqa: PLC0415
   from flax import nnx  # noqa: PLC0415
 
-  from jaxlm import finetune, hf, sharding, train  # noqa: PLC0415
+  from jaxlm import finetune, hf, sharding  # noqa: PLC0415
   from jaxlm.data import classification as cls_data  # noqa: PLC0415
   from jaxlm.models.bert import BertForSequenceClassification  # noqa: PLC0415
 
@@ -248,7 +248,7 @@ def write_outputs(workdir: str, task: Task, rows: dict[str, dict], command: str)
   chart(workdir, task, rows)
   section = "\n".join([
       REPORT_BEGIN, "## Optimization (experiments/optimize.py)", "",
-      f"`{command}` on {jax.device_count()} x {jax.devices()[0].device_kind}; latency = median forward of one eval "
+      f"`{command}` on {jax.device_count()} x {jax.devices()[0].device_kind}; latency = fastest forward of one eval "
       f"batch ({task.items_per_batch} {task.unit}), best of {_REPEATS.value}. Pruned models are stored dense (their zeros are written).", "",
       table, "", "![optimization](optimize.png)", REPORT_END, ""])
   report = os.path.join(workdir, "report.md")
@@ -335,4 +335,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  from jaxlm import cli  # noqa: PLC0415
+
+  cli.run(main)

@@ -25,6 +25,7 @@ import json
 import math
 import os
 import re
+import shlex
 import subprocess
 import sys
 from typing import Any
@@ -89,6 +90,8 @@ def run_points(grid: list[str], samples: list[str], count: int, seed: int) -> li
   random_part = sample_points(samples, count, seed) if count else [{}]
   if samples and not count:
     raise ValueError("--sample needs --random=N (the number of draws)")
+  if count and not samples:
+    raise ValueError("--random=N needs --sample=key=lo:hi,... (what to draw); without it every run is the same")
   overlap = set(grid_part[0]) & set(random_part[0])
   if overlap:
     raise ValueError(f"{sorted(overlap)[0]} is in both --grid and --sample; give it once")
@@ -162,7 +165,7 @@ def main(argv):
   runs = [{"values": p, "workdir": os.path.join(_WORKDIR.value, run_name(p, i))} for i, p in enumerate(points)]
   if _LAUNCH.value == "print":
     for run in runs:
-      print(" ".join(command(_SCRIPT.value, _CONFIG.value, run["workdir"], run["values"], extra)))
+      print(shlex.join(command(_SCRIPT.value, _CONFIG.value, run["workdir"], run["values"], extra)))
     return
   if _LAUNCH.value == "local":
     for i, run in enumerate(runs):

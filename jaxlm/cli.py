@@ -43,7 +43,19 @@ def unknown_override(argv: Sequence[str]) -> str | None:
 
 
 def run(main: Callable[[list[str]], None], argv: Sequence[str] | None = None) -> None:
+  """absl's app.run, plus: unknown `--config.*` keys are refused before parsing, and the input errors jaxlm raises
+  (ValueError, missing files) end the script with their one-line message instead of a traceback
+  (JAXLM_TRACEBACK=1 keeps the traceback, for debugging)."""
   argv = list(sys.argv if argv is None else argv)
   if error := unknown_override(argv):
     sys.exit(f"error: {error}")
-  app.run(main, argv=argv)
+
+  def main_with_one_line_errors(args):
+    try:
+      return main(args)
+    except (ValueError, FileNotFoundError, NotADirectoryError) as e:
+      if os.environ.get("JAXLM_TRACEBACK"):
+        raise
+      sys.exit(f"error: {e} ({type(e).__name__}; JAXLM_TRACEBACK=1 shows where)")
+
+  app.run(main_with_one_line_errors, argv=argv)

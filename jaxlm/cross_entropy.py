@@ -11,89 +11,115 @@ the backward pass only scales the saved gradients (the trick of Liger-Kernel's f
 
 Chunks run over tokens, never over the vocabulary, so every chunk sees whole rows of logits: the log-sum-exp and
 argmax are computed exactly as on the full array (tested equal to the reference in tests/test_perf_options.py).
-Dimension letters: N tokens (B*T), C tokens in a chunk, D model width, V vocabulary.
+Dimension letters: N tokens (B*T), P devices splitting the tokens (the batch axes of the mesh; 1 off a mesh),
+K chunks, C tokens per device in a chunk, D model width, V vocabulary.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 
+from jaxlm import sharding
 
-def _chunk_stats(x_CD, table_VD, targets_C, weights_C):
-  """Logits of one chunk in f32 -> (weighted loss sum, weighted correct sum, probs - one-hot weighted [C, V])."""
-  logits_CV = jnp.einsum("cd,vd->cv", x_CD, table_VD, preferred_element_type=jnp.float32)
+
+def _chunk_stats(x_PCD, table_VD, targets_PC, weights_PC):
+  """Logits of one chunk in f32 -> (weighted loss sum, weighted correct sum, shifted logits, log-sum-exp)."""
+  logits_PCV = jnp.einsum("pcd,vd->pcv", x_PCD, table_VD, preferred_element_type=jnp.float32)
   # The same formulas as optax.softmax_cross_entropy_with_integer_labels (max-shifted log-sum-exp).
-  shift_C = jax.lax.stop_gradient(logits_CV.max(axis=-1))
-  shifted_CV = logits_CV - shift_C[:, None]
-  lse_C = jnp.log(jnp.exp(shifted_CV).sum(axis=-1))
-  target_C = jnp.take_along_axis(shifted_CV, targets_C[:, None], axis=-1)[:, 0]
-  loss = jnp.sum((lse_C - target_C) * weights_C)
-  correct = jnp.sum((jnp.argmax(logits_CV, axis=-1) == targets_C).astype(jnp.float32) * weights_C)
-  return loss, correct, shifted_CV, lse_C
+  shift_PC = jax.lax.stop_gradient(logits_PCV.max(axis=-1))
+  shifted_PCV = logits_PCV - shift_PC[..., None]
+  lse_PC = jnp.log(jnp.exp(shifted_PCV).sum(axis=-1))
+  target_PC = jnp.take_along_axis(shifted_PCV, targets_PC[..., None], axis=-1)[..., 0]
+  loss = jnp.sum((lse_PC - target_PC) * weights_PC)
+  correct = jnp.sum((jnp.argmax(logits_PCV, axis=-1) == targets_PC).astype(jnp.float32) * weights_PC)
+  return loss, correct, shifted_PCV, lse_PC
 
 
-def _split(x, chunk: int):
-  return x.reshape(x.shape[0] // chunk, chunk, *x.shape[1:])
+def _batch_shards(num_tokens: int) -> int:
+  """P: how many devices split the token axis (the mesh's batch axes while a step is traced; 1 off a mesh or
+  inside shard_map, where each device already sees only its own tokens)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or jax.sharding.AxisType.Manual in mesh.axis_types:
+    return 1
+  axes = sharding.rule("act_batch")
+  shards = math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes or ()))
+  return shards if num_tokens % shards == 0 else 1
 
 
-def _pad_rows(x_ND, targets_N, weights_N, chunk: int):
-  """Pads N up to a multiple of `chunk` with zero-weight rows (they add nothing to the loss or the gradients)."""
-  pad = -x_ND.shape[0] % chunk
+def _blocks(x, shards: int, chunk: int):
+  """[N, ...] -> [K, P, C, ...]: each device's contiguous block of N / P tokens (the batch sharding), cut into K
+  chunks of C = `chunk`, zero-padded (padding rows have weight 0). Scanning over K keeps the P axis sharded, so every
+  device runs its own tokens of each chunk; with chunks of the flat token axis, the sharding lands on the scanned
+  axis and GSPMD all-gathers the hidden states, and every device computes every chunk."""
+  per_shard = x.shape[0] // shards
+  x = x.reshape(shards, per_shard, *x.shape[1:])
+  pad = -per_shard % chunk
   if pad:
-    x_ND = jnp.pad(x_ND, ((0, pad), (0, 0)))
-    targets_N = jnp.pad(targets_N, (0, pad))
-    weights_N = jnp.pad(weights_N, (0, pad))
-  return x_ND, targets_N, weights_N
+    x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+  x = x.reshape(shards, x.shape[1] // chunk, chunk, *x.shape[2:])
+  x = jnp.moveaxis(x, 1, 0)
+  return sharding.constrain(x, (None, "act_batch") + (None,) * (x.ndim - 2))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _unblocks(x_KPC, num_tokens: int):
+  """The inverse of `_blocks`: [K, P, C, ...] -> [N, ...] without the padding."""
+  k, p, c = x_KPC.shape[:3]
+  x = jnp.moveaxis(x_KPC, 0, 1).reshape(p, k * c, *x_KPC.shape[3:])[:, :num_tokens // p]
+  return x.reshape(num_tokens, *x.shape[2:])
+
+
 def fused_cross_entropy(x_ND: jax.Array, table_VD: jax.Array, targets_N: jax.Array, weights_N: jax.Array,
                         chunk: int) -> tuple[jax.Array, jax.Array]:
-  """(sum_n w_n * CE(x_n @ table^T, target_n), sum_n w_n * [argmax == target]) with f32 logits, `chunk` tokens at
-  a time. x and table are in the compute dtype; gradients flow to x and table (the second output has none)."""
-  x_ND, targets_N, weights_N = _pad_rows(x_ND, targets_N, weights_N, chunk)
+  """(sum_n w_n * CE(x_n @ table^T, target_n), sum_n w_n * [argmax == target]) with f32 logits, `chunk` tokens per
+  device at a time. x and table are in the compute dtype; gradients flow to x and table (the second output has
+  none)."""
+  return _fused(x_ND, table_VD, targets_N, weights_N, chunk, _batch_shards(x_ND.shape[0]))
 
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _fused(x_ND, table_VD, targets_N, weights_N, chunk, shards):
   def body(totals, xs):
-    x_CD, targets_C, weights_C = xs
-    loss, correct, _, _ = _chunk_stats(x_CD, table_VD, targets_C, weights_C)
+    x_PCD, targets_PC, weights_PC = xs
+    loss, correct, _, _ = _chunk_stats(x_PCD, table_VD, targets_PC, weights_PC)
     return (totals[0] + loss, totals[1] + correct), None
 
   zero = jnp.zeros((), jnp.float32)
-  (loss, correct), _ = jax.lax.scan(body, (zero, zero), (_split(x_ND, chunk), _split(targets_N, chunk),
-                                                        _split(weights_N, chunk)))
+  xs = tuple(_blocks(a, shards, chunk) for a in (x_ND, targets_N, weights_N))
+  (loss, correct), _ = jax.lax.scan(body, (zero, zero), xs)
   return loss, correct
 
 
-def _forward(x_ND, table_VD, targets_N, weights_N, chunk):
+def _forward(x_ND, table_VD, targets_N, weights_N, chunk, shards):
   n, compute_dtype = x_ND.shape[0], x_ND.dtype
-  x_ND, targets_N, weights_N = _pad_rows(x_ND, targets_N, weights_N, chunk)
 
   def body(carry, xs):
-    loss_sum, correct_sum, dtable_VD = carry
-    x_CD, targets_C, weights_C = xs
-    loss, correct, shifted_CV, lse_C = _chunk_stats(x_CD, table_VD, targets_C, weights_C)
+    loss_sum, correct_sum, dtable_PVD = carry
+    x_PCD, targets_PC, weights_PC = xs
+    loss, correct, shifted_PCV, lse_PC = _chunk_stats(x_PCD, table_VD, targets_PC, weights_PC)
     # d(loss)/d(logits) = w * (softmax - one-hot), in f32, then matmuls in the compute dtype with f32 accumulation.
-    dlogits_CV = jnp.exp(shifted_CV - lse_C[:, None])
-    dlogits_CV = dlogits_CV - jax.nn.one_hot(targets_C, dlogits_CV.shape[-1], dtype=jnp.float32)
-    dlogits_CV = (dlogits_CV * weights_C[:, None]).astype(compute_dtype)
-    dx_CD = jnp.einsum("cv,vd->cd", dlogits_CV, table_VD, preferred_element_type=jnp.float32)
-    dtable_VD = dtable_VD + jnp.einsum("cv,cd->vd", dlogits_CV, x_CD, preferred_element_type=jnp.float32)
-    return (loss_sum + loss, correct_sum + correct, dtable_VD), dx_CD
+    dlogits_PCV = jnp.exp(shifted_PCV - lse_PC[..., None])
+    dlogits_PCV = dlogits_PCV - jax.nn.one_hot(targets_PC, dlogits_PCV.shape[-1], dtype=jnp.float32)
+    dlogits_PCV = (dlogits_PCV * weights_PC[..., None]).astype(compute_dtype)
+    dx_PCD = jnp.einsum("pcv,vd->pcd", dlogits_PCV, table_VD, preferred_element_type=jnp.float32)
+    # Each device accumulates its own partial table gradient; they are summed once, after the scan.
+    dtable_PVD = dtable_PVD + jnp.einsum("pcv,pcd->pvd", dlogits_PCV, x_PCD, preferred_element_type=jnp.float32)
+    return (loss_sum + loss, correct_sum + correct, dtable_PVD), dx_PCD
 
   zero = jnp.zeros((), jnp.float32)
-  init = (zero, zero, jnp.zeros(table_VD.shape, jnp.float32))
-  (loss, correct, dtable_VD), dx_KCD = jax.lax.scan(
-      body, init, (_split(x_ND, chunk), _split(targets_N, chunk), _split(weights_N, chunk)))
-  dx_ND = dx_KCD.reshape(-1, x_ND.shape[1])[:n]
-  residuals = (dx_ND.astype(compute_dtype), dtable_VD.astype(table_VD.dtype), targets_N[:n], weights_N[:n])
+  dtable_PVD = sharding.constrain(jnp.zeros((shards,) + table_VD.shape, jnp.float32), ("act_batch", None, None))
+  xs = tuple(_blocks(a, shards, chunk) for a in (x_ND, targets_N, weights_N))
+  (loss, correct, dtable_PVD), dx_KPCD = jax.lax.scan(body, (zero, zero, dtable_PVD), xs)
+  dx_ND = _unblocks(dx_KPCD, n)
+  residuals = (dx_ND.astype(compute_dtype), dtable_PVD.sum(axis=0).astype(table_VD.dtype), targets_N, weights_N)
   return (loss, correct), residuals
 
 
-def _backward(chunk, residuals, cotangents):
-  del chunk
+def _backward(chunk, shards, residuals, cotangents):
+  del chunk, shards
   dx_ND, dtable_VD, targets_N, weights_N = residuals
   g_loss = cotangents[0]  # the accuracy output has no gradient
   dx = (g_loss * dx_ND.astype(jnp.float32)).astype(dx_ND.dtype)
@@ -102,4 +128,4 @@ def _backward(chunk, residuals, cotangents):
   return dx, dtable, jnp.zeros(targets_N.shape, jax.dtypes.float0), jnp.zeros_like(weights_N)
 
 
-fused_cross_entropy.defvjp(_forward, _backward)
+_fused.defvjp(_forward, _backward)

@@ -145,12 +145,17 @@ def _finetune(config: Config, workdir: str, stop_at_step: int | None, stop: reli
   graphdef, state, state_shardings = train.init_train_state(config, mesh, optimizer, make_model)
   batch_shardings = _batch_shardings(mesh)
   schedule = optim.learning_rate_schedule(t)
+  # Traced under the mesh (and its rule overrides) like train.jit_steps, so the models' constraints and FSDP
+  # weight gathering apply.
+  overrides = sharding.rule_overrides(config.mesh)
   train_step = jax.jit(
-      train.make_train_step(graphdef, optimizer, t.grad_accum, schedule, mesh, config.mesh.gradient_sync,
-                            loss_fn=make_classification_loss_fn(graphdef)),
+      sharding.traced_on(mesh, train.make_train_step(graphdef, optimizer, t.grad_accum, schedule, mesh,
+                                                     config.mesh.gradient_sync,
+                                                     loss_fn=make_classification_loss_fn(graphdef)), overrides),
       in_shardings=(state_shardings, batch_shardings),
       out_shardings=(state_shardings, sharding.replicated(mesh)), donate_argnums=0)
-  eval_step = jax.jit(make_eval_step(graphdef), in_shardings=(state_shardings["params"], batch_shardings),
+  eval_step = jax.jit(sharding.traced_on(mesh, make_eval_step(graphdef), overrides),
+                      in_shardings=(state_shardings["params"], batch_shardings),
                       out_shardings=sharding.replicated(mesh))
 
   loader = cls_data.ClassificationLoader(data.train, t.batch_size, t.seed, d.batching, d.seq_len, d.shuffle)
@@ -349,9 +354,15 @@ def _save_best(workdir: str, graphdef, params, class_names: list[str], tokenizer
   tokenizer.save(os.path.join(temp, TOKENIZER_FILE))
   with open(os.path.join(temp, "eval.json"), "w") as f:
     json.dump({k: v for k, v in metrics.items()}, f, indent=2)
+  # Never a moment without a best model on disk: the old one is moved aside, the new one moved in, then the old
+  # one deleted (a kill in between leaves <folder>.old and the new folder, or the old folder and the temp one).
+  old = folder + ".old"
+  if os.path.isdir(old):
+    shutil.rmtree(old)
   if os.path.isdir(folder):
-    shutil.rmtree(folder)
+    os.replace(folder, old)
   os.replace(temp, folder)
+  shutil.rmtree(old, ignore_errors=True)
 
 
 def _write_json(path: str, obj: Any) -> None:

@@ -81,20 +81,22 @@ def _load_jaxlm_workdir(workdir: str, mesh: Mesh, precision: dict) -> Pretrained
   manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(read_only=True), item_handlers={
       "state": ocp.StandardCheckpointHandler(), "data": ocp.JsonCheckpointHandler(),
       "model": ocp.JsonCheckpointHandler()})
-  step = manager.latest_step()
-  if step is None:
-    raise ValueError(f"init_from={workdir!r} has no complete checkpoint under checkpoints/; train it first")
-  saved_model = manager.restore(step, args=ocp.args.Composite(model=ocp.args.JsonRestore()))["model"]
-  known = {f.name for f in dataclasses.fields(ModelConfig)}
-  model_config = dataclasses.replace(ModelConfig(**{k: v for k, v in saved_model.items() if k in known}), **precision)
-  if model_config.flavour != "bert":
-    raise ValueError(f"init_from={workdir!r} holds a {model_config.flavour} model; fine-tuning needs a BERT encoder")
-  # The whole state is restored replicated (optimizer moments included), then only the parameters are kept.
-  metadata = manager.item_metadata(step)["state"]
-  abstract = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=sharding.replicated(mesh)),
-                          metadata)
-  state = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))["state"]
-  manager.close()
+  try:
+    step = manager.latest_step()
+    if step is None:
+      raise ValueError(f"init_from={workdir!r} has no complete checkpoint under checkpoints/; train it first")
+    saved_model = manager.restore(step, args=ocp.args.Composite(model=ocp.args.JsonRestore()))["model"]
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    model_config = dataclasses.replace(ModelConfig(**{k: v for k, v in saved_model.items() if k in known}), **precision)
+    if model_config.flavour != "bert":
+      raise ValueError(f"init_from={workdir!r} holds a {model_config.flavour} model; fine-tuning needs a BERT encoder")
+    # The whole state is restored replicated (optimizer moments included), then only the parameters are kept.
+    metadata = manager.item_metadata(step)["state"]
+    abstract = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=sharding.replicated(mesh)),
+                            metadata)
+    state = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))["state"]
+  finally:  # also when a check above raises
+    manager.close()
   params = state["params"]
   if "bert" not in params:  # a bare encoder
     params = {"bert": params}

@@ -426,11 +426,13 @@ def save(model: nnx.Module, directory: str) -> None:
     checkpointer.save(os.path.join(directory, "params"), tree, force=True)
   float_class = getattr(type(model), "_jaxlm_float_class", type(model))
   if jax.process_index() == 0:
-    with open(os.path.join(directory, "quant.json"), "w") as f:
+    meta_path = os.path.join(directory, "quant.json")  # written whole or not at all: `load` needs it
+    with open(meta_path + ".tmp", "w") as f:
       json.dump({"mode": mode_of(state), "model_class": float_class.__name__,
                  "calibrated": sorted("/".join(map(str, p)) for p, v in nnx.to_flat_state(state)
                                       if isinstance(v.get_value(), Int8Weight) and v.get_value().act_scale is not None)},
                 f, indent=2)
+    os.replace(meta_path + ".tmp", meta_path)
 
 
 def load(directory: str, make_float_model: Callable[[], nnx.Module], mesh: Mesh | None = None) -> nnx.Module:

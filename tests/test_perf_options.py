@@ -104,3 +104,32 @@ def test_cudnn_attention_close_to_xla_attention_in_bf16():
   reference, cudnn = _logits(config), _logits(dataclasses.replace(config, attention="cudnn"))
   assert float(jnp.max(jnp.abs(cudnn - reference))) < 0.05 * float(jnp.max(jnp.abs(reference)))
 
+
+
+def _mesh_step(model, data_devices):
+  from jaxlm import hlo, optim, sharding  # noqa: PLC0415
+  from jaxlm.config import Config, DataConfig, MeshConfig, TrainConfig  # noqa: PLC0415
+  config = Config(model=model, mesh=MeshConfig(data=data_devices), data=DataConfig(seq_len=16),
+                  train=TrainConfig(steps=10, batch_size=4, warmup_steps=1))
+  mesh = sharding.make_mesh(config.mesh, jax.devices()[:data_devices])
+  optimizer = optim.make_optimizer(config.train)
+  graphdef, state, shardings = train.init_train_state(config, mesh, optimizer)
+  train_step, _ = train.jit_steps(graphdef, optimizer, config, mesh, shardings)
+  batch = train.to_global_batch(_batch(model.vocab_size, b=4), mesh)
+  compiled = train_step.lower(state, batch).compile()
+  _, metrics = compiled(state, batch)
+  return jax.device_get(metrics), hlo.collective_bytes(compiled.as_text(), data_devices)
+
+
+def test_fused_cross_entropy_on_a_data_parallel_mesh_keeps_tokens_on_their_devices():
+  """On 4 data-parallel devices each device runs the chunks of its own tokens: no hidden states are all-gathered
+  (chunking the flat token axis did: every device then computed every chunk), the table gradient is reduced once
+  (same collective bytes as the logits path), and loss and gradient norm equal one device's."""
+  fused = dataclasses.replace(TINY, cross_entropy_chunk=12)  # 16 tokens per device: 2 chunks, padded
+  reference, reference_traffic = _mesh_step(TINY, 4)
+  got, traffic = _mesh_step(fused, 4)
+  one_device, _ = _mesh_step(fused, 1)
+  assert traffic["all-gather"] == 0 and traffic["total"] <= reference_traffic["total"] * 1.01, traffic
+  for metrics in (reference, one_device):
+    np.testing.assert_allclose(got["loss"], metrics["loss"], rtol=1e-5)
+    np.testing.assert_allclose(got["grad_norm"], metrics["grad_norm"], rtol=1e-4)
