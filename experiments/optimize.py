@@ -96,6 +96,8 @@ def load_classifier(workdir: str, config) -> Task:
   import jax  # noqa: PLC0415
   from flax import nnx  # noqa: PLC0415
 
+  import numpy as np  # noqa: PLC0415
+
   from jaxlm import finetune, hf, sharding  # noqa: PLC0415
   from jaxlm.data import classification as cls_data  # noqa: PLC0415
   from jaxlm.models.bert import BertForSequenceClassification  # noqa: PLC0415
@@ -124,12 +126,17 @@ def load_classifier(workdir: str, config) -> Task:
   forward = lambda m, b: m(b["input_ids"], b["attention_mask"], b["token_type_ids"])
   print(f"classifier run {workdir}: {len(data.eval.labels)} eval examples, classes {data.class_names}")
   timing = max(eval_batches, key=lambda b: b["input_ids"].shape[1])  # the longest padded batch
+  # The batches are sorted by length: calibrate on evenly spaced ones (short to long) and fine-tune in a seeded
+  # random order, so neither sees only the shortest texts.
+  stride = max(1, len(train_batches) // max(_CALIBRATION.value, 1))
+  calibration = train_batches[::stride][:_CALIBRATION.value]
   steps = max(_PRUNE_STEPS.value, 1)
+  order = np.concatenate([np.random.default_rng(s).permutation(len(train_batches))
+                          for s in range(-(-steps // len(train_batches)))])
   return Task("classifier", model.config,
               lambda c: BertForSequenceClassification(c, num_labels, rngs=nnx.Rngs(0)), model, mesh, evaluate,
               forward, timing, int(timing["input_ids"].shape[0]), "examples",
-              train_batches[:_CALIBRATION.value], finetune.make_classification_loss_fn,
-              (train_batches * steps)[:_PRUNE_STEPS.value])
+              calibration, finetune.make_classification_loss_fn, [train_batches[i] for i in order][:_PRUNE_STEPS.value])
 
 
 def variants(task: Task):

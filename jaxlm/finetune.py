@@ -182,7 +182,9 @@ def _finetune(config: Config, workdir: str, stop_at_step: int | None, stop: reli
   pretrained.params = None
   _write_json(os.path.join(workdir, "config.json"), dataclasses.asdict(config))
   if jax.process_index() == 0:
-    pretrained.tokenizer.save(os.path.join(workdir, TOKENIZER_FILE))
+    path = os.path.join(workdir, TOKENIZER_FILE)  # init_from=<this workdir> needs it whole
+    pretrained.tokenizer.save(path + ".tmp")
+    os.replace(path + ".tmp", path)
 
   peak_per_device, peak_source = telemetry.peak_flops_per_device(dtype=model_config.compute_dtype)
   # A classifier has no vocabulary matmul: the embedding is a lookup, so vocab_size is left out of the FLOPs.

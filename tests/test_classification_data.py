@@ -80,6 +80,8 @@ def test_text_pairs_jsonl_and_parquet_int_labels(tokenizer, tmp_path):
     ([("a", "x"), ("b", "x")], None, {}, r"the training data holds a single class"),
     ([("", "x"), (" ", "y")], None, {}, r"holds no usable rows \(2 with empty text, 0 without a label\)"),
     ([("a", 0), ("b", 0.5)], None, {}, r"train label 0.5 \(row 2 of .*\) is neither a class id nor a class name"),
+    ([("a", "x"), ("b", "y")], [("", "x")], {},  # never silently replaced by a split of the training rows
+     r"the eval data \(data.eval_files / data.hf_eval_split\) holds no usable rows \(1 with empty text"),
 ])
 def test_bad_rows_are_one_line_errors(tokenizer, tmp_path, rows, eval_rows, overrides, message):
   train = _csv(tmp_path / "train.csv", rows)

@@ -301,6 +301,10 @@ def build_classification_data(config: DataConfig, tokenizer: tokenizers.Tokenize
   if not train_rows:
     raise ValueError(f"the training data holds no usable rows ({skipped['skipped_empty_text']} with empty text, "
                      f"{skipped['skipped_missing_label']} without a label); check the files and data.*_column")
+  if not eval_rows and (config.eval_files or (config.source == "hf" and config.hf_eval_split)):
+    raise ValueError(f"the eval data (data.eval_files / data.hf_eval_split) holds no usable rows "
+                     f"({skipped['skipped_empty_text']} with empty text, {skipped['skipped_missing_label']} without "
+                     "a label in all data); check those files, or leave them empty to hold out data.eval_fraction")
   if not eval_rows:  # hold out a seeded random fraction
     if len(train_rows) < 2:
       raise ValueError("holding out eval rows needs >= 2 training rows; add data or give data.eval_files")
