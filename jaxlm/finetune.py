@@ -109,16 +109,9 @@ def finetune(config: Config, workdir: str, stop_at_step: int | None = None) -> d
 
 
 def _finetune(config: Config, workdir: str, stop_at_step: int | None, stop: reliability.StopSignals) -> dict:
-  if os.path.exists(workdir) and not os.path.isdir(workdir):
-    raise ValueError(f"--workdir={workdir!r} is a file, not a folder; give a folder path (it is created)")
-  os.makedirs(workdir, exist_ok=True)
   started = time.time()
+  mesh = train.prepare_run(config, workdir)
   t, d = config.train, config.data
-  mesh = sharding.make_mesh(config.mesh)
-  shards = mesh.shape["data"] * mesh.shape["fsdp"]
-  if t.batch_size % (shards * t.grad_accum) or t.batch_size % jax.process_count():
-    raise ValueError(f"train.batch_size={t.batch_size} must be divisible by mesh.data*mesh.fsdp*train.grad_accum="
-                     f"{shards * t.grad_accum} and by the {jax.process_count()} processes")
 
   pretrained = pretrained_lib.load_pretrained(config, mesh)
   model_config = pretrained.model_config

@@ -219,11 +219,12 @@ def train(config: Config, workdir: str, stop_at_step: int | None = None) -> dict
     return _train(config, workdir, stop_at_step, stop)
 
 
-def _train(config: Config, workdir: str, stop_at_step: int | None, stop: reliability.StopSignals) -> dict:
+def prepare_run(config: Config, workdir: str) -> Mesh:
+  """What every training loop checks before building anything: the workdir is a folder (created), the mesh fits
+  the devices, and the batch splits over the data axes, the micro-batches and the processes. Returns the mesh."""
   if os.path.exists(workdir) and not os.path.isdir(workdir):
     raise ValueError(f"--workdir={workdir!r} is a file, not a folder; give a folder path (it is created)")
   os.makedirs(workdir, exist_ok=True)
-  started = time.time()
   mesh = sharding.make_mesh(config.mesh)
   num_data_shards = mesh.shape["data"] * mesh.shape["fsdp"]
   t = config.train
@@ -233,6 +234,13 @@ def _train(config: Config, workdir: str, stop_at_step: int | None, stop: reliabi
         f"{num_data_shards * t.grad_accum}")
   if t.batch_size % jax.process_count():
     raise ValueError(f"train.batch_size={t.batch_size} is not divisible by the {jax.process_count()} processes")
+  return mesh
+
+
+def _train(config: Config, workdir: str, stop_at_step: int | None, stop: reliability.StopSignals) -> dict:
+  started = time.time()
+  mesh = prepare_run(config, workdir)
+  t = config.train
 
   datasets = data_lib.build_datasets(config.data, config.model.vocab_size, workdir, t.seed)
   optimizer = optim.make_optimizer(t)
