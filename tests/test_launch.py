@@ -17,15 +17,18 @@ JAXLM_ENV = {distributed.ENV_COORDINATOR, distributed.ENV_NUM_PROCESSES, distrib
 
 # Joins the job the way experiments/train_lm.py does, then all-gathers every process's index across processes.
 PROBE = """
-import json, sys
+import json, os, sys
 import numpy as np
 from jaxlm import distributed
 joined = distributed.initialize(timeout_s=60)
 import jax
 from jax.experimental import multihost_utils
 indices = multihost_utils.process_allgather(np.array([jax.process_index()]))
-print("PROBE " + json.dumps({"joined": joined, "index": jax.process_index(), "count": jax.process_count(),
-                             "devices": jax.device_count(), "gathered": np.asarray(indices).ravel().tolist()}))
+report = {"joined": joined, "index": jax.process_index(), "count": jax.process_count(),
+          "devices": jax.device_count(), "gathered": np.asarray(indices).ravel().tolist()}
+# One file per task: two tasks printing to one pipe can interleave their lines.
+with open(os.path.join(os.environ["PROBE_DIR"], f"{jax.process_index()}.json"), "w") as f:
+  json.dump(report, f)
 """
 
 # Stands in for `srun`: starts SLURM_NTASKS copies of the command with the variables a real srun sets per task.
@@ -51,12 +54,12 @@ def test_slurm_sbatch_joins_two_tasks_through_jax_slurm_detection(tmp_path):
   env = {k: v for k, v in os.environ.items() if k not in JAXLM_ENV | {"XLA_FLAGS"}}
   env.update(PATH=f"{bin_dir}:{os.path.dirname(sys.executable)}:{env['PATH']}", SLURM_SUBMIT_DIR=ROOT,
              SLURM_JOB_ID=str(random.randrange(10_000, 90_000)), SLURM_NTASKS="2", JAX_PLATFORMS="cpu",
-             XLA_FLAGS="--xla_force_host_platform_device_count=2", PYTHONPATH=ROOT)
+             XLA_FLAGS="--xla_force_host_platform_device_count=2", PYTHONPATH=ROOT,
+             PROBE_DIR=str(tmp_path))
   result = subprocess.run(["bash", os.path.join(ROOT, "launch/slurm.sbatch"), str(tmp_path / "probe.py")],
                           env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
   assert result.returncode == 0, result.stderr[-3000:]
-  reports = sorted((json.loads(line.split(" ", 1)[1]) for line in result.stdout.splitlines()
-                    if line.startswith("PROBE ")), key=lambda r: r["index"])
+  reports = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("*.json"))]
   assert [r["index"] for r in reports] == [0, 1], result.stdout
   for report in reports:
     assert report["joined"] and report["count"] == 2 and report["devices"] == 4 and report["gathered"] == [0, 1]
