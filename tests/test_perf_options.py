@@ -1,7 +1,8 @@
 """Every speed option computes the same function as its reference path: the fused chunked cross-entropy
-(model.cross_entropy_chunk) against [B, T, V] logits + optax, the fused q/k/v matmul (model.fuse_qkv), and
-jax.nn.dot_product_attention (model.attention=jax|cudnn) against the einsum attention on packed documents. Tiny
-shapes: seconds on a CPU."""
+(model.cross_entropy_chunk) against [B, T, V] logits + optax, the fused q/k/v matmul (model.fuse_qkv), the
+unrolled layer scan (model.scan_unroll), and the block-causal and jax.nn.dot_product_attention paths
+(model.attention=causal_blocks|jax|cudnn) against the einsum attention on packed documents. Tiny shapes: seconds
+on a CPU."""
 
 import dataclasses
 import functools
@@ -96,6 +97,28 @@ def _logits(config):
 def test_jax_nn_attention_equals_einsum_attention_on_packed_documents(base):
   chex.assert_trees_all_close(_logits(dataclasses.replace(base, attention="jax")), _logits(base),
                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("block", [4, 7, 16])  # divides T=16; leaves a short last block; one block
+@pytest.mark.parametrize("base", [TINY, LLAMA], ids=["gpt2_mha", "llama_gqa"])
+def test_causal_block_attention_equals_einsum_attention(base, block):
+  """Loss and every gradient, on rows of two packed documents (the document mask inside the causal one)."""
+  config = dataclasses.replace(base, attention="causal_blocks", attention_block=block)
+  chex.assert_trees_all_close(_loss_value_and_grads(config), _loss_value_and_grads(base), rtol=1e-5, atol=1e-6)
+
+
+def test_causal_block_attention_needs_self_attention():
+  from jaxlm.models.layers import causal_block_attention  # noqa: PLC0415
+  from jaxlm.precision import Policy  # noqa: PLC0415
+  q, kv = jnp.zeros((1, 4, 2, 8)), jnp.zeros((1, 6, 2, 8))
+  with pytest.raises(ValueError, match="as many keys as queries"):
+    causal_block_attention(q, kv, kv, jnp.ones((1, 4, 6), bool), Policy(), 2)
+
+
+@pytest.mark.parametrize("base", [TINY, LLAMA], ids=["gpt2", "llama"])
+def test_unrolled_layer_scan_equals_rolled(base):
+  config = dataclasses.replace(base, scan_unroll=2)
+  chex.assert_trees_all_close(_loss_value_and_grads(config), _loss_value_and_grads(base), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN attention needs an NVIDIA GPU")

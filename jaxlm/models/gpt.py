@@ -38,7 +38,8 @@ class Block(nnx.Module):
     self.attn_norm = norm(config.d_model, config.layer_norm_eps, policy)
     self.attn = Attention(config.d_model, config.num_heads, config.num_kv_heads or config.num_heads, policy, std,
                           out_std, use_bias=not llama, rope_theta=config.rope_theta if llama else None,
-                          implementation=config.attention, fuse_qkv=config.fuse_qkv, rngs=rngs)
+                          implementation=config.attention, fuse_qkv=config.fuse_qkv,
+                          block=config.attention_block, rngs=rngs)
     self.mlp_norm = norm(config.d_model, config.layer_norm_eps, policy)
     if llama:
       self.mlp = GatedMLP(config.d_model, config.mlp_width, policy, std, out_std, rngs=rngs)
@@ -117,7 +118,8 @@ class GPT(nnx.Module):
     def body(block, x_BTD, _):
       return block(x_BTD, mask_BTS, positions_BT), None
 
-    x_BTD, _ = scan_blocks(self.blocks, body, self._embed(input_ids_BT, positions_BT), remat=self.config.remat)
+    x_BTD, _ = scan_blocks(self.blocks, body, self._embed(input_ids_BT, positions_BT), remat=self.config.remat,
+                           unroll=self.config.scan_unroll)
     return self.final_norm(x_BTD)
 
   def init_cache(self, batch: int, slots: int) -> KVCache:
