@@ -55,7 +55,8 @@ class MeshConfig:
   fsdp: int = 1  # devices that shard params, grads and optimizer state (and the batch)
   tensor: int = 1  # devices that split attention heads and the MLP width (Megatron style)
   preset: str = ""  # dp | fsdp | tp | dp_tp | fsdp_tp: sets data/fsdp/tensor (see jaxlm.sharding.MESH_PRESETS)
-  gradient_sync: str = "auto"  # auto: GSPMD inserts the collectives | shard_map: explicit psum over the batch axes
+  gradient_sync: str = "auto"  # gspmd: GSPMD inserts the collectives | shard_map: one explicit psum over the batch
+                               # axes | auto: shard_map for pure data parallel with grad_accum > 1, else gspmd
   sequence_parallel: bool = False  # Megatron-SP: the residual stream (norms, residual adds) is sharded along the
                                    # sequence over the tensor axis; all-reduces become reduce-scatter + all-gather
 
@@ -208,8 +209,8 @@ def validate(config: Config) -> None:
     raise ValueError("data.source=files needs data.train_files (comma-separated paths)")
   if d.source == "hf" and not d.hf_name:
     raise ValueError("data.source=hf needs data.hf_name")
-  if config.mesh.gradient_sync not in ("auto", "shard_map"):
-    raise ValueError(f"mesh.gradient_sync={config.mesh.gradient_sync!r} is not one of auto, shard_map")
+  if config.mesh.gradient_sync not in ("auto", "gspmd", "shard_map"):
+    raise ValueError(f"mesh.gradient_sync={config.mesh.gradient_sync!r} is not one of auto, gspmd, shard_map")
   if t.steps < 1:
     raise ValueError(f"train.steps={t.steps} must be >= 1")
   if t.max_consecutive_nonfinite < 1:

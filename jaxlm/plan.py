@@ -368,8 +368,8 @@ def analytic_collective_bytes(config: Config, sizes: tuple[int, int, int], grad_
   """Bytes each device sends per step with ring collectives, when no compiled HLO is at hand.
 
   `param_bytes_f32` is the whole model's f32 parameter bytes. DP: an all-reduce of the gradients, in every
-  micro-batch with `mesh.gradient_sync=auto` (GSPMD reduces inside the accumulation loop: measured 2x the bytes
-  for 2 micro-batches) and once with `shard_map`. FSDP: each
+  micro-batch under `gspmd` (GSPMD reduces inside the accumulation loop: measured 2x the bytes for 2
+  micro-batches) and once with `shard_map` (what `auto` picks for pure data parallelism). FSDP: each
   micro-batch all-gathers the weights for the forward and again for the backward, and reduce-scatters the
   gradients. TP: all-reduces of the [b, T, D] activations: per layer two forward (attention and MLP outputs) and
   four backward (the input gradients of the q, k, v projections are reduced separately, plus the MLP's), and one
@@ -380,7 +380,9 @@ def analytic_collective_bytes(config: Config, sizes: tuple[int, int, int], grad_
   shard = param_bytes_f32 / tensor
   total = 0.0
   if data > 1:
-    reductions = grad_accum if config.mesh.gradient_sync == "auto" else 1
+    sync = train.resolve_gradient_sync(config.mesh.gradient_sync, dict(zip(("data", "fsdp", "tensor"), sizes)),
+                                       grad_accum)
+    reductions = grad_accum if sync == "gspmd" else 1
     total += reductions * 2 * (data - 1) / data * shard / fsdp
   if fsdp > 1:
     total += grad_accum * 3 * (fsdp - 1) / fsdp * shard

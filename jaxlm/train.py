@@ -105,16 +105,31 @@ def fused_loss(model: GPT, batch: dict):
   return loss_sum, (mask_BT.sum(), {"correct": correct})
 
 
+def resolve_gradient_sync(gradient_sync: str, mesh_shape: dict[str, int], grad_accum: int) -> str:
+  """`auto` -> `shard_map` for pure data parallelism with accumulation, else `gspmd`.
+
+  Under GSPMD every micro-batch's gradient is all-reduced inside the accumulation loop (the replicated accumulator
+  needs a replicated addend): grad_accum times the bytes on the CPU (XLA:CPU has no pass that hoists the
+  reduction out of the loop; XLA:GPU/TPU may). The shard_map path accumulates each device's own sums and reduces
+  once. With FSDP or TP the parameters are sharded and GSPMD's per-micro-batch reduce-scatter is what keeps the
+  gradient memory sharded, so `auto` keeps GSPMD there."""
+  if gradient_sync != "auto":
+    return gradient_sync
+  pure_data = mesh_shape.get("fsdp", 1) == 1 and mesh_shape.get("tensor", 1) == 1 and mesh_shape.get("data", 1) > 1
+  return "shard_map" if pure_data and grad_accum > 1 else "gspmd"
+
+
 def make_gradient_fn(loss_fn: optim.SumLossFn, grad_accum: int, mesh: Mesh | None = None,
                      gradient_sync: str = "auto"):
   """(params, batch) -> (mean loss, token count, gradients, aux).
 
-  `auto` leaves the collectives to GSPMD. `shard_map` writes the data-parallel reduction by hand: each device
+  `gspmd` leaves the collectives to GSPMD. `shard_map` writes the data-parallel reduction by hand: each device
   computes its shard's loss and gradient sums, one `psum` over the batch axes adds them up, then every device
   divides by the global token count. Parameters enter replicated (FSDP/TP shards are all-gathered at the boundary),
-  so this path is data parallelism with an explicit collective, tested equal to `auto`.
+  so this path is data parallelism with an explicit collective, tested equal to `gspmd`. `auto`: see
+  `resolve_gradient_sync`.
   """
-  if gradient_sync == "auto":
+  if resolve_gradient_sync(gradient_sync, dict(mesh.shape) if mesh is not None else {}, grad_accum) == "gspmd":
     return lambda params, batch: optim.accumulate_gradients(loss_fn, params, batch, grad_accum)
   batch_axes = sharding.RULES["act_batch"]
 

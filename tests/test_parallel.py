@@ -59,7 +59,7 @@ def test_sequence_parallel_matches_one_device(single_device):
 
 
 def test_shard_map_path_equals_automatic_path_with_accumulation():
-  auto_losses, auto_metrics, auto_state = _run(MeshConfig(data=2, fsdp=2, tensor=1), "auto", grad_accum=2)
+  auto_losses, auto_metrics, auto_state = _run(MeshConfig(data=2, fsdp=2, tensor=1), "gspmd", grad_accum=2)
   sm_losses, sm_metrics, sm_state = _run(MeshConfig(data=2, fsdp=2, tensor=1), "shard_map", grad_accum=2)
   np.testing.assert_allclose(sm_losses, auto_losses, rtol=1e-5)
   np.testing.assert_allclose(sm_metrics["grad_norm"], auto_metrics["grad_norm"], rtol=1e-5)
@@ -115,3 +115,27 @@ def test_hlo_collective_bytes_of_data_parallel_and_fsdp_steps_are_near_the_ring_
     param_bytes = sum(x.size * 4 for x in jax.tree.leaves(state["params"]))
     minimum = 2 * (devices - 1) / devices * param_bytes
     assert (moved == 0) if devices == 1 else (minimum <= moved <= slack * minimum), (moved, minimum)
+
+
+def _step_collective_bytes(mesh_config, grad_accum):
+  from jaxlm import hlo  # noqa: PLC0415
+  config = Config(model=MODEL, mesh=mesh_config, data=DataConfig(seq_len=16),
+                  train=TrainConfig(steps=10, batch_size=16, grad_accum=grad_accum))
+  mesh = sharding.make_mesh(config.mesh)
+  optimizer = optim.make_optimizer(config.train)
+  graphdef, state, shardings = train.init_train_state(config, mesh, optimizer)
+  train_step, _ = train.jit_steps(graphdef, optimizer, config, mesh, shardings)
+  compiled = train_step.lower(state, train.to_global_batch(_batch(16), mesh)).compile()
+  return hlo.collective_bytes(compiled.as_text(), mesh.size)["total"]
+
+
+def test_data_parallel_accumulation_reduces_the_gradients_once_per_step():
+  """`auto` on a pure data-parallel mesh with 4 micro-batches moves no more than one unaccumulated step moves; GSPMD's own
+  placement all-reduces inside the accumulation loop, once per micro-batch, on the CPU (why `auto` avoids it)."""
+  one = _step_collective_bytes(MeshConfig(data=4), grad_accum=1)
+  auto = _step_collective_bytes(MeshConfig(data=4), grad_accum=4)
+  gspmd = _step_collective_bytes(MeshConfig(data=4, gradient_sync="gspmd"), grad_accum=4)
+  assert auto <= 1.05 * one, (auto, one)  # (a little less: one psum of all the sums)
+  assert gspmd > 3 * one, (gspmd, one)
+  assert train.resolve_gradient_sync("auto", {"data": 2, "fsdp": 2, "tensor": 1}, 4) == "gspmd"
+  assert train.resolve_gradient_sync("auto", {"data": 4, "fsdp": 1, "tensor": 1}, 1) == "gspmd"
