@@ -47,7 +47,6 @@ if (sys.platform.startswith("linux") and "--nomalloc_hugepages" not in sys.argv
   os.execv(sys.executable, [sys.executable] + sys.argv)
 
 import dataclasses  # noqa: E402
-import json  # noqa: E402
 import resource  # noqa: E402
 import statistics  # noqa: E402
 import tempfile  # noqa: E402
@@ -65,7 +64,7 @@ import bench_torch  # noqa: E402
 from jaxlm import cli  # noqa: E402
 from jaxlm import config as config_lib  # noqa: E402
 from jaxlm import data as data_lib  # noqa: E402
-from jaxlm import optim, sharding, telemetry, train  # noqa: E402
+from jaxlm import files, optim, sharding, telemetry, train  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", "experiments/configs/bench_cpu.py", "model and batch to time",
                                           lock_config=True)
@@ -352,9 +351,7 @@ def main(argv):
     result.update(gpu_section(config))
   result["load_average_end"] = load_average()
   path = os.path.join(workdir, "bench.json")
-  with open(path + ".tmp", "w") as f:
-    json.dump(result, f, indent=2)
-  os.replace(path + ".tmp", path)
+  files.write_json(path, result)
   print_table(result)
   print(f"wrote {path}")
 

@@ -232,6 +232,8 @@ def measure(task: Task, name: str, model, out_dir: str) -> dict:
 def write_outputs(workdir: str, task: Task, rows: dict[str, dict], command: str) -> None:
   import jax  # noqa: PLC0415
 
+  from jaxlm import files  # noqa: PLC0415
+
   metric = "perplexity" if task.kind == "lm" else "accuracy"
   base = rows["fp32"]
   flat: dict[str, Any] = {"kind": task.kind, "metric": metric, "device_kind": jax.devices()[0].device_kind,
@@ -248,9 +250,7 @@ def write_outputs(workdir: str, task: Task, rows: dict[str, dict], command: str)
       flat[f"{key}/f1_macro_change_points"] = 100 * (row["f1_macro"] - base["f1_macro"])
     flat[f"{key}/checkpoint_ratio_vs_fp32"] = base["checkpoint_bytes"] / row["checkpoint_bytes"]
     flat[f"{key}/speedup_vs_fp32"] = base["latency_ms"] / row["latency_ms"]
-  with open(os.path.join(workdir, "optimize.json.tmp"), "w") as f:
-    json.dump(flat, f, indent=2)
-  os.replace(os.path.join(workdir, "optimize.json.tmp"), os.path.join(workdir, "optimize.json"))
+  files.write_json(os.path.join(workdir, "optimize.json"), flat)
   table = markdown_table(task, rows)
   chart(workdir, task, rows)
   section = "\n".join([
@@ -262,9 +262,7 @@ def write_outputs(workdir: str, task: Task, rows: dict[str, dict], command: str)
   text = open(report).read() if os.path.exists(report) else ""
   if REPORT_BEGIN in text and REPORT_END in text:
     text = text[:text.index(REPORT_BEGIN)] + text[text.index(REPORT_END) + len(REPORT_END):].lstrip("\n")
-  with open(report + ".tmp", "w") as f:
-    f.write(text.rstrip("\n") + "\n\n" + section)
-  os.replace(report + ".tmp", report)
+  files.write_text(report, text.rstrip("\n") + "\n\n" + section)
   print(table)
 
 

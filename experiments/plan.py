@@ -22,15 +22,13 @@ import os
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
-import json  # noqa: E402
-
 import jax  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from jaxlm import cli  # noqa: E402
 from jaxlm import config as config_lib  # noqa: E402
-from jaxlm import measure, plan  # noqa: E402
+from jaxlm import files, measure, plan  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "where plan.json, plan.md and plan.png go")
@@ -183,12 +181,12 @@ def main(argv):
     flat = {k: v for k, v in r.items() if k != "memory_parts_gib"}
     flat.update({f"memory_{k}_gib": v for k, v in r["memory_parts_gib"].items()})
     flat_rows.append(flat)
-  with open(os.path.join(_WORKDIR.value, "plan.json"), "w") as f:
-    json.dump({**summary, "rows": flat_rows}, f, indent=2)
+  files.write_json(os.path.join(_WORKDIR.value, "plan.json"), {**summary, "rows": flat_rows})
   table = format_table(rows)
-  with open(os.path.join(_WORKDIR.value, "plan.md"), "w") as f:
-    f.write(f"# Plan for {config.model.flavour} d{config.model.d_model} x {config.model.num_layers} layers, batch "
-            f"{config.train.batch_size} x {config.data.seq_len}, {assumptions.tokens:.3g} tokens\n\n{table}\n")
+  files.write_text(os.path.join(_WORKDIR.value, "plan.md"),
+                   f"# Plan for {config.model.flavour} d{config.model.d_model} x {config.model.num_layers} layers, "
+                   f"batch {config.train.batch_size} x {config.data.seq_len}, {assumptions.tokens:.3g} tokens\n\n"
+                   f"{table}\n")
   plot(rows, os.path.join(_WORKDIR.value, "plan.png"))
   print(table)
   print(f"wrote {_WORKDIR.value}/plan.json, plan.md, plan.png")

@@ -33,7 +33,7 @@ from typing import Any
 from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # jaxlm from a checkout, too
-from jaxlm import cli  # noqa: E402
+from jaxlm import cli, files  # noqa: E402
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -138,16 +138,10 @@ def summarise(sweep_dir: str, runs: list[dict[str, Any]], metric: str) -> str:
     lines.append("| " + " | ".join(cells) + " |")
   table = "\n".join(lines)
   os.makedirs(sweep_dir, exist_ok=True)
-  _write(os.path.join(sweep_dir, "sweep.json"), json.dumps({"metric": metric, "runs": ordered}, indent=2))
-  _write(os.path.join(sweep_dir, "summary.md"), f"# Sweep {os.path.basename(os.path.abspath(sweep_dir))}, "
+  files.write_json(os.path.join(sweep_dir, "sweep.json"), {"metric": metric, "runs": ordered})
+  files.write_text(os.path.join(sweep_dir, "summary.md"), f"# Sweep {os.path.basename(os.path.abspath(sweep_dir))}, "
                                                 f"sorted by {metric}\n\n{table}\n")
   return table
-
-
-def _write(path: str, text: str) -> None:
-  with open(path + ".tmp", "w") as f:
-    f.write(text)
-  os.replace(path + ".tmp", path)
 
 
 def main(argv):

@@ -39,7 +39,7 @@ import tokenizers
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxlm import evaluate, hf, optim, reliability, sharding, telemetry, train
+from jaxlm import evaluate, files, hf, optim, reliability, sharding, telemetry, train
 from jaxlm import pretrained as pretrained_lib
 from jaxlm.checkpoint import Checkpointer, abstract_with_shardings
 from jaxlm.config import Config
@@ -362,6 +362,4 @@ def _save_best(workdir: str, graphdef, params, class_names: list[str], tokenizer
 
 def _write_json(path: str, obj: Any) -> None:
   if jax.process_index() == 0:
-    with open(path + ".tmp", "w") as f:
-      json.dump(obj, f, indent=2)
-    os.replace(path + ".tmp", path)
+    files.write_json(path, obj)

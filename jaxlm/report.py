@@ -14,6 +14,8 @@ from typing import Any
 
 import jax
 
+from jaxlm import files
+
 
 def read_metrics(workdir: str) -> list[dict[str, Any]]:
   """The records of <workdir>/metrics.jsonl in file order; lines that do not parse (a killed write) are skipped."""
@@ -144,8 +146,5 @@ def write_report(workdir: str, title: str, summary: dict[str, Any], config_text:
     sections += [f"## {heading}", markdown]
   sections += ["## Config", _fenced(config_text)]
   text = "\n\n".join(sections) + "\n"
-  temp_path = report_path + ".tmp"
-  with open(temp_path, "w") as f:
-    f.write(text)
-  os.replace(temp_path, report_path)
+  files.write_text(report_path, text)
   return report_path

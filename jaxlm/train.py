@@ -21,7 +21,7 @@ from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxlm import data as data_lib
-from jaxlm import cross_entropy, generate, optim, reliability, sharding, telemetry
+from jaxlm import cross_entropy, files, generate, optim, reliability, sharding, telemetry
 from jaxlm.evaluate import lm_metrics
 from jaxlm.checkpoint import Checkpointer, abstract_with_shardings
 from jaxlm.config import Config, ModelConfig
@@ -373,7 +373,5 @@ def sample_text(graphdef, params, tokenizer, prompt: str, num_tokens: int, max_l
 
 
 def _write_json(path: str, obj: Any) -> None:
-  if jax.process_index() == 0:  # written then renamed, so a kill never leaves half a file
-    with open(path + ".tmp", "w") as f:
-      json.dump(obj, f, indent=2)
-    os.replace(path + ".tmp", path)
+  if jax.process_index() == 0:
+    files.write_json(path, obj)

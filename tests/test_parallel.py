@@ -2,7 +2,6 @@
 
 import dataclasses
 
-import chex
 import jax
 import numpy as np
 import pytest

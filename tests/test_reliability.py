@@ -227,3 +227,13 @@ def test_restore_onto_fewer_devices_is_bit_identical(tmp_path):
       assert leaf.sharding.device_set == set(devices)
     for a, b in zip(jax.tree.leaves(saved), jax.tree.leaves(jax.device_get(restored)), strict=True):
       assert a.dtype == b.dtype and a.tobytes() == b.tobytes()
+
+
+def test_result_files_are_replaced_whole_or_not_at_all(tmp_path):
+  from jaxlm import files  # noqa: PLC0415
+  path = str(tmp_path / "plan.json")
+  files.write_json(path, {"step_sec": 1.5})
+  with pytest.raises(TypeError):
+    files.write_json(path, {"step_sec": object()})  # fails while serialising: the old file must survive
+  assert json.loads(open(path).read()) == {"step_sec": 1.5}
+  assert sorted(os.listdir(tmp_path)) == ["plan.json"]

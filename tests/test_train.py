@@ -5,7 +5,6 @@ import json
 
 import chex
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
