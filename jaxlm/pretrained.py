@@ -78,8 +78,10 @@ def _load_jaxlm_workdir(workdir: str, mesh: Mesh, precision: dict) -> Pretrained
   import orbax.checkpoint as ocp  # noqa: PLC0415
 
   directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
+  # PyTreeCheckpointHandler reads what StandardCheckpointHandler wrote (the same format) and, unlike it, can restore
+  # a chosen subtree: only the parameters are read, never the optimizer moments (2x the parameters for AdamW).
   manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(read_only=True), item_handlers={
-      "state": ocp.StandardCheckpointHandler(), "data": ocp.JsonCheckpointHandler(),
+      "state": ocp.PyTreeCheckpointHandler(), "data": ocp.JsonCheckpointHandler(),
       "model": ocp.JsonCheckpointHandler()})
   try:
     step = manager.latest_step()
@@ -90,11 +92,14 @@ def _load_jaxlm_workdir(workdir: str, mesh: Mesh, precision: dict) -> Pretrained
     model_config = dataclasses.replace(ModelConfig(**{k: v for k, v in saved_model.items() if k in known}), **precision)
     if model_config.flavour != "bert":
       raise ValueError(f"init_from={workdir!r} holds a {model_config.flavour} model; fine-tuning needs a BERT encoder")
-    # The whole state is restored replicated (optimizer moments included), then only the parameters are kept.
-    metadata = manager.item_metadata(step)["state"]
-    abstract = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=sharding.replicated(mesh)),
-                            metadata)
-    state = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))["state"]
+    # Replicated: the fine-tuning state is laid out on the mesh later (train.init_train_state + merge_pretrained).
+    params_metadata = manager.item_metadata(step)["state"]["params"]
+    replicated = sharding.replicated(mesh)
+    abstract = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=replicated), params_metadata)
+    restore_args = jax.tree.map(lambda m: ocp.ArrayRestoreArgs(sharding=replicated), params_metadata)
+    # transforms={} restores exactly the keys of `item` (the parameters) and skips the rest of the saved state.
+    state = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+        item={"params": abstract}, restore_args={"params": restore_args}, transforms={})))["state"]
   finally:  # also when a check above raises
     manager.close()
   params = state["params"]
