@@ -1,0 +1,62 @@
+"""experiments/optimize.py end to end on a tiny trained LM: every variant is measured and written (optimize.json,
+the report section, the chart), the int8 checkpoints are smaller, and quality stays finite and near the float
+model for the int8 variants. A subprocess, as a user runs it."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from jaxlm import config as config_lib
+from jaxlm import train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _trained_workdir(tmp_path):
+  corpus = tmp_path / "corpus.jsonl"
+  rng = np.random.default_rng(0)
+  words = ["alpha", "beta", "gamma", "return", "def", "(", ")", ":", "=", "1"]
+  corpus.write_text("".join(json.dumps({"text": " ".join(rng.choice(words, size=rng.integers(5, 30)))}) + "\n"
+                            for _ in range(300)))
+  config = config_lib.default_config()
+  for key, value in {"model.vocab_size": 320, "model.num_layers": 2, "model.d_model": 64, "model.num_heads": 4,
+                     "model.max_seq_len": 32, "model.compute_dtype": "float32", "data.seq_len": 16,
+                     "data.source": "files", "data.train_files": (str(corpus),), "train.steps": 30,
+                     "train.batch_size": 8, "train.eval_batches": 2, "train.eval_every_steps": 0,
+                     "checkpoint.every_steps": 0, "log.every_steps": 10, "log.progress_bar": False,
+                     "log.sample_tokens": 0}.items():
+    section, name = key.split(".")
+    setattr(config[section], name, value)
+  workdir = str(tmp_path / "run")
+  train.train(config_lib.from_config_dict(config), workdir)
+  return workdir
+
+
+def test_optimize_measures_every_variant_of_a_trained_lm(tmp_path):
+  workdir = _trained_workdir(tmp_path)
+  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+  env.pop("XLA_FLAGS", None)  # one device, as a user's laptop
+  result = subprocess.run([sys.executable, os.path.join(ROOT, "experiments/optimize.py"), f"--workdir={workdir}",
+                           "--repeats=2", "--calibration_batches=2", "--max_eval_batches=2"],
+                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0, result.stderr[-3000:]
+  flat = json.loads(open(os.path.join(workdir, "optimize.json")).read())
+  variants = {key.split("/")[0] for key in flat}
+  assert {"fp32", "bf16", "int8_weight-only", "int8_W8A8", "int8_W8A8_dynamic", "50%_magnitude",
+          "50%_magnitude_per_layer", "2:4", "2:4_+_int8"} <= variants, variants
+  fp32 = flat["fp32/perplexity"]
+  assert np.isfinite(fp32) and fp32 < 320  # trained: better than uniform over the vocabulary
+  for name in ("int8_weight-only", "int8_W8A8", "int8_W8A8_dynamic"):
+    assert flat[f"{name}/perplexity"] == pytest.approx(fp32, rel=0.02), name
+    assert flat[f"{name}/checkpoint_ratio_vs_fp32"] > 2.5, name  # 4x for the matmul weights, less overall here
+  for name in ("50%_magnitude", "50%_magnitude_per_layer", "2:4"):
+    assert flat[f"{name}/sparsity"] == pytest.approx(0.5, abs=0.01), name
+    assert flat[f"{name}/perplexity"] == pytest.approx(fp32, rel=0.10), name
+  report = open(os.path.join(workdir, "report.md")).read()
+  assert report.count("<!-- optimize:begin -->") == 1 and "optimize.png" in report
+  assert os.path.exists(os.path.join(workdir, "optimize.png"))
+  assert not os.path.exists(os.path.join(workdir, "optimize"))  # variant checkpoints removed unless kept
