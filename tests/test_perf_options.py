@@ -107,6 +107,13 @@ def test_causal_block_attention_equals_einsum_attention(base, block):
   chex.assert_trees_all_close(_loss_value_and_grads(config), _loss_value_and_grads(base), rtol=1e-5, atol=1e-6)
 
 
+def test_causal_block_attention_is_refused_for_a_bidirectional_encoder():
+  from jaxlm.models.layers import Attention  # noqa: PLC0415
+  from jaxlm.precision import Policy  # noqa: PLC0415
+  with pytest.raises(ValueError, match="attention=causal_blocks .* not causal: use attention=xla"):
+    Attention(32, 4, 4, Policy(), 0.02, 0.02, implementation="causal_blocks", rngs=nnx.Rngs(0))
+
+
 def test_causal_block_attention_needs_self_attention():
   from jaxlm.models.layers import causal_block_attention  # noqa: PLC0415
   from jaxlm.precision import Policy  # noqa: PLC0415

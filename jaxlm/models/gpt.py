@@ -39,7 +39,7 @@ class Block(nnx.Module):
     self.attn = Attention(config.d_model, config.num_heads, config.num_kv_heads or config.num_heads, policy, std,
                           out_std, use_bias=not llama, rope_theta=config.rope_theta if llama else None,
                           implementation=config.attention, fuse_qkv=config.fuse_qkv,
-                          block=config.attention_block, rngs=rngs)
+                          block=config.attention_block, causal=True, rngs=rngs)
     self.mlp_norm = norm(config.d_model, config.layer_norm_eps, policy)
     if llama:
       self.mlp = GatedMLP(config.d_model, config.mlp_width, policy, std, out_std, rngs=rngs)

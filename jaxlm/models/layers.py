@@ -193,11 +193,13 @@ def causal_block_attention(q_BTHK: jax.Array, k_BTGK: jax.Array, v_BTGK: jax.Arr
 
 
 def library_attention(q_BTHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, mask_BTS: jax.Array,
-                      implementation: str) -> jax.Array:
+                      implementation: str, causal: bool = False) -> jax.Array:
   """`dot_product_attention` through jax.nn.dot_product_attention: `jax` is its XLA path, `cudnn` its cuDNN flash
   path (GPUs, bf16/fp16). The full [B, T, S] mask (causal and document boundaries) is always passed, so packed
-  documents stay apart on every path (cuDNN takes it as an additive bias); softmax is in f32 on both."""
-  return jax.nn.dot_product_attention(q_BTHK, k_BSGK, v_BSGK, mask=mask_BTS[:, None],
+  documents stay apart on every path (cuDNN takes it as an additive bias); softmax is in f32 on both. `causal`
+  (the mask already hides every later key) also tells the kernel so: cuDNN then skips the blocks above the
+  diagonal instead of computing them under a -inf bias. Same function either way (tested)."""
+  return jax.nn.dot_product_attention(q_BTHK, k_BSGK, v_BSGK, mask=mask_BTS[:, None], is_causal=causal,
                                       implementation="xla" if implementation == "jax" else implementation)
 
 
@@ -208,13 +210,17 @@ class Attention(nnx.Module):
 
   def __init__(self, d_model: int, num_heads: int, num_kv_heads: int, policy: Policy, std: float, out_std: float,
                *, use_bias: bool = True, rope_theta: float | None = None, implementation: str = "xla",
-               fuse_qkv: bool = False, block: int = 64, rngs: nnx.Rngs):
+               fuse_qkv: bool = False, block: int = 64, causal: bool = False, rngs: nnx.Rngs):
     if num_heads % num_kv_heads:
       raise ValueError(f"num_heads={num_heads} is not divisible by num_kv_heads={num_kv_heads}")
+    if implementation == "causal_blocks" and not causal:
+      raise ValueError("attention=causal_blocks skips the blocks a causal mask hides; this model's attention is not "
+                       "causal: use attention=xla")
     self.policy = policy
     self.rope_theta = rope_theta
     self.implementation = implementation  # ModelConfig.attention: xla | causal_blocks | jax | cudnn
     self.block = block  # ModelConfig.attention_block: queries per block of causal_blocks
+    self.causal = causal  # the caller's mask hides every later key (decoders); enables causal-only kernels
     self.fuse_qkv = fuse_qkv  # ModelConfig.fuse_qkv: one [D, H+2G, K] matmul instead of three
     h, g, k, dt = num_heads, num_kv_heads, d_model // num_heads, policy.param_dtype
     self.w_q = nnx.Param(_normal(rngs, (d_model, h, k), std, dt), axes=("embed", "heads", "head_dim"))
@@ -273,7 +279,7 @@ class Attention(nnx.Module):
       return self._out(dot_product_attention(q, k, v, mask_BTS, self.policy))
     if self.implementation == "causal_blocks":
       return self._out(causal_block_attention(q, k, v, mask_BTS, self.policy, self.block))
-    return self._out(library_attention(q, k, v, mask_BTS, self.implementation))
+    return self._out(library_attention(q, k, v, mask_BTS, self.implementation, self.causal))
 
   def decode(self, x_BTD: jax.Array, mask_BTS: jax.Array, positions_BT: jax.Array, k_BSGK: jax.Array,
              v_BSGK: jax.Array, end: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
