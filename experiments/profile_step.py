@@ -1,0 +1,153 @@
+"""Where one train step's time goes: the configured step under `jax.profiler`, op by op, grouped by kind.
+
+  python experiments/profile_step.py --config=experiments/configs/bench_cpu.py --workdir=runs/profile
+  python experiments/profile_step.py --config=experiments/configs/bench_gpu.py --workdir=runs/profile_gpu
+
+Writes <workdir>/profile.json (step wall time, milliseconds per step of every kind and of the top ops) and the raw
+trace under <workdir>/trace (open it with TensorBoard's profile plugin or xprof for the timeline). Each profiled
+event is matched by name to its instruction in the compiled step's HLO, and the instruction decides the kind:
+matmul (a dot, or a fusion / library call around one), attention (cuDNN), collective, copy/transpose, slicing,
+reduce, elementwise. On a GPU the events are the device's kernels, one stream, so they add up to about the step;
+on the CPU they are XLA's thunks on its worker threads, which overlap, so the kinds add up to thread time.
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import os
+import re
+import shutil
+import time
+
+import jax
+import numpy as np
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from jaxlm import cli, files, optim, sharding, train
+from jaxlm import config as config_lib
+from jaxlm.data import packing
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file (model, batch, mesh)")
+_WORKDIR = flags.DEFINE_string("workdir", None, "where profile.json and the trace go")
+_STEPS = flags.DEFINE_integer("steps", 3, "profiled steps (after two unprofiled ones)")
+_TOP = flags.DEFINE_integer("top", 25, "ops listed by time")
+flags.mark_flags_as_required(["config", "workdir"])
+
+_FUSION_BODY = re.compile(r"^%?([\w.\-]+) .*?\{\n(.*?)\n\}", re.M | re.S)
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.*)$", re.M)
+_CALLS = re.compile(r"calls=%?([\w.\-]+)")
+_OPCODE = re.compile(r"(?:^|\s)([a-z][a-z0-9\-]*)\(")  # the first `name(` after the (possibly tuple) shape
+_COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+
+
+def hlo_kinds(hlo_text: str) -> dict[str, str]:
+  """Instruction name -> kind, for every instruction of the compiled module."""
+  bodies = {name: body for name, body in _FUSION_BODY.findall(hlo_text)}
+  kinds = {}
+  for name, rest in _INSTRUCTION.findall(hlo_text):
+    opcode = (_OPCODE.search(rest) or [None, ""])[1]
+    called = _CALLS.search(rest)
+    body = bodies.get(called.group(1), "") if called else ""
+    kinds[name] = _kind(opcode, rest, body)
+  return kinds
+
+
+def _kind(opcode: str, line: str, body: str) -> str:
+  text = line + body
+  if opcode.startswith(_COLLECTIVES) or any(f" {c}" in body for c in _COLLECTIVES):
+    return "collective"
+  if opcode == "custom-call":
+    if "cudnn" in line.lower() and ("fmha" in line.lower() or "attention" in line.lower()):
+      return "attention (cuDNN)"
+    return "matmul" if ("gemm" in line.lower() or "matmul" in line.lower()) else "custom-call"
+  if opcode in ("dot", "convolution") or " dot(" in body or " convolution(" in body or "__cublas" in text:
+    return "matmul"
+  if opcode in ("copy", "transpose") or re.search(r" (copy|transpose)\(", body):
+    return "copy/transpose"
+  if opcode in ("dynamic-slice", "dynamic-update-slice", "slice", "concatenate", "pad", "gather", "scatter") or \
+      re.search(r" (dynamic-update-slice|dynamic-slice|scatter|gather)\(", body):
+    return "slicing"
+  if opcode == "reduce" or " reduce(" in body:
+    return "reduce"
+  if opcode in ("while", "conditional", "call", "parameter", "tuple", "get-tuple-element", "bitcast", "constant"):
+    return "control"
+  return "elementwise"
+
+
+def op_events(trace_dir: str, kinds: dict[str, str]) -> collections.Counter:
+  """Nanoseconds per HLO instruction over the trace: the device's kernel events on a GPU/TPU, XLA's thunks on
+  the CPU (host threads named XLA/Eigen). Events are matched by their `hlo_op` stat or their name."""
+  path = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)[0]
+  profile = jax.profiler.ProfileData.from_file(path)
+  device_planes = [p for p in profile.planes if p.name.startswith(("/device:GPU", "/device:TPU"))]
+  per_op: collections.Counter = collections.Counter()
+  for plane in device_planes or [p for p in profile.planes if p.name.startswith("/host:CPU")]:
+    for line in plane.lines:
+      if not device_planes and "XLAEigen" not in line.name and "XLACpu" not in line.name:
+        continue
+      for event in line.events:
+        stats = dict(event.stats) if hasattr(event, "stats") else {}
+        name = str(stats.get("hlo_op", event.name))
+        # Loops and calls are left out: their events span the ops inside them, which are counted themselves.
+        if name in kinds and kinds[name] != "control":
+          per_op[name] += event.duration_ns
+  return per_op
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+  logging.set_verbosity(logging.WARNING)
+  config = config_lib.from_config_dict(_CONFIG.value)
+  workdir = _WORKDIR.value
+  os.makedirs(workdir, exist_ok=True)
+  mesh = sharding.make_mesh(config.mesh)
+  optimizer = optim.make_optimizer(config.train)
+  graphdef, state, shardings = train.init_train_state(config, mesh, optimizer)
+  step_fn, _ = train.jit_steps(graphdef, optimizer, config, mesh, shardings)
+  b, t = config.train.batch_size, config.data.seq_len
+  tokens = np.random.default_rng(0).integers(0, config.model.vocab_size, (b, t + 1)).astype(np.int32)
+  batch = train.to_global_batch(packing.make_examples(tokens, np.ones_like(tokens)), mesh)
+  compiled = step_fn.lower(state, batch).compile()
+  kinds = hlo_kinds(compiled.as_text())
+  for _ in range(2):  # compile-free warm-up: allocations, autotuning caches
+    state, metrics = compiled(state, batch)
+  jax.block_until_ready(metrics)
+  trace_dir = os.path.join(workdir, "trace")
+  shutil.rmtree(trace_dir, ignore_errors=True)
+  steps = _STEPS.value
+  with jax.profiler.trace(trace_dir):
+    started = time.perf_counter()
+    for _ in range(steps):
+      state, metrics = compiled(state, batch)
+    jax.block_until_ready(metrics)
+    step_ms = (time.perf_counter() - started) / steps * 1e3
+  per_op = op_events(trace_dir, kinds)
+  if not per_op:
+    raise ValueError(f"the trace under {trace_dir} holds no events of the step's HLO ops; is the profiler plugin "
+                     "for this backend installed?")
+  by_kind: collections.Counter = collections.Counter()
+  for name, ns in per_op.items():
+    by_kind[kinds[name]] += ns
+  ms = lambda ns: ns / steps / 1e6
+  result = {
+      "backend": jax.default_backend(), "device_kind": jax.devices()[0].device_kind, "steps": steps,
+      "step_ms": step_ms, "op_ms_total": ms(sum(per_op.values())),
+      "kinds_ms": {k: ms(v) for k, v in by_kind.most_common()},
+      "top_ops": [{"op": name, "kind": kinds[name], "ms": ms(ns)} for name, ns in per_op.most_common(_TOP.value)],
+  }
+  files.write_json(os.path.join(workdir, "profile.json"), result)
+  print(f"step {step_ms:.2f} ms wall; ops {result['op_ms_total']:.2f} ms per step "
+        f"({'one device stream' if result['backend'] != 'cpu' else 'CPU thread time, threads overlap'})")
+  for kind, value in result["kinds_ms"].items():
+    print(f"  {kind:20s} {value:9.2f} ms  {100 * value / result['op_ms_total']:5.1f}%")
+  print("top ops:")
+  for row in result["top_ops"]:
+    print(f"  {row['ms']:9.3f} ms  {row['kind']:18s} {row['op']}")
+  print(f"wrote {workdir}/profile.json and {trace_dir}")
+
+
+if __name__ == "__main__":
+  cli.run(main)

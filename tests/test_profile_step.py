@@ -1,0 +1,46 @@
+"""experiments/profile_step.py: HLO instructions get the right kinds, and a profiled tiny step is mostly matmuls."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "experiments"))
+import profile_step  # noqa: E402
+
+
+def test_hlo_kinds_of_a_sharded_matmul_step():
+  mesh = jax.make_mesh((4,), ("data",))
+  x = jax.device_put(np.ones((8, 16), np.float32), NamedSharding(mesh, P("data")))
+  w = jnp.ones((16, 4), jnp.float32)
+  # x @ w, then a sum over the sharded rows: a dot and an all-reduce.
+  text = jax.jit(lambda x, w: jnp.tanh(x @ w).sum(axis=0)).lower(x, w).compile().as_text()
+  kinds = profile_step.hlo_kinds(text)
+  assert "matmul" in kinds.values() and "collective" in kinds.values(), kinds
+
+
+def test_profile_of_a_tiny_step_is_written(tmp_path):
+  config = tmp_path / "tiny.py"
+  config.write_text(
+      "from jaxlm.config import default_config\n"
+      "def get_config():\n"
+      "  c = default_config()\n"
+      "  c.model.vocab_size, c.model.num_layers, c.model.d_model, c.model.num_heads = 512, 2, 128, 4\n"
+      "  c.model.max_seq_len, c.data.seq_len, c.model.compute_dtype = 64, 64, 'float32'\n"
+      "  c.train.batch_size, c.mesh.data = 8, 1\n"
+      "  return c\n")
+  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+  env.pop("XLA_FLAGS", None)
+  result = subprocess.run([sys.executable, os.path.join(ROOT, "experiments/profile_step.py"), f"--config={config}",
+                           f"--workdir={tmp_path}/profile", "--steps=1"],
+                          env=env, capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-2000:]
+  profile = json.loads(open(tmp_path / "profile" / "profile.json").read())
+  assert profile["step_ms"] > 0 and profile["top_ops"]
+  assert max(profile["kinds_ms"], key=profile["kinds_ms"].get) == "matmul", profile["kinds_ms"]
