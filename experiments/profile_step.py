@@ -84,9 +84,12 @@ def op_events(trace_dir: str, kinds: dict[str, str]) -> collections.Counter:
   device_planes = [p for p in profile.planes if p.name.startswith(("/device:GPU", "/device:TPU"))]
   per_op: collections.Counter = collections.Counter()
   for plane in device_planes or [p for p in profile.planes if p.name.startswith("/host:CPU")]:
-    for line in plane.lines:
-      if not device_planes and "XLAEigen" not in line.name and "XLACpu" not in line.name:
-        continue
+    lines = list(plane.lines)
+    if device_planes:  # a GPU plane has the ops once on "XLA Ops" and again as kernels on its stream lines
+      lines = [line for line in lines if line.name == "XLA Ops"] or lines
+    else:
+      lines = [line for line in lines if "XLAEigen" in line.name or "XLACpu" in line.name]
+    for line in lines:
       for event in line.events:
         stats = dict(event.stats) if hasattr(event, "stats") else {}
         name = str(stats.get("hlo_op", event.name))
