@@ -30,6 +30,8 @@ _MAX_EVAL = flags.DEFINE_integer("max_eval_batches", 64, "LM: cap on held-out ba
 _PRUNE_STEPS = flags.DEFINE_integer("prune_finetune_steps", 0, "fine-tune steps after pruning (masks kept)")
 _PRUNE_LR = flags.DEFINE_float("prune_finetune_lr", 1e-4, "constant AdamW learning rate of that fine-tune")
 _KEEP = flags.DEFINE_bool("keep_checkpoints", False, "keep <workdir>/optimize/<variant> checkpoints")
+_VARIANTS = flags.DEFINE_list("variants", [], "variants to measure, as named in optimize.json (e.g. "
+                              "int8_W8A8,2:4); empty = all; fp32, the baseline, always runs")
 flags.mark_flags_as_required(["workdir"])
 
 REPORT_BEGIN, REPORT_END = "<!-- optimize:begin -->", "<!-- optimize:end -->"
@@ -195,6 +197,19 @@ def variants(task: Task):
   ]
 
 
+def selected(all_variants: list, names: list[str]) -> list:
+  """The fp32 baseline and the variants named (spaces or underscores), in table order; an unknown name is an error."""
+  if not names:
+    return all_variants
+  known = [name for name, _ in all_variants]
+  wanted = {n.replace("_", " ") for n in names}
+  unknown = sorted(wanted - set(known))
+  if unknown:
+    raise ValueError(f"--variants: {unknown[0].replace(' ', '_')!r} is not a variant; known: "
+                     f"{', '.join(n.replace(' ', '_') for n in known)}")
+  return [(name, build) for name, build in all_variants if name == "fp32" or name in wanted]
+
+
 def measure(task: Task, name: str, model, out_dir: str) -> dict:
   import jax  # noqa: PLC0415
   import numpy as np  # noqa: PLC0415
@@ -328,7 +343,7 @@ def main(argv):
     task = load_lm(workdir, config)
   out_dir = os.path.join(workdir, "optimize")
   rows = {}
-  for name, build in variants(task):
+  for name, build in selected(variants(task), _VARIANTS.value):
     started = time.time()
     rows[name] = measure(task, name, build(), out_dir)
     shown = {k: round(v, 5) if isinstance(v, float) else v for k, v in rows[name].items()}

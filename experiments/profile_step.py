@@ -16,7 +16,6 @@ from __future__ import annotations
 import collections
 import glob
 import os
-import re
 import shutil
 import time
 
@@ -25,7 +24,7 @@ import numpy as np
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from jaxlm import cli, files, optim, sharding, train
+from jaxlm import cli, files, hlo, optim, sharding, train
 from jaxlm import config as config_lib
 from jaxlm.data import packing
 
@@ -34,47 +33,6 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "where profile.json and the trac
 _STEPS = flags.DEFINE_integer("steps", 3, "profiled steps (after two unprofiled ones)")
 _TOP = flags.DEFINE_integer("top", 25, "ops listed by time")
 flags.mark_flags_as_required(["config", "workdir"])
-
-_FUSION_BODY = re.compile(r"^%?([\w.\-]+) .*?\{\n(.*?)\n\}", re.M | re.S)
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.*)$", re.M)
-_CALLS = re.compile(r"calls=%?([\w.\-]+)")
-_OPCODE = re.compile(r"(?:^|\s)([a-z][a-z0-9\-]*)\(")  # the first `name(` after the (possibly tuple) shape
-_COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-
-
-def hlo_kinds(hlo_text: str) -> dict[str, str]:
-  """Instruction name -> kind, for every instruction of the compiled module."""
-  bodies = {name: body for name, body in _FUSION_BODY.findall(hlo_text)}
-  kinds = {}
-  for name, rest in _INSTRUCTION.findall(hlo_text):
-    opcode = (_OPCODE.search(rest) or [None, ""])[1]
-    called = _CALLS.search(rest)
-    body = bodies.get(called.group(1), "") if called else ""
-    kinds[name] = _kind(opcode, rest, body)
-  return kinds
-
-
-def _kind(opcode: str, line: str, body: str) -> str:
-  text = line + body
-  if opcode.startswith(_COLLECTIVES) or any(f" {c}" in body for c in _COLLECTIVES):
-    return "collective"
-  if opcode == "custom-call":
-    if "cudnn" in line.lower() and ("fmha" in line.lower() or "attention" in line.lower()):
-      return "attention (cuDNN)"
-    return "matmul" if ("gemm" in line.lower() or "matmul" in line.lower()) else "custom-call"
-  if opcode in ("dot", "convolution") or " dot(" in body or " convolution(" in body or "__cublas" in text:
-    return "matmul"
-  if opcode in ("copy", "transpose") or re.search(r" (copy|transpose)\(", body):
-    return "copy/transpose"
-  if opcode in ("dynamic-slice", "dynamic-update-slice", "slice", "concatenate", "pad", "gather", "scatter") or \
-      re.search(r" (dynamic-update-slice|dynamic-slice|scatter|gather)\(", body):
-    return "slicing"
-  if opcode == "reduce" or " reduce(" in body:
-    return "reduce"
-  if opcode in ("while", "conditional", "call", "parameter", "tuple", "get-tuple-element", "bitcast", "constant"):
-    return "control"
-  return "elementwise"
-
 
 def op_events(trace_dir: str, kinds: dict[str, str]) -> collections.Counter:
   """Nanoseconds per HLO instruction over the trace: the device's kernel events on a GPU/TPU, XLA's thunks on
@@ -114,7 +72,7 @@ def main(argv):
   tokens = np.random.default_rng(0).integers(0, config.model.vocab_size, (b, t + 1)).astype(np.int32)
   batch = train.to_global_batch(packing.make_examples(tokens, np.ones_like(tokens)), mesh)
   compiled = step_fn.lower(state, batch).compile()
-  kinds = hlo_kinds(compiled.as_text())
+  kinds = hlo.instruction_kinds(compiled.as_text())
   for _ in range(2):  # compile-free warm-up: allocations, autotuning caches
     state, metrics = compiled(state, batch)
   jax.block_until_ready(metrics)

@@ -1,4 +1,5 @@
-"""Collective traffic read from a compiled XLA program's HLO text.
+"""Collective traffic read from a compiled XLA program's HLO text (and, at the end, each instruction's kind for
+profiles: `instruction_kinds`).
 
 XLA exposes no counter for bytes moved by collectives, so we read them off the optimised HLO: every all-reduce,
 all-gather, reduce-scatter, all-to-all and collective-permute, with its result shape and replica-group size, weighted
@@ -98,3 +99,46 @@ def collective_bytes(hlo_text: str, num_devices: int) -> dict[str, float]:
   result["total"] = sum(result[k] for k in COLLECTIVES)
   result["ops"] = count
   return result
+
+
+# ----------------------------------------------------------------------------------------------- op kinds
+# What each instruction of a compiled module is, for profiles (experiments/profile_step.py) that report time by kind.
+
+_FUSION_BODY = re.compile(r"^%?([\w.\-]+) .*?\{\n(.*?)\n\}", re.M | re.S)
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.*)$", re.M)
+_CALLS = re.compile(r"calls=%?([\w.\-]+)")
+_OPCODE = re.compile(r"(?:^|\s)([a-z][a-z0-9\-]*)\(")  # the first `name(` after the (possibly tuple) shape
+
+
+def instruction_kinds(hlo_text: str) -> dict[str, str]:
+  """Instruction name -> kind, for every instruction of the compiled module."""
+  bodies = {name: body for name, body in _FUSION_BODY.findall(hlo_text)}
+  kinds = {}
+  for name, rest in _INSTRUCTION.findall(hlo_text):
+    opcode = (_OPCODE.search(rest) or [None, ""])[1]
+    called = _CALLS.search(rest)
+    body = bodies.get(called.group(1), "") if called else ""
+    kinds[name] = _kind(opcode, rest, body)
+  return kinds
+
+
+def _kind(opcode: str, line: str, body: str) -> str:
+  text = line + body
+  if opcode.startswith(COLLECTIVES) or any(f" {c}" in body for c in COLLECTIVES):
+    return "collective"
+  if opcode == "custom-call":
+    if "cudnn" in line.lower() and ("fmha" in line.lower() or "attention" in line.lower()):
+      return "attention (cuDNN)"
+    return "matmul" if ("gemm" in line.lower() or "matmul" in line.lower()) else "custom-call"
+  if opcode in ("dot", "convolution") or " dot(" in body or " convolution(" in body or "__cublas" in text:
+    return "matmul"
+  if opcode in ("copy", "transpose") or re.search(r" (copy|transpose)\(", body):
+    return "copy/transpose"
+  if opcode in ("dynamic-slice", "dynamic-update-slice", "slice", "concatenate", "pad", "gather", "scatter") or \
+      re.search(r" (dynamic-update-slice|dynamic-slice|scatter|gather)\(", body):
+    return "slicing"
+  if opcode == "reduce" or " reduce(" in body:
+    return "reduce"
+  if opcode in ("while", "conditional", "call", "parameter", "tuple", "get-tuple-element", "bitcast", "constant"):
+    return "control"
+  return "elementwise"

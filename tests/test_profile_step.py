@@ -1,4 +1,5 @@
-"""experiments/profile_step.py: HLO instructions get the right kinds, and a profiled tiny step is mostly matmuls."""
+"""experiments/profile_step.py: HLO instructions get the right kinds (jaxlm.hlo.instruction_kinds), and a profiled
+tiny step is mostly matmuls."""
 
 import json
 import os
@@ -10,9 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jaxlm import hlo
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "experiments"))
-import profile_step  # noqa: E402
 
 
 def test_hlo_kinds_of_a_sharded_matmul_step():
@@ -21,7 +22,7 @@ def test_hlo_kinds_of_a_sharded_matmul_step():
   w = jnp.ones((16, 4), jnp.float32)
   # x @ w, then a sum over the sharded rows: a dot and an all-reduce.
   text = jax.jit(lambda x, w: jnp.tanh(x @ w).sum(axis=0)).lower(x, w).compile().as_text()
-  kinds = profile_step.hlo_kinds(text)
+  kinds = hlo.instruction_kinds(text)
   assert "matmul" in kinds.values() and "collective" in kinds.values(), kinds
 
 
