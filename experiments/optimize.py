@@ -35,6 +35,8 @@ _VARIANTS = flags.DEFINE_list("variants", [], "variants to measure, as named in 
 flags.mark_flags_as_required(["workdir"])
 
 REPORT_BEGIN, REPORT_END = "<!-- optimize:begin -->", "<!-- optimize:end -->"
+VARIANTS = ("fp32", "bf16", "int8 weight-only", "int8 W8A8", "int8 W8A8 dynamic", "50% magnitude",
+            "50% magnitude per layer", "2:4", "50% magnitude + int8", "50% per layer + int8", "2:4 + int8")
 
 
 @dataclasses.dataclass
@@ -182,7 +184,7 @@ def variants(task: Task):
   magnitude = cached("magnitude", pruned(lambda m: prune.magnitude_masks(m, 0.5)))
   per_layer = cached("per layer", pruned(lambda m: prune.magnitude_masks(m, 0.5, per_layer=True)))
   two_four = cached("2:4", pruned(prune.two_four_masks))
-  return [
+  builds = [
       ("fp32", lambda: task.model),
       ("bf16", bf16),
       ("int8 weight-only", lambda: quant.quantize(task.model, "weight_only")),
@@ -195,19 +197,18 @@ def variants(task: Task):
       ("50% per layer + int8", lambda: quant.quantize(per_layer(), "weight_only")),
       ("2:4 + int8", lambda: quant.quantize(two_four(), "weight_only")),
   ]
+  assert tuple(name for name, _ in builds) == VARIANTS
+  return builds
 
 
-def selected(all_variants: list, names: list[str]) -> list:
-  """The fp32 baseline and the variants named (spaces or underscores), in table order; an unknown name is an error."""
-  if not names:
-    return all_variants
-  known = [name for name, _ in all_variants]
-  wanted = {n.replace("_", " ") for n in names}
-  unknown = sorted(wanted - set(known))
+def selected_names(names: list[str]) -> set[str]:
+  """The fp32 baseline and the variants named (spaces or underscores); an unknown name is an error."""
+  wanted = {n.replace("_", " ") for n in names} if names else set(VARIANTS)
+  unknown = sorted(wanted - set(VARIANTS))
   if unknown:
     raise ValueError(f"--variants: {unknown[0].replace(' ', '_')!r} is not a variant; known: "
-                     f"{', '.join(n.replace(' ', '_') for n in known)}")
-  return [(name, build) for name, build in all_variants if name == "fp32" or name in wanted]
+                     f"{', '.join(n.replace(' ', '_') for n in VARIANTS)}")
+  return wanted | {"fp32"}
 
 
 def measure(task: Task, name: str, model, out_dir: str) -> dict:
@@ -331,6 +332,7 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)
   from jaxlm import config as config_lib  # noqa: PLC0415
 
+  wanted = selected_names(_VARIANTS.value)  # before anything loads: a misspelt name fails at once
   workdir = _WORKDIR.value
   config_path = os.path.join(workdir, "config.json")
   if not os.path.exists(config_path):
@@ -343,7 +345,9 @@ def main(argv):
     task = load_lm(workdir, config)
   out_dir = os.path.join(workdir, "optimize")
   rows = {}
-  for name, build in selected(variants(task), _VARIANTS.value):
+  for name, build in variants(task):
+    if name not in wanted:
+      continue
     started = time.time()
     rows[name] = measure(task, name, build(), out_dir)
     shown = {k: round(v, 5) if isinstance(v, float) else v for k, v in rows[name].items()}

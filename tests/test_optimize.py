@@ -25,7 +25,7 @@ def _trained_workdir(tmp_path):
   config = config_lib.default_config()
   for key, value in {"model.vocab_size": 320, "model.num_layers": 2, "model.d_model": 64, "model.num_heads": 4,
                      "model.max_seq_len": 32, "model.compute_dtype": "float32", "data.seq_len": 16,
-                     "data.source": "files", "data.train_files": (str(corpus),), "train.steps": 30,
+                     "data.source": "files", "data.train_files": (str(corpus),), "train.steps": 15,
                      "train.batch_size": 8, "train.eval_batches": 2, "train.eval_every_steps": 0,
                      "checkpoint.every_steps": 0, "log.every_steps": 10, "log.progress_bar": False,
                      "log.sample_tokens": 0}.items():
@@ -42,19 +42,19 @@ def test_optimize_measures_every_variant_of_a_trained_lm(tmp_path):
   env.pop("XLA_FLAGS", None)  # one device, as a user's laptop
   result = subprocess.run([sys.executable, os.path.join(ROOT, "experiments/optimize.py"), f"--workdir={workdir}",
                            "--repeats=2", "--calibration_batches=2", "--max_eval_batches=2",
-                           "--variants=int8_weight-only,int8_W8A8,int8_W8A8_dynamic,50%_magnitude_per_layer,2:4"],
+                           "--variants=int8_weight-only,int8_W8A8,2:4"],
                           env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert result.returncode == 0, result.stderr[-3000:]
   flat = json.loads(open(os.path.join(workdir, "optimize.json")).read())
   variants = {key.split("/")[0] for key in flat}
-  assert variants >= {"fp32", "int8_weight-only", "int8_W8A8", "int8_W8A8_dynamic", "50%_magnitude_per_layer", "2:4"}
+  assert variants >= {"fp32", "int8_weight-only", "int8_W8A8", "2:4"}
   assert "bf16" not in variants  # not asked for
   fp32 = flat["fp32/perplexity"]
   assert np.isfinite(fp32) and fp32 < 320  # trained: better than uniform over the vocabulary
-  for name in ("int8_weight-only", "int8_W8A8", "int8_W8A8_dynamic"):
+  for name in ("int8_weight-only", "int8_W8A8"):
     assert flat[f"{name}/perplexity"] == pytest.approx(fp32, rel=0.02), name
     assert flat[f"{name}/checkpoint_ratio_vs_fp32"] > 2.5, name  # 4x for the matmul weights, less overall here
-  for name in ("50%_magnitude_per_layer", "2:4"):
+  for name in ("2:4",):
     assert flat[f"{name}/sparsity"] == pytest.approx(0.5, abs=0.01), name
     assert flat[f"{name}/perplexity"] == pytest.approx(fp32, rel=0.10), name
   report = open(os.path.join(workdir, "report.md")).read()
