@@ -20,13 +20,11 @@ import shutil
 import time
 
 import jax
-import numpy as np
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from jaxlm import cli, files, hlo, optim, sharding, train
+from jaxlm import cli, files, hlo, measure
 from jaxlm import config as config_lib
-from jaxlm.data import packing
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file (model, batch, mesh)")
 _WORKDIR = flags.DEFINE_string("workdir", None, "where profile.json and the trace go")
@@ -64,14 +62,7 @@ def main(argv):
   config = config_lib.from_config_dict(_CONFIG.value)
   workdir = _WORKDIR.value
   os.makedirs(workdir, exist_ok=True)
-  mesh = sharding.make_mesh(config.mesh)
-  optimizer = optim.make_optimizer(config.train)
-  graphdef, state, shardings = train.init_train_state(config, mesh, optimizer)
-  step_fn, _ = train.jit_steps(graphdef, optimizer, config, mesh, shardings)
-  b, t = config.train.batch_size, config.data.seq_len
-  tokens = np.random.default_rng(0).integers(0, config.model.vocab_size, (b, t + 1)).astype(np.int32)
-  batch = train.to_global_batch(packing.make_examples(tokens, np.ones_like(tokens)), mesh)
-  compiled = step_fn.lower(state, batch).compile()
+  compiled, state, batch, _ = measure.compiled_train_step(config)
   kinds = hlo.instruction_kinds(compiled.as_text())
   for _ in range(2):  # compile-free warm-up: allocations, autotuning caches
     state, metrics = compiled(state, batch)

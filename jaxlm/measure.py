@@ -28,6 +28,17 @@ def synthetic_batch(batch_size: int, seq_len: int, vocab_size: int, mesh: Mesh, 
       "loss_mask": np.ones((batch_size, seq_len), np.float32)}, mesh)
 
 
+def compiled_train_step(config: Config, devices: Sequence[jax.Device] | None = None):
+  """The real train step of `config` (train.jit_steps), compiled once for a random global batch on `devices`:
+  returns (compiled step, initial train state, that batch, mesh)."""
+  mesh = sharding.make_mesh(config.mesh, devices)
+  optimizer = optim.make_optimizer(config.train)
+  graphdef, state, shardings = train.init_train_state(config, mesh, optimizer)
+  train_step, _ = train.jit_steps(graphdef, optimizer, config, mesh, shardings)
+  batch = synthetic_batch(config.train.batch_size, config.data.seq_len, config.model.vocab_size, mesh)
+  return train_step.lower(state, batch).compile(), state, batch, mesh
+
+
 def check_step_prediction(config: Config, devices: Sequence[jax.Device] | None = None,
                           hardware: plan.Hardware | None = None, rounds: int = 3, steps_per_round: int = 3
                           ) -> dict[str, Any]:
@@ -39,13 +50,8 @@ def check_step_prediction(config: Config, devices: Sequence[jax.Device] | None =
   bytes come from the same executable that runs.
   """
   devices = list(devices if devices is not None else jax.devices())
-  mesh = sharding.make_mesh(config.mesh, devices)
+  compiled, state, batch, mesh = compiled_train_step(config, devices)  # analysed below; the same one is timed
   sizes = tuple(mesh.shape[a] for a in sharding.MESH_AXES)
-  optimizer = optim.make_optimizer(config.train)
-  graphdef, state, shardings = train.init_train_state(config, mesh, optimizer)
-  train_step, _ = train.jit_steps(graphdef, optimizer, config, mesh, shardings)
-  batch = synthetic_batch(config.train.batch_size, config.data.seq_len, config.model.vocab_size, mesh)
-  compiled = train_step.lower(state, batch).compile()  # analysed by the caller; the same executable is timed
   state, metrics = compiled(state, batch)
   jax.block_until_ready(metrics)
   step_times, flops, bandwidths = [], [], []
