@@ -12,6 +12,8 @@ from typing import Any
 
 import ml_collections
 
+ATTENTION_IMPLEMENTATIONS = ("xla", "causal_blocks", "recompute", "jax", "cudnn")
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
@@ -27,7 +29,8 @@ class ModelConfig:
   compute_dtype: str = "bfloat16"  # matmul inputs; use float32 on the CPU where bf16 matmuls are slow
   remat: str = "none"  # activation recomputation per block: none | full | dots (save matmul outputs only)
   attention: str = "xla"  # attention implementation: xla (einsum + f32 softmax, the reference) | causal_blocks
-                          # (the same in query blocks that skip the masked upper triangle; decoders) | jax
+                          # (the same in query blocks that skip the masked upper triangle; decoders) | recompute
+                          # (saves only q, k, v, output and log-sum-exp, as flash kernels do) | jax
                           # (jax.nn.dot_product_attention's XLA path) | cudnn (its cuDNN flash path; GPUs only)
   attention_block: int = 64  # causal_blocks: queries per block (64 was fastest at T=256 on the 2-core CPU)
   scan_unroll: int = 1  # blocks per iteration of the layer scan: >1 trades compile time for less per-layer copying
@@ -192,8 +195,8 @@ def validate(config: Config) -> None:
     raise ValueError(f"model.num_heads={m.num_heads} is not divisible by model.num_kv_heads={m.num_kv_heads}")
   if m.flavour == "llama" and m.head_dim % 2:
     raise ValueError(f"model.d_model/num_heads={m.head_dim} must be even for rotary positions (llama)")
-  if m.attention not in ("xla", "causal_blocks", "jax", "cudnn"):
-    raise ValueError(f"model.attention={m.attention!r} is not one of: xla, causal_blocks, jax, cudnn")
+  if m.attention not in ATTENTION_IMPLEMENTATIONS:
+    raise ValueError(f"model.attention={m.attention!r} is not one of: {', '.join(ATTENTION_IMPLEMENTATIONS)}")
   if m.attention_block < 1 or m.scan_unroll < 1:
     raise ValueError(f"model.attention_block={m.attention_block} and model.scan_unroll={m.scan_unroll} must be >= 1")
   if m.cross_entropy_chunk < 0:

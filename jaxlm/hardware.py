@@ -23,6 +23,7 @@ class Hardware:
   usd_per_hour_on_demand: float
   usd_per_hour_spot: float
   matmul_efficiency: float = 0.7
+  step_time_factor: float = 1.0
   usable_memory_fraction: float = 0.9
   max_devices: int = 8
   spot_preemptions_per_hour: float = 0.1

@@ -26,7 +26,7 @@ from jaxlm.config import Config
 # The planner is the public face of the three modules: callers use plan.Hardware, plan.predict_memory, ...
 from jaxlm.hardware import GIB, PROFILES_PATH, Hardware, load_hardware  # noqa: F401
 from jaxlm.predict import (ActivationModel, abstract_batch, activation_model, analytic_collective_bytes,  # noqa: F401
-                           as_compiled_on, largest_local_micro_batch, predict_memory, predict_step_time,
+                           as_compiled_on, largest_local_micro_batch, runnable_on, predict_memory, predict_step_time,
                            saved_activation_bytes, state_bytes)
 
 
@@ -86,8 +86,10 @@ def abstract_train_state(config: Config, mesh: Mesh, optimizer: optax.GradientTr
 
 def compile_train_step(config: Config, devices: Sequence[jax.Device] | None = None):
   """The train step `train.jit_steps` builds, compiled for `config.mesh` over `devices` (simulated CPU devices are
-  fine: nothing is allocated or run). Returns the compiled executable."""
+  fine: nothing is allocated or run; cuDNN attention is compiled as its stand-in there, see
+  `predict.runnable_on`). Returns the compiled executable."""
   mesh = sharding.make_mesh(config.mesh, devices)
+  config = dataclasses.replace(config, model=runnable_on(config.model, mesh.devices.flat[0].platform))
   train.check_mesh_fits_model(config.model, mesh)
   optimizer = optim.make_optimizer(config.train)
   graphdef, state, shardings = abstract_train_state(config, mesh, optimizer)

@@ -55,6 +55,15 @@ def _abstract_mesh(sizes: tuple[int, int, int]):
     return jax.sharding.AbstractMesh(tuple(zip(names, sizes)))
 
 
+def runnable_on(model: ModelConfig, platform: str) -> ModelConfig:
+  """The model as it can be traced or compiled on `platform`: cuDNN attention exists only on NVIDIA GPUs, and
+  elsewhere `recompute` attention stands in for it. Same function, and the same residuals (q, k, v, the output
+  and per-row softmax statistics, no [T, S] probabilities), so what the step saves and moves is cuDNN's."""
+  if model.attention == "cudnn" and platform != "gpu":
+    return dataclasses.replace(model, attention="recompute")
+  return model
+
+
 def saved_activation_bytes(model: ModelConfig, seq_len: int, tensor: int, local_batch: int) -> int:
   """Bytes one device keeps from the forward pass for the backward pass, for `local_batch` sequences.
 
@@ -65,7 +74,7 @@ def saved_activation_bytes(model: ModelConfig, seq_len: int, tensor: int, local_
   split. Residuals that are the parameters themselves cost nothing extra and are not counted; copies (a bf16 cast
   of an f32 weight) are. Remat policies change what is saved, and this count follows them.
   """
-  graphdef, abstract_params = train.abstract_model(model)
+  graphdef, abstract_params = train.abstract_model(runnable_on(model, jax.default_backend()))
   mesh = _abstract_mesh((1, 1, tensor))
   shardings = sharding.param_shardings(abstract_params, mesh)
   specs = jax.tree.map(lambda s: s.spec, shardings)
@@ -268,7 +277,9 @@ def predict_step_time(config: Config, sizes: tuple[int, int, int], grad_accum: i
               forward's activations, more under remat; OPTIMIZER_PASSES x f32 params) at the memory bandwidth
     network   collective bytes per device at the interconnect bandwidth, not overlapped (an upper bound: XLA
               overlaps some of it with compute on GPUs and TPUs)
-  The parts run one after another (matmul kernels are compute bound, the rest memory bound), so they add up.
+  The parts run one after another (matmul kernels are compute bound, the rest memory bound), so they add up; the
+  step is their sum times the profile's `step_time_factor` (measured step / this roofline on that device type,
+  1 where nobody has measured it), kept apart as `roofline_sec`.
   """
   data, fsdp, tensor = sizes
   devices = data * fsdp * tensor
@@ -284,8 +295,9 @@ def predict_step_time(config: Config, sizes: tuple[int, int, int], grad_accum: i
       "memory_sec": memory_bytes / hardware.hbm_bytes_per_sec,
       "network_sec": collective_bytes / hardware.interconnect_bytes_per_sec,
   }
-  step = sum(parts.values())
-  parts.update({"step_time_sec": step, "mfu": model_flops / (step * devices * hardware.bf16_flops),
+  roofline = sum(parts.values())
+  step = roofline * hardware.step_time_factor
+  parts.update({"roofline_sec": roofline, "step_time_sec": step, "mfu": model_flops / (step * devices * hardware.bf16_flops),
                 "tokens_per_sec": tokens / step})
   return parts
 
@@ -293,7 +305,9 @@ def predict_step_time(config: Config, sizes: tuple[int, int, int], grad_accum: i
 def as_compiled_on(config: Config, platform: str) -> Config:
   """The config whose memory the compiled program on `platform` shows. XLA's CPU backend has no bf16/f16 matmuls
   and carries those activations in f32 (measured: a bf16 llama step takes 186 MB there, its f32 twin 183 MB), so a
-  CPU-compiled figure is checked against the f32 prediction; accelerators run the config as it is."""
-  if platform != "cpu" or config.model.compute_dtype == "float32":
-    return config
-  return dataclasses.replace(config, model=dataclasses.replace(config.model, compute_dtype="float32"))
+  CPU-compiled figure is checked against the f32 prediction; accelerators run the config as it is (cuDNN
+  attention: see `runnable_on`)."""
+  model = runnable_on(config.model, platform)
+  if platform == "cpu":
+    model = dataclasses.replace(model, compute_dtype="float32")
+  return dataclasses.replace(config, model=model)

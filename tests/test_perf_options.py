@@ -1,7 +1,7 @@
 """Every speed option computes the same function as its reference path: the fused chunked cross-entropy
 (model.cross_entropy_chunk) against [B, T, V] logits + optax, the fused q/k/v matmul (model.fuse_qkv), the
 unrolled layer scan (model.scan_unroll), and the block-causal and jax.nn.dot_product_attention paths
-(model.attention=causal_blocks|jax|cudnn) against the einsum attention on packed documents. Tiny shapes: seconds
+(model.attention=causal_blocks|recompute|jax|cudnn) against the einsum attention on packed documents. Tiny shapes: seconds
 on a CPU."""
 
 import dataclasses
@@ -105,6 +105,45 @@ def test_causal_block_attention_equals_einsum_attention(base, block):
   """Loss and every gradient, on rows of two packed documents (the document mask inside the causal one)."""
   config = dataclasses.replace(base, attention="causal_blocks", attention_block=block)
   chex.assert_trees_all_close(_loss_value_and_grads(config), _loss_value_and_grads(base), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("base", [TINY, LLAMA], ids=["gpt2_mha", "llama_gqa"])
+def test_recompute_attention_equals_einsum_attention(base):
+  """Its hand-written backward pass (probabilities rebuilt from the saved log-sum-exp) gives every gradient."""
+  config = dataclasses.replace(base, attention="recompute")
+  chex.assert_trees_all_close(_loss_value_and_grads(config), _loss_value_and_grads(base), rtol=1e-5, atol=1e-6)
+
+
+def test_recompute_attention_gradients_with_padding_and_bf16():
+  """Bidirectional attention over padded keys (BERT's mask, a fully padded row included) in f32, and bf16 inputs
+  within bf16 rounding of the f32 reference."""
+  from jaxlm.models.layers import dot_product_attention, padding_mask, recompute_attention  # noqa: PLC0415
+  from jaxlm.precision import Policy  # noqa: PLC0415
+  rng = np.random.default_rng(3)
+  q, k, v, w = (jnp.asarray(rng.standard_normal((2, 6, 4, 8)), jnp.float32) for _ in range(4))
+  k, v = k[:, :, :2], v[:, :, :2]  # 2 key/value heads for 4 query heads
+  mask = padding_mask(jnp.asarray([[1, 1, 1, 1, 0, 0], [0, 0, 0, 0, 0, 0]]), 6)
+
+  def grads(attend, dtype):
+    loss = lambda q, k, v: jnp.sum(attend(q.astype(dtype), k.astype(dtype), v.astype(dtype)).astype(jnp.float32) * w)
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v)
+
+  f32 = Policy(compute_dtype=jnp.float32)
+  reference = grads(lambda q, k, v: dot_product_attention(q, k, v, mask, f32), jnp.float32)
+  chex.assert_trees_all_close(grads(lambda q, k, v: recompute_attention(q, k, v, mask), jnp.float32), reference,
+                              rtol=1e-5, atol=1e-5)
+  chex.assert_trees_all_close(grads(lambda q, k, v: recompute_attention(q, k, v, mask), jnp.bfloat16), reference,
+                              rtol=5e-2, atol=5e-2)
+
+
+def test_recompute_attention_saves_no_probabilities():
+  """The residuals of a 2-layer GPT at T=32: the reference keeps [B, H, T, T] probabilities per layer, recompute
+  only a [B, H, T] log-sum-exp, as cuDNN's flash kernel does (jaxlm.predict counts what each saves)."""
+  from jaxlm import predict  # noqa: PLC0415
+  reference = predict.saved_activation_bytes(TINY, 32, 1, 2)
+  recompute = predict.saved_activation_bytes(dataclasses.replace(TINY, attention="recompute"), 32, 1, 2)
+  probabilities = TINY.num_layers * 2 * TINY.num_heads * 32 * 32 * 4  # f32 [B, H, T, T] per layer
+  assert reference - recompute >= 0.9 * probabilities, (reference, recompute, probabilities)
 
 
 def test_causal_block_attention_is_refused_for_a_bidirectional_encoder():

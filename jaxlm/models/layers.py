@@ -192,6 +192,63 @@ def causal_block_attention(q_BTHK: jax.Array, k_BTGK: jax.Array, v_BTGK: jax.Arr
   return jnp.concatenate(outs, axis=3).transpose(0, 3, 1, 2, 4).reshape(b, t, h, k)
 
 
+def _attention_scores(q_BGRTK, k_BGSK, mask_BTS):
+  scale = 1 / math.sqrt(q_BGRTK.shape[-1])
+  scores = jnp.einsum("bgrtk,bgsk->bgrts", q_BGRTK, k_BGSK, preferred_element_type=jnp.float32) * scale
+  return jnp.where(mask_BTS[:, None, None], scores, MASK_VALUE)
+
+
+@jax.custom_vjp
+def _recompute_attention(q_BGRTK, k_BGSK, v_BGSK, mask_BTS):
+  return _recompute_attention_fwd(q_BGRTK, k_BGSK, v_BGSK, mask_BTS)[0]
+
+
+def _probabilities(scores, max_BGRT, log_sum_BGRT):
+  # exp(s - max - log_sum), not exp(s - logsumexp): a fully masked row has max = MASK_VALUE, where adding the
+  # log-sum to it would round away and the row would no longer sum to one.
+  return jnp.exp(scores - max_BGRT[..., None] - log_sum_BGRT[..., None])
+
+
+def _recompute_attention_fwd(q_BGRTK, k_BGSK, v_BGSK, mask_BTS):
+  scores = _attention_scores(q_BGRTK, k_BGSK, mask_BTS)
+  max_BGRT = jnp.max(scores, axis=-1)
+  log_sum_BGRT = jnp.log(jnp.sum(jnp.exp(scores - max_BGRT[..., None]), axis=-1))
+  probs = _probabilities(scores, max_BGRT, log_sum_BGRT).astype(v_BGSK.dtype)
+  out_BGRTK = jnp.einsum("bgrts,bgsk->bgrtk", probs, v_BGSK)
+  return out_BGRTK, (q_BGRTK, k_BGSK, v_BGSK, mask_BTS, out_BGRTK, max_BGRT, log_sum_BGRT)
+
+
+def _recompute_attention_bwd(residuals, dout_BGRTK):
+  q, k, v, mask_BTS, out, max_BGRT, log_sum_BGRT = residuals
+  probs = _probabilities(_attention_scores(q, k, mask_BTS), max_BGRT, log_sum_BGRT)  # f32, rebuilt
+  dv = jnp.einsum("bgrts,bgrtk->bgsk", probs.astype(v.dtype), dout_BGRTK)
+  dprobs = jnp.einsum("bgrtk,bgsk->bgrts", dout_BGRTK, v, preferred_element_type=jnp.float32)
+  row = jnp.sum(dout_BGRTK.astype(jnp.float32) * out.astype(jnp.float32), axis=-1, keepdims=True)
+  dscores = probs * (dprobs - row) / math.sqrt(q.shape[-1])
+  dscores = jnp.where(mask_BTS[:, None, None], dscores, 0.0).astype(q.dtype)  # masked scores were constants
+  dq = jnp.einsum("bgrts,bgsk->bgrtk", dscores, k)
+  dk = jnp.einsum("bgrts,bgrtk->bgsk", dscores, q)
+  return dq, dk, dv, None
+
+
+_recompute_attention.defvjp(_recompute_attention_fwd, _recompute_attention_bwd)
+
+
+def recompute_attention(q_BTHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, mask_BTS: jax.Array) -> jax.Array:
+  """`dot_product_attention` that keeps for the backward pass only q, k, v, the output and the softmax's row max
+  and log-sum per query (2 x [B, H, T] f32), and rebuilds the probabilities from them there: what cuDNN's flash
+  kernel saves (its log-sum-exp), instead of the [B, H, T, S] probabilities per layer. Written here because
+  jax.nn.dot_product_attention's XLA path saves the probabilities and its cuDNN path needs a GPU: this runs
+  everywhere, and it is what the planner traces for `cudnn` where there is no cuDNN. Costs one more [T, S] matmul
+  per layer in the backward pass; the forward still forms the whole [T, S] block, so it saves memory across
+  layers, not within one."""
+  b, t, h, kd = q_BTHK.shape
+  g = k_BSGK.shape[2]
+  q_BGRTK = q_BTHK.reshape(b, t, g, h // g, kd).transpose(0, 2, 3, 1, 4)
+  out_BGRTK = _recompute_attention(q_BGRTK, k_BSGK.transpose(0, 2, 1, 3), v_BSGK.transpose(0, 2, 1, 3), mask_BTS)
+  return out_BGRTK.transpose(0, 3, 1, 2, 4).reshape(b, t, h, kd)
+
+
 def library_attention(q_BTHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, mask_BTS: jax.Array,
                       implementation: str, causal: bool = False) -> jax.Array:
   """`dot_product_attention` through jax.nn.dot_product_attention: `jax` is its XLA path, `cudnn` its cuDNN flash
@@ -199,6 +256,9 @@ def library_attention(q_BTHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, m
   documents stay apart on every path (cuDNN takes it as an additive bias); softmax is in f32 on both. `causal`
   (the mask already hides every later key) also tells the kernel so: cuDNN then skips the blocks above the
   diagonal instead of computing them under a -inf bias. Same function either way (tested)."""
+  if implementation == "cudnn" and jax.default_backend() != "gpu":
+    raise ValueError(f"model.attention=cudnn needs an NVIDIA GPU with cuDNN, not {jax.default_backend()}: use "
+                     "model.attention=recompute (the same memory), causal_blocks or xla")
   return jax.nn.dot_product_attention(q_BTHK, k_BSGK, v_BSGK, mask=mask_BTS[:, None], is_causal=causal,
                                       implementation="xla" if implementation == "jax" else implementation)
 
@@ -218,7 +278,7 @@ class Attention(nnx.Module):
                        "causal: use attention=xla")
     self.policy = policy
     self.rope_theta = rope_theta
-    self.implementation = implementation  # ModelConfig.attention: xla | causal_blocks | jax | cudnn
+    self.implementation = implementation  # ModelConfig.attention: xla | causal_blocks | recompute | jax | cudnn
     self.block = block  # ModelConfig.attention_block: queries per block of causal_blocks
     self.causal = causal  # the caller's mask hides every later key (decoders); enables causal-only kernels
     self.fuse_qkv = fuse_qkv  # ModelConfig.fuse_qkv: one [D, H+2G, K] matmul instead of three
@@ -279,6 +339,8 @@ class Attention(nnx.Module):
       return self._out(dot_product_attention(q, k, v, mask_BTS, self.policy))
     if self.implementation == "causal_blocks":
       return self._out(causal_block_attention(q, k, v, mask_BTS, self.policy, self.block))
+    if self.implementation == "recompute":
+      return self._out(recompute_attention(q, k, v, mask_BTS))
     return self._out(library_attention(q, k, v, mask_BTS, self.implementation, self.causal))
 
   def decode(self, x_BTD: jax.Array, mask_BTS: jax.Array, positions_BT: jax.Array, k_BSGK: jax.Array,
