@@ -216,9 +216,9 @@ def measure(task: Task, name: str, model, out_dir: str) -> dict:
   import numpy as np  # noqa: PLC0415
   from flax import nnx  # noqa: PLC0415
 
-  from jaxlm import prune, quant  # noqa: PLC0415
+  from jaxlm import prune, quant, quant_io  # noqa: PLC0415
 
-  model = quant.place(model, task.mesh)
+  model = quant_io.place(model, task.mesh)
   row = dict(task.evaluate(model))
   graphdef, params = nnx.split(model)
   run = jax.jit(lambda p, b: task.forward(nnx.merge(graphdef, p), b))
@@ -237,8 +237,8 @@ def measure(task: Task, name: str, model, out_dir: str) -> dict:
   folder = os.path.join(out_dir, name.replace(" ", "_").replace("%", "pct").replace(":", "of").replace("+", "plus"))
   if os.path.exists(folder):
     shutil.rmtree(folder)
-  quant.save(model, folder)
-  row["checkpoint_bytes"] = quant.directory_bytes(folder)
+  quant_io.save(model, folder)
+  row["checkpoint_bytes"] = quant_io.directory_bytes(folder)
   row["mode"] = quant.mode_of(model)
   if row["mode"] == "float":
     row["sparsity"] = prune.weight_sparsity(model)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxlm import generate, quant, sharding
+from jaxlm import generate, quant, quant_io, sharding
 from jaxlm.config import MeshConfig, ModelConfig
 from jaxlm.models.bert import BertForSequenceClassification
 from jaxlm.models.gpt import GPT
@@ -128,10 +128,10 @@ def test_calibrated_scales_are_per_layer_input_ranges():
 def test_int8_checkpoint_round_trip_onto_a_mesh_and_generate(tmp_path):
   model = _model("gpt2")
   qmodel = quant.quantize(model, "w8a8", calibration=CALIBRATION, forward=_forward)
-  quant.save(qmodel, str(tmp_path / "int8"))
-  quant.save(model, str(tmp_path / "fp32"))
+  quant_io.save(qmodel, str(tmp_path / "int8"))
+  quant_io.save(model, str(tmp_path / "fp32"))
   mesh = sharding.make_mesh(MeshConfig(data=2, tensor=2))
-  restored = quant.load(str(tmp_path / "int8"), lambda: GPT(GPT2, rngs=nnx.Rngs(0)), mesh=mesh)
+  restored = quant_io.load(str(tmp_path / "int8"), lambda: GPT(GPT2, rngs=nnx.Rngs(0)), mesh=mesh)
   assert quant.mode_of(restored) == "w8a8"
   saved_leaves = jax.tree.leaves(nnx.state(qmodel).to_pure_dict())
   restored_leaves = jax.tree.leaves(nnx.state(restored).to_pure_dict())
@@ -151,7 +151,7 @@ def test_int8_checkpoint_round_trip_onto_a_mesh_and_generate(tmp_path):
   assert [len(t) for t in tokens] == [4, 4]
   # Smaller on disk; this tiny model keeps float biases and norms and orbax's metadata weighs ~25 KB, so the ratio
   # is ~2x here (the >= 3.5x of real models is measured by experiments/optimize.py, see WORKSPACE.md).
-  assert quant.directory_bytes(str(tmp_path / "fp32")) > 1.7 * quant.directory_bytes(str(tmp_path / "int8"))
+  assert quant_io.directory_bytes(str(tmp_path / "fp32")) > 1.7 * quant_io.directory_bytes(str(tmp_path / "int8"))
 
 
 def test_clear_errors():
