@@ -47,10 +47,12 @@ def initialize(timeout_s: int = 120) -> bool:
     except (KeyError, ValueError) as e:
       raise ValueError(f"{ENV_COORDINATOR} is set, so {ENV_NUM_PROCESSES} and {ENV_PROCESS_ID} must be integers "
                        f"too ({e})") from None
+  # JAX's client aborts the whole process (a C++ fatal error, no exception) when the coordinator never answers;
+  # probing the port first turns that into a catchable, one-line error.
   if explicit and kwargs["process_id"] != 0:
-    # JAX's client aborts the whole process (a C++ fatal error, no exception) when the coordinator never answers;
-    # probing the port first turns that into a catchable, one-line error.
     _wait_for_coordinator(explicit, timeout_s)
+  elif not explicit and (slurm := _slurm_coordinator()) and slurm[1] != 0:
+    _wait_for_coordinator(slurm[0], timeout_s)
   if os.environ.get("JAX_PLATFORMS", "") == "cpu" or _only_cpu_available():
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
   try:
@@ -74,6 +76,18 @@ def _wait_for_coordinator(address: str, timeout_s: float) -> None:
         raise RuntimeError(f"could not join the job through the coordinator at {address} within {timeout_s} s; "
                            "check that process 0 is running and the address/port is reachable") from None
       time.sleep(0.5)
+
+
+def _slurm_coordinator() -> tuple[str, int] | None:
+  """(coordinator host:port, this task's rank) as JAX's SLURM detection will choose them, or None if this jax
+  version's (private) cluster class differs: then only JAX's own timeout guards the join."""
+  try:
+    from jax._src.clusters import SlurmCluster  # noqa: PLC0415
+    if SlurmCluster.is_env_present():
+      return SlurmCluster.get_coordinator_address(None, None), SlurmCluster.get_process_id()
+  except (ImportError, AttributeError, TypeError, KeyError, ValueError):
+    pass
+  return None
 
 
 def _only_cpu_available() -> bool:
