@@ -34,6 +34,10 @@ class ModelConfig:
                           # (jax.nn.dot_product_attention's XLA path) | cudnn (its cuDNN flash path; GPUs only)
   attention_block: int = 64  # causal_blocks: queries per block (64 was fastest at T=256 on the 2-core CPU)
   scan_unroll: int = 1  # blocks per iteration of the layer scan: >1 trades compile time for less per-layer copying
+  document_mask: bool = True  # decoders: packed documents attend only within themselves; False: plain causal
+                              # attention across the documents of a row (as GPT-2, nanoGPT and llm.c train), which
+                              # lets cuDNN run its causal kernel with no mask tensor (a mask becomes a bias whose
+                              # gradient jax's cuDNN path always computes)
   fuse_qkv: bool = False  # compute q, k, v with one matmul over the concatenated weights (params stay separate)
   cross_entropy_chunk: int = 0  # 0: [B, T, V] logits, then the loss (reference) | N: fused loss + gradient over
                                 # N-token chunks, no [B, T, V] array (jaxlm/cross_entropy.py)

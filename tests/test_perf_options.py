@@ -1,7 +1,8 @@
 """Every speed option computes the same function as its reference path: the fused chunked cross-entropy
 (model.cross_entropy_chunk) against [B, T, V] logits + optax, the fused q/k/v matmul (model.fuse_qkv), the
 unrolled layer scan (model.scan_unroll), and the block-causal and jax.nn.dot_product_attention paths
-(model.attention=causal_blocks|recompute|jax|cudnn) against the einsum attention on packed documents. Tiny shapes: seconds
+(model.attention=causal_blocks|recompute|jax|cudnn) against the einsum attention on packed documents, and
+attention across the documents of a row (model.document_mask=False). Tiny shapes: seconds
 on a CPU."""
 
 import dataclasses
@@ -146,6 +147,26 @@ def test_recompute_attention_saves_no_probabilities():
   assert reference - recompute >= 0.9 * probabilities, (reference, recompute, probabilities)
 
 
+@pytest.mark.parametrize("base", [TINY, LLAMA], ids=["gpt2_mha", "llama_gqa"])
+def test_without_document_mask_rows_attend_across_documents_on_every_path(base):
+  """document_mask=False is plain causal attention over the row: the same logits as the document-masked model fed
+  the row as one document, different from it on packed documents; jax.nn's path then gets no mask tensor
+  (is_causal alone), and agrees with the einsum path."""
+  plain = dataclasses.replace(base, document_mask=False)
+  batch = _batch(base.vocab_size)
+
+  def logits(config, segments):
+    graphdef, state = nnx.split(GPT(config, rngs=nnx.Rngs(0)))
+    return jax.jit(lambda s: nnx.merge(graphdef, s)(batch["inputs"], batch["positions"], segments))(state)
+
+  one_document = np.ones_like(batch["segment_ids"])
+  expected = logits(base, one_document)
+  chex.assert_trees_all_close(logits(plain, batch["segment_ids"]), expected, rtol=1e-5, atol=1e-5)
+  chex.assert_trees_all_close(logits(dataclasses.replace(plain, attention="jax"), batch["segment_ids"]), expected,
+                              rtol=1e-5, atol=1e-5)
+  assert not np.allclose(logits(base, batch["segment_ids"]), expected, atol=1e-3)
+
+
 def test_causal_block_attention_is_refused_for_a_bidirectional_encoder():
   from jaxlm.models.layers import Attention  # noqa: PLC0415
   from jaxlm.precision import Policy  # noqa: PLC0415
@@ -170,9 +191,9 @@ def test_unrolled_layer_scan_equals_rolled(base):
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN attention needs an NVIDIA GPU")
 def test_cudnn_attention_close_to_xla_attention_in_bf16():
   config = dataclasses.replace(LLAMA, compute_dtype="bfloat16", d_model=64, num_heads=4)  # head_dim 16
-  reference, cudnn = _logits(config), _logits(dataclasses.replace(config, attention="cudnn"))
-  assert float(jnp.max(jnp.abs(cudnn - reference))) < 0.05 * float(jnp.max(jnp.abs(reference)))
-
+  for config in (config, dataclasses.replace(config, document_mask=False)):  # with a mask tensor, and with none
+    reference, cudnn = _logits(config), _logits(dataclasses.replace(config, attention="cudnn"))
+    assert float(jnp.max(jnp.abs(cudnn - reference))) < 0.05 * float(jnp.max(jnp.abs(reference)))
 
 
 def _mesh_step(model, data_devices):

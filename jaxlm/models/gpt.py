@@ -39,7 +39,8 @@ class Block(nnx.Module):
     self.attn = Attention(config.d_model, config.num_heads, config.num_kv_heads or config.num_heads, policy, std,
                           out_std, use_bias=not llama, rope_theta=config.rope_theta if llama else None,
                           implementation=config.attention, fuse_qkv=config.fuse_qkv,
-                          block=config.attention_block, causal=True, rngs=rngs)
+                          block=config.attention_block, causal=True, document_mask=config.document_mask,
+                          rngs=rngs)
     self.mlp_norm = norm(config.d_model, config.layer_norm_eps, policy)
     if llama:
       self.mlp = GatedMLP(config.d_model, config.mlp_width, policy, std, out_std, rngs=rngs)
@@ -101,8 +102,9 @@ class GPT(nnx.Module):
 
   def __call__(self, input_ids_BT: jax.Array, positions_BT: jax.Array | None = None,
                segment_ids_BT: jax.Array | None = None) -> jax.Array:
-    """Logits [B, T, V] in f32. `segment_ids` (packed documents, 0 = padding) restrict attention to one document;
-    `positions` restart at each document start. Both default to one unpadded document per row."""
+    """Logits [B, T, V] in f32. `segment_ids` (packed documents, 0 = padding) restrict attention to one document
+    (unless model.document_mask=False); `positions` restart at each document start. Both default to one unpadded
+    document per row."""
     return self._vocab_logits(self.features(input_ids_BT, positions_BT, segment_ids_BT))
 
   def features(self, input_ids_BT: jax.Array, positions_BT: jax.Array | None = None,
@@ -113,7 +115,8 @@ class GPT(nnx.Module):
       positions_BT = jnp.broadcast_to(jnp.arange(input_ids_BT.shape[1]), input_ids_BT.shape)
     if segment_ids_BT is None:
       segment_ids_BT = jnp.ones_like(input_ids_BT)
-    mask_BTS = causal_mask(segment_ids_BT)
+    # Without document masking every row is one causal sequence (the library kernels then get no mask at all).
+    mask_BTS = causal_mask(segment_ids_BT if self.config.document_mask else jnp.ones_like(segment_ids_BT))
 
     def body(block, x_BTD, _):
       return block(x_BTD, mask_BTS, positions_BT), None

@@ -249,17 +249,20 @@ def recompute_attention(q_BTHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array,
   return out_BGRTK.transpose(0, 3, 1, 2, 4).reshape(b, t, h, kd)
 
 
-def library_attention(q_BTHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, mask_BTS: jax.Array,
+def library_attention(q_BTHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, mask_BTS: jax.Array | None,
                       implementation: str, causal: bool = False) -> jax.Array:
   """`dot_product_attention` through jax.nn.dot_product_attention: `jax` is its XLA path, `cudnn` its cuDNN flash
   path (GPUs, bf16/fp16). The full [B, T, S] mask (causal and document boundaries) is always passed, so packed
   documents stay apart on every path (cuDNN takes it as an additive bias); softmax is in f32 on both. `causal`
   (the mask already hides every later key) also tells the kernel so: cuDNN then skips the blocks above the
-  diagonal instead of computing them under a -inf bias. Same function either way (tested)."""
+  diagonal instead of computing them under a -inf bias. Same function either way (tested). `mask_BTS=None` with
+  `causal`: plain causal attention, no mask tensor at all (jax's cuDNN path turns a mask into an additive bias and
+  always computes that bias's gradient, a [B, 1, T, S] output of the backward kernel nobody needs)."""
   if implementation == "cudnn" and jax.default_backend() != "gpu":
     raise ValueError(f"model.attention=cudnn needs an NVIDIA GPU with cuDNN, not {jax.default_backend()}: use "
                      "model.attention=recompute (the same memory), causal_blocks or xla")
-  return jax.nn.dot_product_attention(q_BTHK, k_BSGK, v_BSGK, mask=mask_BTS[:, None], is_causal=causal,
+  mask = None if mask_BTS is None else mask_BTS[:, None]
+  return jax.nn.dot_product_attention(q_BTHK, k_BSGK, v_BSGK, mask=mask, is_causal=causal,
                                       implementation="xla" if implementation == "jax" else implementation)
 
 
@@ -270,7 +273,8 @@ class Attention(nnx.Module):
 
   def __init__(self, d_model: int, num_heads: int, num_kv_heads: int, policy: Policy, std: float, out_std: float,
                *, use_bias: bool = True, rope_theta: float | None = None, implementation: str = "xla",
-               fuse_qkv: bool = False, block: int = 64, causal: bool = False, rngs: nnx.Rngs):
+               fuse_qkv: bool = False, block: int = 64, causal: bool = False, document_mask: bool = True,
+               rngs: nnx.Rngs):
     if num_heads % num_kv_heads:
       raise ValueError(f"num_heads={num_heads} is not divisible by num_kv_heads={num_kv_heads}")
     if implementation == "causal_blocks" and not causal:
@@ -281,6 +285,7 @@ class Attention(nnx.Module):
     self.implementation = implementation  # ModelConfig.attention: xla | causal_blocks | recompute | jax | cudnn
     self.block = block  # ModelConfig.attention_block: queries per block of causal_blocks
     self.causal = causal  # the caller's mask hides every later key (decoders); enables causal-only kernels
+    self.document_mask = document_mask  # False (decoders): the mask is plain causal, library kernels get none
     self.fuse_qkv = fuse_qkv  # ModelConfig.fuse_qkv: one [D, H+2G, K] matmul instead of three
     h, g, k, dt = num_heads, num_kv_heads, d_model // num_heads, policy.param_dtype
     self.w_q = nnx.Param(_normal(rngs, (d_model, h, k), std, dt), axes=("embed", "heads", "head_dim"))
@@ -341,7 +346,9 @@ class Attention(nnx.Module):
       return self._out(causal_block_attention(q, k, v, mask_BTS, self.policy, self.block))
     if self.implementation == "recompute":
       return self._out(recompute_attention(q, k, v, mask_BTS))
-    return self._out(library_attention(q, k, v, mask_BTS, self.implementation, self.causal))
+    plain_causal = self.causal and not self.document_mask
+    return self._out(library_attention(q, k, v, None if plain_causal else mask_BTS, self.implementation,
+                                       self.causal))
 
   def decode(self, x_BTD: jax.Array, mask_BTS: jax.Array, positions_BT: jax.Array, k_BSGK: jax.Array,
              v_BSGK: jax.Array, end: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
