@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Every check still owed to a GPU, as ONE script for a short device session (about 6 minutes on an H200, at most 9.5; each part
+# Every check still owed to a GPU, as ONE script for a short device session (about 6 minutes on an H200, at most 9.6; each part
 # has its own time limit so one failure does not eat the rest). Results go under OUT (default runs/gpu_checks):
 #   doctor.txt                 versions, devices, bf16 matmul, FLOP/s
 #   plan_gpt2_small/           planner: predicted vs measured step time and memory for gpt2_small on this GPU (#7)
-#   bench_<variant>/bench.json GPT-2 124M speed options, jaxlm only (#9): no document mask, fused q/k/v, batch 64
+#   bench_<variant>/bench.json GPT-2 124M speed options, jaxlm only (#9): no document mask, layer loop, fused q/k/v,
+#                              batch 64 + remat=dots
 #   bench_torch/bench.json     the same shape with torch.compile beside jaxlm's best-known options
 #   profile_gpt2/profile.json  where the GPT-2 step's time goes, kernel by kernel (experiments/profile_step.py)
 #   log.txt                    everything printed
@@ -26,24 +27,24 @@ part() {  # part <seconds> <name> <command...>: runs one check, logs its status,
 }
 
 part 45 doctor bash -c "$PY experiments/doctor.py > $OUT/doctor.txt 2>&1"
-part 100 plan_gpt2_small $PY experiments/plan.py --config=experiments/configs/gpt2_small.py \
+part 90 plan_gpt2_small $PY experiments/plan.py --config=experiments/configs/gpt2_small.py \
     --hardware=h200_141gb,h100_80gb --devices=1 --compile=none --measure --workdir="$OUT/plan_gpt2_small"
 bench_variant() {  # bench_variant <name> <overrides...>: jaxlm alone, 2 rounds of 5 steps
   local name=$1
   shift
-  part 60 "bench_$name" $PY experiments/bench.py --config=experiments/configs/bench_gpu.py --frameworks=jaxlm \
+  part 55 "bench_$name" $PY experiments/bench.py --config=experiments/configs/bench_gpu.py --frameworks=jaxlm \
       --sections=peak,step --rounds=2 --steps_per_round=5 --workdir="$OUT/bench_$name" "$@"
 }
 # b32_ce4096 itself ran 99.3 ms/step on 2026-11-30 (WORKSPACE.md); without the document mask cuDNN gets no bias
 # tensor and computes no bias gradient (the bench's rows hold one document each, so the function is the same).
-bench_variant b32_ce4096_nodoc --config.train.batch_size=32 --config.model.cross_entropy_chunk=4096 \
-    --config.model.document_mask=False
-bench_variant b32_ce4096_qkv --config.train.batch_size=32 --config.model.cross_entropy_chunk=4096 \
-    --config.model.fuse_qkv=True
-bench_variant b64_ce4096_qkv_dots --config.train.batch_size=64 --config.model.cross_entropy_chunk=4096 \
-    --config.model.fuse_qkv=True --config.model.remat=dots
-part 80 profile_gpt2 $PY experiments/profile_step.py --config=experiments/configs/bench_gpu.py \
-    --workdir="$OUT/profile_gpt2" --config.train.batch_size=32 --config.model.cross_entropy_chunk=4096
+B32="--config.train.batch_size=32 --config.model.cross_entropy_chunk=4096 --config.model.document_mask=False"
+bench_variant b32_ce4096_nodoc $B32
+bench_variant b32_ce4096_nodoc_loop $B32 --config.model.scan_layers=False
+bench_variant b32_ce4096_nodoc_qkv $B32 --config.model.fuse_qkv=True
+bench_variant b64_ce4096_nodoc_qkv_dots --config.train.batch_size=64 --config.model.cross_entropy_chunk=4096 \
+    --config.model.document_mask=False --config.model.fuse_qkv=True --config.model.remat=dots
+part 70 profile_gpt2 $PY experiments/profile_step.py --config=experiments/configs/bench_gpu.py \
+    --workdir="$OUT/profile_gpt2" $B32
 # torch.compile beside jaxlm with the options above (batch 16: both must fit on one GPU at once).
 XLA_PYTHON_CLIENT_PREALLOCATE=false part 150 bench_torch $PY experiments/bench.py \
     --config=experiments/configs/bench_gpu.py --frameworks=jaxlm,torch_compile --sections=step --rounds=3 \

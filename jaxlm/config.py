@@ -33,6 +33,8 @@ class ModelConfig:
                           # (saves only q, k, v, output and log-sum-exp, as flash kernels do) | jax
                           # (jax.nn.dot_product_attention's XLA path) | cudnn (its cuDNN flash path; GPUs only)
   attention_block: int = 64  # causal_blocks: queries per block (64 was fastest at T=256 on the 2-core CPU)
+  scan_layers: bool = True  # False: a Python loop over the layers (compile time grows with depth; no stacked
+                            # [L, ...] activation buffers)
   scan_unroll: int = 1  # blocks per iteration of the layer scan: >1 trades compile time for less per-layer copying
   document_mask: bool = True  # decoders: packed documents attend only within themselves; False: plain causal
                               # attention across the documents of a row (as GPT-2, nanoGPT and llm.c train), which

@@ -1,6 +1,6 @@
 """Every speed option computes the same function as its reference path: the fused chunked cross-entropy
 (model.cross_entropy_chunk) against [B, T, V] logits + optax, the fused q/k/v matmul (model.fuse_qkv), the
-unrolled layer scan (model.scan_unroll), and the block-causal and jax.nn.dot_product_attention paths
+unrolled layer scan (model.scan_unroll) and the layer loop (model.scan_layers=False), and the block-causal and jax.nn.dot_product_attention paths
 (model.attention=causal_blocks|recompute|jax|cudnn) against the einsum attention on packed documents, and
 attention across the documents of a row (model.document_mask=False). Tiny shapes: seconds
 on a CPU."""
@@ -186,6 +186,22 @@ def test_causal_block_attention_needs_self_attention():
 def test_unrolled_layer_scan_equals_rolled(base):
   config = dataclasses.replace(base, scan_unroll=2)
   chex.assert_trees_all_close(_loss_value_and_grads(config), _loss_value_and_grads(base), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("base", [TINY, LLAMA], ids=["gpt2", "llama"])
+def test_layer_loop_equals_layer_scan(base):
+  """scan_layers=False: loss and every gradient of the stacked parameters as under the scan."""
+  config = dataclasses.replace(base, scan_layers=False)
+  chex.assert_trees_all_close(_loss_value_and_grads(config), _loss_value_and_grads(base), rtol=1e-5, atol=1e-6)
+
+
+def test_layer_loop_equals_layer_scan_for_the_bert_encoder():
+  from jaxlm.models.bert import Bert  # noqa: PLC0415
+  config = dataclasses.replace(TINY, flavour="bert", d_ff=48, layer_norm_eps=1e-12)
+  ids = jnp.asarray(np.random.default_rng(0).integers(0, 96, (2, 8)), jnp.int32)
+  mask = jnp.asarray([[1] * 8, [1] * 5 + [0] * 3], jnp.int32)
+  hidden = [Bert(dataclasses.replace(config, scan_layers=scan), rngs=nnx.Rngs(0))(ids, mask) for scan in (True, False)]
+  chex.assert_trees_all_close(hidden[1], hidden[0], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN attention needs an NVIDIA GPU")

@@ -79,7 +79,8 @@ class Bert(nnx.Module):
     def body(block, x_BTD, _):
       return block(x_BTD, mask_BTS), None
 
-    x_BTD, _ = scan_blocks(self.blocks, body, x_BTD, remat=self.config.remat, unroll=self.config.scan_unroll)
+    x_BTD, _ = scan_blocks(self.blocks, body, x_BTD, remat=self.config.remat, unroll=self.config.scan_unroll,
+                           scan=self.config.scan_layers)
     return self.policy.cast_to_output(x_BTD)
 
   def __call__(self, input_ids_BT, attention_mask=None, token_type_ids=None) -> jax.Array:

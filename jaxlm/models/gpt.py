@@ -122,7 +122,7 @@ class GPT(nnx.Module):
       return block(x_BTD, mask_BTS, positions_BT), None
 
     x_BTD, _ = scan_blocks(self.blocks, body, self._embed(input_ids_BT, positions_BT), remat=self.config.remat,
-                           unroll=self.config.scan_unroll)
+                           unroll=self.config.scan_unroll, scan=self.config.scan_layers)
     return self.final_norm(x_BTD)
 
   def init_cache(self, batch: int, slots: int) -> KVCache:

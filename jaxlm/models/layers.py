@@ -421,10 +421,14 @@ def stacked(num_layers: int, make_block: Callable[[nnx.Rngs], nnx.Module], rngs:
   return make(rngs)
 
 
-def scan_blocks(blocks: nnx.Module, body: Callable, carry, xs=None, remat: str = "none", unroll: int = 1):
+def scan_blocks(blocks: nnx.Module, body: Callable, carry, xs=None, remat: str = "none", unroll: int = 1,
+                scan: bool = True):
   """Runs `body(block, carry, xs_l) -> (carry, ys_l)` over the stacked blocks with `jax.lax.scan`, so compile time
   does not grow with depth; `xs` (e.g. one KV cache per layer) is sliced along its leading [L] axis. `unroll`
-  blocks per loop iteration trade compile time for fewer per-layer slices and stacks (ModelConfig.scan_unroll)."""
+  blocks per loop iteration trade compile time for fewer per-layer slices and stacks (ModelConfig.scan_unroll).
+  `scan=False` (ModelConfig.scan_layers) runs a Python loop instead: compile time grows with depth, but each
+  layer's saved activations are buffers of their own, not slices written into (and read back from) stacked
+  [L, ...] loop buffers, which on GPUs can cost a copy each (on the 2-core CPU: within noise)."""
   block_def, block_params = nnx.split(blocks)
 
   def step(carry, params_and_xs):
@@ -433,4 +437,13 @@ def scan_blocks(blocks: nnx.Module, body: Callable, carry, xs=None, remat: str =
 
   if remat != "none":
     step = jax.checkpoint(step, policy=REMAT_POLICIES[remat], prevent_cse=False)
-  return jax.lax.scan(step, carry, (block_params, xs), unroll=unroll)
+  if scan:
+    return jax.lax.scan(step, carry, (block_params, xs), unroll=unroll)
+  num_layers = jax.tree.leaves(block_params)[0].shape[0]
+  # One split per stacked array (its transpose is one concatenate of the layer gradients, not L padded adds).
+  per_layer = jax.tree.map(lambda a: jnp.split(a, num_layers), (block_params, xs))
+  ys = []
+  for i in range(num_layers):
+    carry, y = step(carry, jax.tree.map(lambda parts: parts[i][0], per_layer, is_leaf=lambda x: isinstance(x, list)))
+    ys.append(y)
+  return carry, jax.tree.map(lambda *layers: jnp.stack(layers), *ys)
