@@ -40,9 +40,22 @@ class _Unreadable(Exception):
   """A checkpoint step that could not be read (truncated or corrupted files)."""
 
 
+def write_arrays_from_one_replica() -> None:
+  """In a single-process job, orbax writes each replicated array from one device instead of splitting it into
+  per-replica slices. Orbax's default on CPUs and TPUs slices every replicated array eagerly to spread the writing
+  over its replicas, which on one host all write to the same disk anyway, and each distinct slice shape is a
+  fresh compile: 3.9 of a tiny BERT fine-tune's 28 s went to the first save's 290 slices. Multi-process jobs keep
+  orbax's default, where the replicas are on different hosts. (orbax's ArrayHandler is registered globally; it is
+  the same handler with this one setting.)"""
+  if jax.process_count() == 1:
+    ocp.type_handlers.register_type_handler(jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False),
+                                            override=True)
+
+
 class Checkpointer:
 
   def __init__(self, directory: str, every_steps: int, keep: int):
+    write_arrays_from_one_replica()
     self.every_steps = every_steps
     self.directory = os.path.abspath(directory)
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, cleanup_tmp_directories=True)

@@ -262,6 +262,22 @@ def _rewrite_jsonl(path: str, keep: Callable[[int], bool]) -> int | None:
   return max_step
 
 
+def _import_tensorboardx():
+  """tensorboardX, imported here (the writer is optional). Its writer module imports torch at import time only to
+  recognise torch tensors, 3.9 s and a few hundred MB when torch is installed (the `hf` extra); we log floats. So
+  unless this process has imported torch already, tensorboardX is imported with torch hidden (a None entry in
+  sys.modules makes its guarded `import torch` fail), and torch imports normally afterwards."""
+  if "tensorboardX" in sys.modules or "torch" in sys.modules:
+    import tensorboardX  # noqa: PLC0415
+    return tensorboardX
+  sys.modules["torch"] = None
+  try:
+    import tensorboardX  # noqa: PLC0415
+  finally:
+    del sys.modules["torch"]
+  return tensorboardX
+
+
 class MetricsWriter:
   """Appends `{"step": step, **metrics}` lines to <workdir>/metrics.jsonl and scalars to <workdir>/tensorboard/.
 
@@ -293,8 +309,7 @@ class MetricsWriter:
       _rewrite_jsonl(self.path, lambda step: step < first_step)
     self._file = open(self.path, "a")
     if self._enable_tensorboard:
-      import tensorboardX  # imported here: the writer is optional and its import costs ~0.5 s
-
+      tensorboardX = _import_tensorboardx()
       purge_step = first_step if self._start_step is None else min(first_step, self._start_step + 1)
       self._tensorboard = tensorboardX.SummaryWriter(self.tensorboard_dir, purge_step=purge_step, flush_secs=30)
 

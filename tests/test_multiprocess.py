@@ -54,6 +54,7 @@ def test_two_processes_stopped_and_resumed_match_one_process(tmp_path):
   flags = [f"--config.{k}={v}" for k, v in overrides.items()]
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", distributed.ENV_COORDINATOR)}
   env["PYTHON"] = sys.executable
+  env["JAX_COMPILATION_CACHE_DIR"] = str(tmp_path / "jax_cache")  # the second launch reuses the first's compiles
   command = [os.path.join(ROOT, "launch/local.sh"), "2", "2", os.path.join(ROOT, "experiments/train_lm.py"),
              f"--config={os.path.join(ROOT, 'experiments/configs/demo.py')}", f"--workdir={tmp_path / 'two'}", *flags]
   # First launch: both processes save step 2 together and exit; the second launch restores it collectively.

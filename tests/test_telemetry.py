@@ -60,6 +60,21 @@ def test_metrics_writer_writes_json_lines_and_nan_as_null(tmp_path):
   assert os.listdir(os.path.join(workdir, "tensorboard"))  # an events file
 
 
+def test_tensorboard_writer_does_not_import_torch(tmp_path):
+  """tensorboardX would import torch (seconds) when the hf extra is installed; the writer keeps it out, and torch
+  still imports afterwards."""
+  import subprocess  # noqa: PLC0415
+  import sys  # noqa: PLC0415
+  code = ("import sys, importlib.util; from jaxlm import telemetry\n"
+          f"with telemetry.MetricsWriter({str(tmp_path)!r}) as w: w.write(1, {{'loss': 1.0}})\n"
+          "assert 'torch' not in sys.modules, 'torch imported'\n"
+          "if importlib.util.find_spec('torch'): import torch; print('torch', torch.__version__)\n")
+  result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert os.listdir(tmp_path / "tensorboard")
+
+
 def test_resume_keeps_exactly_one_line_per_step(tmp_path):
   workdir = str(tmp_path)
   # First run logs steps 10..70 (checkpoint at 50), then is killed mid-write of step 80.
