@@ -118,7 +118,7 @@ def test_recompute_attention_equals_einsum_attention(base):
 def test_recompute_attention_gradients_with_padding_and_bf16():
   """Bidirectional attention over padded keys (BERT's mask, a fully padded row included) in f32, and bf16 inputs
   within bf16 rounding of the f32 reference."""
-  from jaxlm.models.layers import dot_product_attention, padding_mask, recompute_attention  # noqa: PLC0415
+  from jaxlm.models.attention import dot_product_attention, padding_mask, recompute_attention  # noqa: PLC0415
   from jaxlm.precision import Policy  # noqa: PLC0415
   rng = np.random.default_rng(3)
   q, k, v, w = (jnp.asarray(rng.standard_normal((2, 6, 4, 8)), jnp.float32) for _ in range(4))
@@ -175,7 +175,7 @@ def test_causal_block_attention_is_refused_for_a_bidirectional_encoder():
 
 
 def test_causal_block_attention_needs_self_attention():
-  from jaxlm.models.layers import causal_block_attention  # noqa: PLC0415
+  from jaxlm.models.attention import causal_block_attention  # noqa: PLC0415
   from jaxlm.precision import Policy  # noqa: PLC0415
   q, kv = jnp.zeros((1, 4, 2, 8)), jnp.zeros((1, 6, 2, 8))
   with pytest.raises(ValueError, match="as many keys as queries"):

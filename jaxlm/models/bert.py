@@ -17,7 +17,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxlm.config import ModelConfig
-from jaxlm.models.layers import MLP, Attention, Dense, Embed, LayerNorm, padding_mask, scan_blocks, stacked
+from jaxlm.models.attention import padding_mask
+from jaxlm.models.layers import MLP, Attention, Dense, Embed, LayerNorm, scan_blocks, stacked
 from jaxlm.precision import Policy
 from jaxlm.sharding import constrain
 

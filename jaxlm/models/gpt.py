@@ -18,8 +18,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxlm.config import ModelConfig
-from jaxlm.models.layers import (MLP, Attention, Embed, GatedMLP, KVCache, LayerNorm, RMSNorm, cache_mask,
-                                 causal_mask, scan_blocks, stacked)
+from jaxlm.models.attention import cache_mask, causal_mask
+from jaxlm.models.layers import MLP, Attention, Embed, GatedMLP, KVCache, LayerNorm, RMSNorm, scan_blocks, stacked
 from jaxlm.precision import Policy
 from jaxlm.sharding import constrain, gather_fsdp
 
