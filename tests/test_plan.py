@@ -76,6 +76,26 @@ def test_saved_activations_are_affine_in_the_batch_and_shrink_with_remat_and_ten
   assert saved(TINY.model, 2, 2) < 0.8 * two  # heads, MLP width and vocabulary split over 2 tensor devices
 
 
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks the stand-in used where there is no cuDNN")
+def test_cudnn_configs_plan_and_compile_where_there_is_no_cudnn():
+  """A GPU config (attention=cudnn) is planned and compiled on this CPU through `recompute` attention (before, the
+  trace failed: 'cuDNN is not detected'); a CPU run of it is a one-line error naming the alternatives."""
+  config = dataclasses.replace(TINY, model=dataclasses.replace(TINY.model, attention="cudnn"))
+  stand_in = dataclasses.replace(TINY, model=dataclasses.replace(TINY.model, attention="recompute"))
+  assert plan.saved_activation_bytes(config.model, 64, 1, 2) == plan.saved_activation_bytes(stand_in.model, 64, 1, 2)
+  assert plan.saved_activation_bytes(config.model, 64, 1, 2) < plan.saved_activation_bytes(TINY.model, 64, 1, 2)
+  compiled = plan.compile_train_step(config, jax.devices()[:1])
+  assert plan.compiled_memory_bytes(compiled) > 0
+  import numpy as np  # noqa: PLC0415
+  from flax import nnx  # noqa: PLC0415
+
+  from jaxlm.models.gpt import GPT  # noqa: PLC0415
+  model = GPT(config.model, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="model.attention=cudnn needs an NVIDIA GPU with cuDNN, not cpu: use "
+                                       "model.attention=recompute"):
+    model(np.zeros((1, 8), np.int32))
+
+
 def test_roofline_and_cost_arithmetic():
   hardware = plan.Hardware(name="toy", memory_gib=1, bf16_flops=1e12, matmul_efficiency=0.5, hbm_bytes_per_sec=1e11,
                            interconnect_bytes_per_sec=1e10, usd_per_hour_on_demand=2.0, usd_per_hour_spot=1.0,
