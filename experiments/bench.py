@@ -55,7 +55,7 @@ import time  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from absl import app, flags, logging  # noqa: E402
+from absl import flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_torch beside this file
@@ -316,8 +316,7 @@ def print_table(result: dict) -> None:
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+  del argv  # flags only: cli.run refuses positional arguments
   logging.set_verbosity(logging.WARNING)
   config = config_lib.from_config_dict(_CONFIG.value)
   workdir = _WORKDIR.value

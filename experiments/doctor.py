@@ -18,9 +18,9 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags
+from absl import flags
 
-from jaxlm import measure, telemetry
+from jaxlm import cli, measure, telemetry
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "if given, doctor.json is written here")
 _MATMUL_SIZE = flags.DEFINE_integer("matmul_size", 0, "n of the n x n x n matmul; 0 = 1024 on CPU, 8192 elsewhere")
@@ -61,8 +61,7 @@ def bf16_matmul_check(device) -> str:
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+  del argv  # flags only: cli.run refuses positional arguments
   started = time.time()
   device = jax.devices()[0]
   n = _MATMUL_SIZE.value or (1024 if device.platform == "cpu" else 8192)
@@ -108,4 +107,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -16,11 +16,11 @@ import json
 import os
 
 import jax
-from absl import app, flags, logging
+from absl import flags, logging
 
 from jaxlm import config as config_lib
 from jaxlm import data as data_lib
-from jaxlm import generate, optim, sharding, train
+from jaxlm import cli, generate, optim, sharding, train
 from jaxlm.checkpoint import Checkpointer, abstract_with_shardings
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "training run folder (config.json, tokenizer.json, checkpoints/)")
@@ -67,8 +67,7 @@ def load_run(workdir: str, mesh_tensor: int = 1):
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+  del argv  # flags only: cli.run refuses positional arguments
   logging.set_verbosity(logging.WARNING)
   config, graphdef, params, tokenizer, step = load_run(_WORKDIR.value, _TENSOR.value)
   eos = data_lib.eos_id(tokenizer)
@@ -93,4 +92,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Every check still owed to a GPU, as ONE script for a short device session (about 6 minutes on an H200, at most 9.6; each part
-# has its own time limit so one failure does not eat the rest). Results go under OUT (default runs/gpu_checks):
+# Every check still owed to a GPU, as ONE script for a short device session (about 6 minutes on an H200, at most
+# 9.6; each part has its own time limit so one failure does not eat the rest). Results go under OUT (default
+# runs/gpu_checks):
 #   doctor.txt                 versions, devices, bf16 matmul, FLOP/s
 #   plan_gpt2_small/           planner: predicted vs measured step time and memory for gpt2_small on this GPU (#7)
 #   bench_<variant>/bench.json GPT-2 124M speed options, jaxlm only (#9): no document mask, layer loop, fused q/k/v,

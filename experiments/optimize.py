@@ -21,7 +21,7 @@ import shutil
 import time
 from typing import Any, Callable
 
-from absl import app, flags, logging
+from absl import flags, logging
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "a train_lm.py or finetune.py run folder")
 _CALIBRATION = flags.DEFINE_integer("calibration_batches", 8, "training batches that calibrate W8A8 input scales")
@@ -327,8 +327,7 @@ def chart(workdir: str, task: Task, rows: dict[str, dict]) -> None:
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+  del argv  # flags only: cli.run refuses positional arguments
   logging.set_verbosity(logging.WARNING)
   from jaxlm import config as config_lib  # noqa: PLC0415
 

@@ -20,7 +20,7 @@ import shutil
 import time
 
 import jax
-from absl import app, flags, logging
+from absl import flags, logging
 from ml_collections import config_flags
 
 from jaxlm import cli, files, hlo, measure
@@ -56,8 +56,7 @@ def op_events(trace_dir: str, kinds: dict[str, str]) -> collections.Counter:
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+  del argv  # flags only: cli.run refuses positional arguments
   logging.set_verbosity(logging.WARNING)
   config = config_lib.from_config_dict(_CONFIG.value)
   workdir = _WORKDIR.value

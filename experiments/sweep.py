@@ -139,8 +139,8 @@ def summarise(sweep_dir: str, runs: list[dict[str, Any]], metric: str) -> str:
   table = "\n".join(lines)
   os.makedirs(sweep_dir, exist_ok=True)
   files.write_json(os.path.join(sweep_dir, "sweep.json"), {"metric": metric, "runs": ordered})
-  files.write_text(os.path.join(sweep_dir, "summary.md"), f"# Sweep {os.path.basename(os.path.abspath(sweep_dir))}, "
-                                                f"sorted by {metric}\n\n{table}\n")
+  files.write_text(os.path.join(sweep_dir, "summary.md"),
+                   f"# Sweep {os.path.basename(os.path.abspath(sweep_dir))}, sorted by {metric}\n\n{table}\n")
   return table
 
 

@@ -43,14 +43,16 @@ def unknown_override(argv: Sequence[str]) -> str | None:
 
 
 def run(main: Callable[[list[str]], None], argv: Sequence[str] | None = None) -> None:
-  """absl's app.run, plus: unknown `--config.*` keys are refused before parsing, and the input errors jaxlm raises
-  (ValueError, missing files) end the script with their one-line message instead of a traceback
-  (JAXLM_TRACEBACK=1 keeps the traceback, for debugging)."""
+  """absl's app.run, plus: unknown `--config.*` keys are refused before parsing, so are positional arguments (the
+  scripts take flags only), and the input errors jaxlm raises (ValueError, missing files) end the script with
+  their one-line message instead of a traceback (JAXLM_TRACEBACK=1 keeps the traceback, for debugging)."""
   argv = list(sys.argv if argv is None else argv)
   if error := unknown_override(argv):
     sys.exit(f"error: {error}")
 
   def main_with_one_line_errors(args):
+    if len(args) > 1:
+      raise app.UsageError(f"unexpected arguments: {' '.join(args[1:])}")
     try:
       return main(args)
     except (ValueError, FileNotFoundError, NotADirectoryError) as e:

@@ -26,8 +26,8 @@ from jaxlm.config import Config
 # The planner is the public face of the three modules: callers use plan.Hardware, plan.predict_memory, ...
 from jaxlm.hardware import GIB, PROFILES_PATH, Hardware, load_hardware  # noqa: F401
 from jaxlm.predict import (ActivationModel, abstract_batch, activation_model, analytic_collective_bytes,  # noqa: F401
-                           as_compiled_on, largest_local_micro_batch, runnable_on, predict_memory, predict_step_time,
-                           saved_activation_bytes, state_bytes)
+                           as_compiled_on, largest_local_micro_batch, predict_memory, predict_step_time,
+                           runnable_on, saved_activation_bytes, state_bytes)
 
 
 # ----------------------------------------------------------------------------------------------- candidates

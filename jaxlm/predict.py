@@ -297,8 +297,8 @@ def predict_step_time(config: Config, sizes: tuple[int, int, int], grad_accum: i
   }
   roofline = sum(parts.values())
   step = roofline * hardware.step_time_factor
-  parts.update({"roofline_sec": roofline, "step_time_sec": step, "mfu": model_flops / (step * devices * hardware.bf16_flops),
-                "tokens_per_sec": tokens / step})
+  parts.update({"roofline_sec": roofline, "step_time_sec": step, "tokens_per_sec": tokens / step,
+                "mfu": model_flops / (step * devices * hardware.bf16_flops)})
   return parts
 
 

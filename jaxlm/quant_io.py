@@ -23,6 +23,7 @@ from jax.sharding import Mesh, NamedSharding
 from jaxlm import files, sharding
 from jaxlm.quant import Int8Weight, mode_of, quantized_like, with_interception
 
+
 def shardings(abstract_state: nnx.State, mesh: Mesh) -> Any:
   """NamedShardings for a (possibly quantized) model state, as a pure dict like `state.to_pure_dict()`.
 

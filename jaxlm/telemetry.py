@@ -264,7 +264,7 @@ def _rewrite_jsonl(path: str, keep: Callable[[int], bool]) -> int | None:
 
 def _import_tensorboardx():
   """tensorboardX, imported here (the writer is optional). Its writer module imports torch at import time only to
-  recognise torch tensors, 3.9 s and a few hundred MB when torch is installed (the `hf` extra); we log floats. So
+  recognise torch tensors, 3.9 s when torch is installed (the `hf` extra); we log floats. So
   unless this process has imported torch already, tensorboardX is imported with torch hidden (a None entry in
   sys.modules makes its guarded `import torch` fail), and torch imports normally afterwards."""
   if "tensorboardX" in sys.modules or "torch" in sys.modules:

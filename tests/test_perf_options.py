@@ -1,9 +1,9 @@
 """Every speed option computes the same function as its reference path: the fused chunked cross-entropy
 (model.cross_entropy_chunk) against [B, T, V] logits + optax, the fused q/k/v matmul (model.fuse_qkv), the
-unrolled layer scan (model.scan_unroll) and the layer loop (model.scan_layers=False), and the block-causal and jax.nn.dot_product_attention paths
-(model.attention=causal_blocks|recompute|jax|cudnn) against the einsum attention on packed documents, and
-attention across the documents of a row (model.document_mask=False). Tiny shapes: seconds
-on a CPU."""
+unrolled layer scan (model.scan_unroll) and the layer loop (model.scan_layers=False), and the block-causal,
+recompute and jax.nn.dot_product_attention paths (model.attention=causal_blocks|recompute|jax|cudnn) against the
+einsum attention on packed documents, and attention across the documents of a row (model.document_mask=False).
+Tiny shapes: seconds on a CPU."""
 
 import dataclasses
 import functools

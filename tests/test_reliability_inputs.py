@@ -47,6 +47,15 @@ def test_bad_flags_stop_the_script_before_training(tmp_path, flag, message):
   assert not (tmp_path / "run").exists()
 
 
+def test_positional_arguments_are_refused_by_every_cli_script(capsys):
+  """jaxlm.cli.run (all flag-only experiment scripts): a stray word stops before main runs."""
+  from jaxlm import cli  # noqa: PLC0415
+  calls = []
+  with pytest.raises(SystemExit):
+    cli.run(calls.append, argv=["script.py", "extra"])
+  assert calls == [] and "unexpected arguments: extra" in capsys.readouterr().err
+
+
 def _dict(**sections):
   raw = json.loads(json.dumps(dataclasses.asdict(Config(model=MODEL, data=DataConfig(seq_len=16)))))
   for section, values in sections.items():

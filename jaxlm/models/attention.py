@@ -138,8 +138,8 @@ def recompute_attention(q_BTHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array,
 def library_attention(q_BTHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, mask_BTS: jax.Array | None,
                       implementation: str, causal: bool = False) -> jax.Array:
   """`dot_product_attention` through jax.nn.dot_product_attention: `jax` is its XLA path, `cudnn` its cuDNN flash
-  path (GPUs, bf16/fp16). The full [B, T, S] mask (causal and document boundaries) is always passed, so packed
-  documents stay apart on every path (cuDNN takes it as an additive bias); softmax is in f32 on both. `causal`
+  path (GPUs, bf16/fp16). The full [B, T, S] mask (causal and document boundaries) is passed unless it is None, so
+  packed documents stay apart on every path (cuDNN takes it as an additive bias); softmax is in f32 on both. `causal`
   (the mask already hides every later key) also tells the kernel so: cuDNN then skips the blocks above the
   diagonal instead of computing them under a -inf bias. Same function either way (tested). `mask_BTS=None` with
   `causal`: plain causal attention, no mask tensor at all (jax's cuDNN path turns a mask into an additive bias and
