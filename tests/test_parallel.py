@@ -117,14 +117,10 @@ def test_hlo_collective_bytes_of_data_parallel_and_fsdp_steps_are_near_the_ring_
 
 
 def _step_collective_bytes(mesh_config, grad_accum):
-  from jaxlm import hlo  # noqa: PLC0415
+  from jaxlm import hlo, measure  # noqa: PLC0415
   config = Config(model=MODEL, mesh=mesh_config, data=DataConfig(seq_len=16),
                   train=TrainConfig(steps=10, batch_size=16, grad_accum=grad_accum))
-  mesh = sharding.make_mesh(config.mesh)
-  optimizer = optim.make_optimizer(config.train)
-  graphdef, state, shardings = train.init_train_state(config, mesh, optimizer)
-  train_step, _ = train.jit_steps(graphdef, optimizer, config, mesh, shardings)
-  compiled = train_step.lower(state, train.to_global_batch(_batch(16), mesh)).compile()
+  compiled, state, _, mesh = measure.compiled_train_step(config)
   param_bytes = sum(x.size * 4 for x in jax.tree.leaves(state["params"]))
   return hlo.collective_bytes(compiled.as_text(), mesh.size)["total"], param_bytes
 
