@@ -99,3 +99,20 @@ def test_skypilot_recipe_resumes_from_the_bucket_and_sets_what_jaxlm_reads():
   script = next(word for word in shlex.split(command, posix=False) if word.startswith("experiments/"))
   assert os.path.isfile(os.path.join(ROOT, script))
   assert os.path.isfile(os.path.join(ROOT, recipe["envs"]["CONFIG"]))
+
+
+def test_local_launcher_sets_the_device_count_and_keeps_other_xla_flags(tmp_path):
+  """launch/local.sh gives each process its own simulated device count and passes the caller's other XLA flags
+  through (it used to replace XLA_FLAGS whole)."""
+  script = tmp_path / "env_probe.py"
+  script.write_text("import os, sys\n"
+                    "with open(os.path.join(sys.argv[1], os.environ['JAXLM_PROCESS_ID']), 'w') as f:\n"
+                    "  f.write(os.environ['XLA_FLAGS'])\n")
+  env = dict(os.environ, PYTHON=sys.executable,
+             XLA_FLAGS="--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0")
+  result = subprocess.run([os.path.join(ROOT, "launch/local.sh"), "2", "3", str(script), str(tmp_path)], env=env,
+                          capture_output=True, text=True, timeout=60)
+  assert result.returncode == 0, result.stderr
+  for process in ("0", "1"):
+    assert (tmp_path / process).read_text() == ("--xla_backend_optimization_level=0 "
+                                                 "--xla_force_host_platform_device_count=3")
