@@ -22,6 +22,7 @@ import dataclasses
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -105,6 +106,9 @@ def start(config_path: str, workdir: str) -> subprocess.Popen:
   command = [sys.executable, os.path.join(REPO, "experiments", "train_lm.py"),
              f"--config={os.path.abspath(config_path)}", f"--workdir={os.path.abspath(workdir)}"]
   env = {**os.environ, **CPU_ENV, "JAX_COMPILATION_CACHE_DIR": cache}
+  # The caller's other XLA flags stay (the tests' cheaper compile settings, a dump folder); the device count is ours.
+  other_flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", "")).split()
+  env["XLA_FLAGS"] = " ".join(other_flags + [CPU_ENV["XLA_FLAGS"]])
   # cwd is the soak folder, so anything a run wrote outside its workdir would show up there.
   return subprocess.Popen(command, cwd=os.path.dirname(cache), env=env, stdout=log, stderr=subprocess.STDOUT)
 

@@ -4,6 +4,7 @@ builds; a tiny BERT checks text pairs, the workdir files, resuming, the best mod
 import csv
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -32,7 +33,8 @@ def test_minilm_reaches_95_percent_on_held_out_topics(tmp_path):
   """The command a user types, in a subprocess on one CPU device (4 simulated devices only slow a CPU down)."""
   train, eval_ = topics.write_topic_dataset(str(tmp_path / "data"), train_rows=240, eval_rows=80, seed=0)
   workdir = tmp_path / "run"
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu",
+  flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
+  env = dict(os.environ, XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count=1".strip(), JAX_PLATFORMS="cpu",
              HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
   command = [sys.executable, os.path.join(ROOT, "experiments", "finetune.py"),
              "--config=" + os.path.join(ROOT, "experiments", "configs", "finetune_bert.py"), f"--workdir={workdir}",
