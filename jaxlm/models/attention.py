@@ -59,8 +59,8 @@ def causal_block_attention(q_BTHK: jax.Array, k_BTGK: jax.Array, v_BTGK: jax.Arr
   block i only meets the keys of blocks 0..i, so the masked upper triangle is neither multiplied nor
   soft-maxed (T=256, block 64: 10/16 of the work). Heads lead the layout ([B, G, R, T, K]), which XLA:CPU runs
   faster than the reference's [B, T, ...] einsums. The backward pass is written by hand (`_causal_blocks_bwd`).
-  Measured on the 2-core CPU (B=8, T=256, 6 heads of 64, fwd+bwd of one layer): 94-102 ms reference, 55-60 ms
-  here (torch's fused SDPA kernel: 35-37 ms).
+  Measured on the 2-core CPU (B=8, T=256, 6 heads of 64, fwd+bwd of one layer): 94-102 ms reference, 50-60 ms
+  here with blocks of 32 or 64 (torch's fused SDPA kernel: 35-40 ms).
   The mask must hide every key after its query and show each query its own key (jaxlm's causal mask, with or
   without document boundaries): the skipped blocks must not matter, and no row may be fully masked."""
   b, t, h, k = q_BTHK.shape
