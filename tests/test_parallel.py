@@ -13,9 +13,9 @@ from test_train import MODEL, _batch
 # 4 heads and an MLP width of 256 divide every tensor size used here.
 
 
-def _run(mesh_config, gradient_sync="auto", grad_accum=1, steps=2, devices=None):
+def _run(mesh_config, gradient_sync="auto", grad_accum=1, steps=2, devices=None, model=MODEL):
   mesh_config = dataclasses.replace(mesh_config, gradient_sync=gradient_sync)
-  config = Config(model=MODEL, mesh=mesh_config, data=DataConfig(seq_len=16),
+  config = Config(model=model, mesh=mesh_config, data=DataConfig(seq_len=16),
                   train=TrainConfig(steps=10, batch_size=8, grad_accum=grad_accum, warmup_steps=2,
                                     learning_rate=3e-3))
   mesh = sharding.make_mesh(config.mesh, devices)
@@ -45,6 +45,16 @@ def single_device():
 def test_layouts_and_shard_map_match_one_device(single_device, preset, gradient_sync):
   ref_losses, ref_metrics, _ = single_device
   losses, metrics, _ = _run(MeshConfig(preset=preset), gradient_sync)
+  np.testing.assert_allclose(losses, ref_losses, rtol=2e-5)
+  np.testing.assert_allclose(metrics["grad_norm"], ref_metrics["grad_norm"], rtol=1e-4)
+
+
+def test_cpu_speed_options_on_a_sharded_mesh_match_the_reference_on_one_device(single_device):
+  """Block-causal attention with its hand-written backward, fused q/k/v and remat=dots (the CPU bench's options)
+  with heads split over 2 tensor devices and parameters over 2 FSDP devices: the reference path's losses."""
+  ref_losses, ref_metrics, _ = single_device
+  fast = dataclasses.replace(MODEL, attention="causal_blocks", attention_block=4, fuse_qkv=True, remat="dots")
+  losses, metrics, _ = _run(MeshConfig(preset="fsdp_tp"), model=fast)
   np.testing.assert_allclose(losses, ref_losses, rtol=2e-5)
   np.testing.assert_allclose(metrics["grad_norm"], ref_metrics["grad_norm"], rtol=1e-4)
 
