@@ -32,7 +32,8 @@ for ((i = 0; i < processes; i++)); do
     # Keep the caller's other XLA flags; only the simulated device count is this script's to set.
     other_flags=$(printf '%s' "${XLA_FLAGS:-}" |
                   sed -E 's/--xla_force_host_platform_device_count=[0-9]+//g; s/  +/ /g; s/^ //; s/ $//')
-    env_vars+=(JAX_PLATFORMS=cpu XLA_FLAGS="${other_flags:+$other_flags }--xla_force_host_platform_device_count=$devices")
+    device_flag="--xla_force_host_platform_device_count=$devices"
+    env_vars+=(JAX_PLATFORMS=cpu XLA_FLAGS="${other_flags:+$other_flags }$device_flag")
   fi
   if [ "$i" = 0 ]; then
     env "${env_vars[@]}" "$python" "$script" "$@" &

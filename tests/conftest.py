@@ -1,6 +1,7 @@
 """Test set-up: 4 simulated CPU devices and strict rank promotion, before anything imports jax."""
 
 import os
+import re
 
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
@@ -16,3 +17,8 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 import jax  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
+
+
+def xla_flags_without_device_count() -> str:
+  """The suite's XLA flags (its cheaper compile settings) for a subprocess that chooses its own device count."""
+  return re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", "")).strip()

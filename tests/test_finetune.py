@@ -4,7 +4,6 @@ builds; a tiny BERT checks text pairs, the workdir files, resuming, the best mod
 import csv
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -18,6 +17,7 @@ from jaxlm import config as config_lib
 from jaxlm import finetune, hf
 from jaxlm.config import ModelConfig
 from jaxlm.models.bert import Bert, BertForSequenceClassification
+from conftest import xla_flags_without_device_count
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "experiments"))
@@ -33,7 +33,7 @@ def test_minilm_reaches_95_percent_on_held_out_topics(tmp_path):
   """The command a user types, in a subprocess on one CPU device (4 simulated devices only slow a CPU down)."""
   train, eval_ = topics.write_topic_dataset(str(tmp_path / "data"), train_rows=240, eval_rows=80, seed=0)
   workdir = tmp_path / "run"
-  flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
+  flags = xla_flags_without_device_count()
   env = dict(os.environ, XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count=1".strip(), JAX_PLATFORMS="cpu",
              HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
   command = [sys.executable, os.path.join(ROOT, "experiments", "finetune.py"),

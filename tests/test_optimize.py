@@ -4,7 +4,6 @@ model for the int8 variants. A subprocess, as a user runs it."""
 
 import json
 import os
-import re
 import subprocess
 import sys
 
@@ -13,6 +12,7 @@ import pytest
 
 from jaxlm import config as config_lib
 from jaxlm import train
+from conftest import xla_flags_without_device_count
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -41,7 +41,7 @@ def test_optimize_measures_every_variant_of_a_trained_lm(tmp_path):
   workdir = _trained_workdir(tmp_path)
   env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
   # One device (as a user's laptop); the suite's cheaper compile settings stay (conftest.py).
-  env["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", ""))
+  env["XLA_FLAGS"] = xla_flags_without_device_count()
   result = subprocess.run([sys.executable, os.path.join(ROOT, "experiments/optimize.py"), f"--workdir={workdir}",
                            "--repeats=2", "--calibration_batches=2", "--max_eval_batches=2",
                            "--variants=int8_weight-only,int8_W8A8,2:4"],

@@ -7,7 +7,6 @@ import importlib.util
 import json
 import math
 import os
-import re
 import subprocess
 import sys
 
@@ -16,6 +15,7 @@ import pytest
 
 from jaxlm import config as config_lib
 from jaxlm import plan
+from conftest import xla_flags_without_device_count
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = config_lib.Config(
@@ -180,7 +180,7 @@ def test_planner_script_plans_8_simulated_devices(tmp_path):
       "  c.train.batch_size, c.train.steps = 8, 100\n"
       "  return c\n")
   env = dict(os.environ)  # the script must set 8 devices itself; the suite's cheaper compile settings stay
-  env["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", ""))
+  env["XLA_FLAGS"] = xla_flags_without_device_count()
   result = subprocess.run(
       [sys.executable, os.path.join(ROOT, "experiments", "plan.py"), f"--config={config_file}",
        "--hardware=h100_80gb,tpu_v5e", f"--workdir={tmp_path}/plan", "--compile=none"],

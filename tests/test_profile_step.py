@@ -3,7 +3,6 @@ tiny step is written with its time by kind."""
 
 import json
 import os
-import re
 import subprocess
 import sys
 
@@ -13,6 +12,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxlm import hlo
+from conftest import xla_flags_without_device_count
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -39,7 +39,7 @@ def test_profile_of_a_tiny_step_is_written(tmp_path):
       "  return c\n")
   env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
   # One device (as a user's laptop); the suite's cheaper compile settings stay (conftest.py).
-  env["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", ""))
+  env["XLA_FLAGS"] = xla_flags_without_device_count()
   result = subprocess.run([sys.executable, os.path.join(ROOT, "experiments/profile_step.py"), f"--config={config}",
                            f"--workdir={tmp_path}/profile", "--steps=1"],
                           env=env, capture_output=True, text=True, timeout=300)

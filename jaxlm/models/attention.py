@@ -98,9 +98,9 @@ def _causal_blocks_fwd(q_BGRTK, k_BGTK, v_BGTK, mask_BTT, compute_dtype, block):
 
 
 def _causal_blocks_bwd(compute_dtype, block, residuals, dout_BGRTK):
-  """The softmax backward in the form flash kernels use: dS = P * (dP - rowsum(dO * O)), one [Q, K] row sum per
-  query instead of autodiff's rowsum(dP * P) over every key. Masked keys have P = 0 (no row is fully masked), so
-  their scores get no gradient without a second pass over the mask."""
+  """The softmax backward in the form flash kernels use: dS = P * (dP - rowsum(dO * O)), a sum over the K head
+  dimensions per query instead of autodiff's rowsum(dP * P) over every key. Masked keys have P = 0 (no row is
+  fully masked), so their scores get no gradient without a second pass over the mask."""
   q_BGRTK, k_BGTK, v_BGTK, out_BGRTK, probs = residuals
   row_BGRT1 = jnp.sum(dout_BGRTK.astype(jnp.float32) * out_BGRTK.astype(jnp.float32), axis=-1, keepdims=True)
   dk_BGTK = jnp.zeros(k_BGTK.shape, jnp.float32)
@@ -110,7 +110,8 @@ def _causal_blocks_bwd(compute_dtype, block, residuals, dout_BGRTK):
     dout_BGRQK = dout_BGRTK[:, :, :, start:end]
     dv_BGTK = dv_BGTK.at[:, :, :end].add(
         jnp.einsum("bgrqs,bgrqk->bgsk", probs_BGRQS, dout_BGRQK, preferred_element_type=jnp.float32))
-    dprobs_BGRQS = jnp.einsum("bgrqk,bgsk->bgrqs", dout_BGRQK, v_BGTK[:, :, :end], preferred_element_type=jnp.float32)
+    dprobs_BGRQS = jnp.einsum("bgrqk,bgsk->bgrqs", dout_BGRQK, v_BGTK[:, :, :end],
+                              preferred_element_type=jnp.float32)
     dscores_BGRQS = (probs_BGRQS * (dprobs_BGRQS - row_BGRT1[:, :, :, start:end])).astype(compute_dtype)
     dqs.append(jnp.einsum("bgrqs,bgsk->bgrqk", dscores_BGRQS, k_BGTK[:, :, :end]))
     dk_BGTK = dk_BGTK.at[:, :, :end].add(jnp.einsum("bgrqs,bgrqk->bgsk", dscores_BGRQS,
