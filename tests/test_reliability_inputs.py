@@ -243,3 +243,16 @@ def test_weights_never_come_through_pickle_and_remote_code_is_never_trusted():  
           offenders += [f"{os.path.relpath(os.path.join(folder, name), REPO)}: {what}"
                         for pattern, what in _FORBIDDEN if pattern.search(text)]
   assert not offenders, offenders
+
+
+
+def test_ab_step_refuses_a_variant_key_the_config_lacks():
+  """experiments/ab_step.py: a mistyped variant key is a one-line error before anything compiles."""
+  import subprocess  # noqa: PLC0415
+  import sys  # noqa: PLC0415
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  result = subprocess.run([sys.executable, os.path.join(root, "experiments", "ab_step.py"),
+                           "--variants=base:,typo:model.remmat=dots"], cwd=root, capture_output=True, text=True,
+                          timeout=120)
+  assert result.returncode != 0
+  assert "variant assignment 'model.remmat=dots' is not <section>.<key>=<value> of the config" in result.stderr

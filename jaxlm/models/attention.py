@@ -68,7 +68,7 @@ def causal_block_attention(q_BTHK: jax.Array, k_BTGK: jax.Array, v_BTGK: jax.Arr
   if k_BTGK.shape[1] != t:
     raise ValueError(f"causal block attention needs as many keys as queries, got {k_BTGK.shape[1]} and {t}")
   # Scaling q (B*T*H*K values) instead of the scores (up to B*H*T*T) saves a pass over every score block.
-  q_BGRTK = (q_BTHK * (1 / math.sqrt(k))).astype(q_BTHK.dtype).reshape(b, t, g, h // g, k).transpose(0, 2, 3, 1, 4)
+  q_BGRTK = (q_BTHK * (1 / math.sqrt(k))).reshape(b, t, g, h // g, k).transpose(0, 2, 3, 1, 4)  # keeps q's dtype
   out_BGRTK = _causal_blocks(q_BGRTK, k_BTGK.transpose(0, 2, 1, 3), v_BTGK.transpose(0, 2, 1, 3), mask_BTT,
                              policy.compute_dtype, block)
   return out_BGRTK.transpose(0, 3, 1, 2, 4).reshape(b, t, h, k)

@@ -139,7 +139,7 @@ class Attention(nnx.Module):
 
   def __init__(self, d_model: int, num_heads: int, num_kv_heads: int, policy: Policy, std: float, out_std: float,
                *, use_bias: bool = True, rope_theta: float | None = None, implementation: str = "xla",
-               fuse_qkv: bool = False, block: int = 64, causal: bool = False, document_mask: bool = True,
+               fuse_qkv: bool = False, block: int = 32, causal: bool = False, document_mask: bool = True,
                rngs: nnx.Rngs):
     if num_heads % num_kv_heads:
       raise ValueError(f"num_heads={num_heads} is not divisible by num_kv_heads={num_kv_heads}")
