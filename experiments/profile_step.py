@@ -3,8 +3,8 @@
   python experiments/profile_step.py --config=experiments/configs/bench_cpu.py --workdir=runs/profile
   python experiments/profile_step.py --config=experiments/configs/bench_gpu.py --workdir=runs/profile_gpu
 
-Writes <workdir>/profile.json (step wall time, milliseconds per step of every kind and of the top ops) and the raw
-trace under <workdir>/trace (open it with TensorBoard's profile plugin or xprof for the timeline). Each profiled
+Writes <workdir>/profile.json (step wall time, milliseconds per step of every kind and of the top ops), the compiled
+step's HLO (<workdir>/step.hlo.txt.gz: what each op name computes) and the raw trace under <workdir>/trace (open it with TensorBoard's profile plugin or xprof for the timeline). Each profiled
 event is matched by name to its instruction in the compiled step's HLO, and the instruction decides the kind:
 matmul (a dot, or a fusion / library call around one), attention (cuDNN), collective, copy/transpose, slicing,
 reduce, elementwise. On a GPU the events are the device's kernels, one stream, so they add up to about the step;
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import glob
+import gzip
 import os
 import shutil
 import time
@@ -62,7 +63,11 @@ def main(argv):
   workdir = _WORKDIR.value
   os.makedirs(workdir, exist_ok=True)
   compiled, state, batch, _ = measure.compiled_train_step(config)
-  kinds = hlo.instruction_kinds(compiled.as_text())
+  hlo_text = compiled.as_text()
+  kinds = hlo.instruction_kinds(hlo_text)
+  # The compiled module beside the profile, so that a top op's name (a fusion) can be read back to what it computes.
+  with gzip.open(os.path.join(workdir, "step.hlo.txt.gz"), "wt") as f:
+    f.write(hlo_text)
   for _ in range(2):  # compile-free warm-up: allocations, autotuning caches
     state, metrics = compiled(state, batch)
   jax.block_until_ready(metrics)

@@ -28,15 +28,17 @@ def synthetic_batch(batch_size: int, seq_len: int, vocab_size: int, mesh: Mesh, 
       "loss_mask": np.ones((batch_size, seq_len), np.float32)}, mesh)
 
 
-def compiled_train_step(config: Config, devices: Sequence[jax.Device] | None = None):
-  """The real train step of `config` (train.jit_steps), compiled once for a random global batch on `devices`:
+def compiled_train_step(config: Config, devices: Sequence[jax.Device] | None = None,
+                        compiler_options: dict[str, Any] | None = None):
+  """The real train step of `config` (train.jit_steps), compiled once for a random global batch on `devices`
+  (`compiler_options`: XLA debug options for this compile alone, e.g. {"xla_gpu_enable_triton_gemm": False}):
   returns (compiled step, initial train state, that batch, mesh)."""
   mesh = sharding.make_mesh(config.mesh, devices)
   optimizer = optim.make_optimizer(config.train)
   graphdef, state, shardings = train.init_train_state(config, mesh, optimizer)
   train_step, _ = train.jit_steps(graphdef, optimizer, config, mesh, shardings)
   batch = synthetic_batch(config.train.batch_size, config.data.seq_len, config.model.vocab_size, mesh)
-  return train_step.lower(state, batch).compile(), state, batch, mesh
+  return train_step.lower(state, batch).compile(compiler_options), state, batch, mesh
 
 
 def check_step_prediction(config: Config, devices: Sequence[jax.Device] | None = None,
