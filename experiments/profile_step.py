@@ -33,15 +33,18 @@ _STEPS = flags.DEFINE_integer("steps", 3, "profiled steps (after two unprofiled 
 _TOP = flags.DEFINE_integer("top", 25, "ops listed by time")
 flags.mark_flags_as_required(["config", "workdir"])
 
-def op_events(trace_dir: str, kinds: dict[str, str]) -> collections.Counter:
-  """Nanoseconds per HLO instruction over the trace: the device's kernel events on a GPU/TPU, XLA's thunks on
-  the CPU (host threads named XLA/Eigen). Events are matched by their `hlo_op` stat or their name."""
+def op_events(trace_dir: str, kinds: dict[str, str]) -> tuple[collections.Counter, list[dict]]:
+  """(nanoseconds per HLO instruction over the trace, what the trace holds): the device's kernel events on a
+  GPU/TPU, XLA's thunks on the CPU (host threads named XLA/Eigen), matched by their `hlo_op` stat or their name.
+  The second value lists each plane's lines with a few sample events, for when nothing matches."""
   path = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)[0]
   profile = jax.profiler.ProfileData.from_file(path)
   device_planes = [p for p in profile.planes if p.name.startswith(("/device:GPU", "/device:TPU"))]
   per_op: collections.Counter = collections.Counter()
+  contents = []
   for plane in device_planes or [p for p in profile.planes if p.name.startswith("/host:CPU")]:
     lines = list(plane.lines)
+    contents.append({"plane": plane.name, "lines": [_line_sample(line) for line in lines[:12]]})
     if device_planes:  # a GPU plane has the ops once on "XLA Ops" and again as kernels on its stream lines
       lines = [line for line in lines if line.name == "XLA Ops"] or lines
     else:
@@ -49,11 +52,22 @@ def op_events(trace_dir: str, kinds: dict[str, str]) -> collections.Counter:
     for line in lines:
       for event in line.events:
         stats = dict(event.stats) if hasattr(event, "stats") else {}
-        name = str(stats.get("hlo_op", event.name))
+        name = str(stats.get("hlo_op", event.name)).lstrip("%")
         # Loops and calls are left out: their events span the ops inside them, which are counted themselves.
         if name in kinds and kinds[name] != "control":
           per_op[name] += event.duration_ns
-  return per_op
+  if not contents:
+    contents = [{"plane": p.name, "lines": [_line_sample(line) for line in list(p.lines)[:4]]} for p in profile.planes]
+  return per_op, contents
+
+
+def _line_sample(line) -> dict:
+  events = list(line.events)
+  samples = []
+  for event in events[:3]:
+    stats = dict(event.stats) if hasattr(event, "stats") else {}
+    samples.append({"name": str(event.name)[:120], "stats": {str(k): str(v)[:80] for k, v in stats.items()}})
+  return {"line": line.name, "events": len(events), "samples": samples}
 
 
 def main(argv):
@@ -80,10 +94,11 @@ def main(argv):
       state, metrics = compiled(state, batch)
     jax.block_until_ready(metrics)
     step_ms = (time.perf_counter() - started) / steps * 1e3
-  per_op = op_events(trace_dir, kinds)
+  per_op, contents = op_events(trace_dir, kinds)
   if not per_op:
-    raise ValueError(f"the trace under {trace_dir} holds no events of the step's HLO ops; is the profiler plugin "
-                     "for this backend installed?")
+    files.write_json(os.path.join(workdir, "trace_contents.json"), contents)
+    raise ValueError(f"the trace under {trace_dir} holds no events of the step's HLO ops (what it holds: "
+                     f"{workdir}/trace_contents.json); is the profiler plugin for this backend installed?")
   by_kind: collections.Counter = collections.Counter()
   for name, ns in per_op.items():
     by_kind[kinds[name]] += ns

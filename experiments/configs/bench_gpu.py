@@ -19,6 +19,7 @@ def get_config():
   config.model.num_heads = 12
   config.model.max_seq_len = 1024
   config.model.compute_dtype = "bfloat16"
+  config.model.scan_layers = False  # a Python loop over the layers: 1.28x the scanned step on an H200 (GPT-2 B32)
   config.model.attention = "cudnn"
   config.data.seq_len = 1024
   config.train.batch_size = 16  # 32 left no room for torch beside JAX on one 141 GB H200

@@ -22,6 +22,7 @@ def get_config():
   config.model.tie_embeddings = False
   config.model.max_seq_len = 2048
   config.model.compute_dtype = "bfloat16"
+  config.model.scan_layers = False  # a Python loop over the layers: 1.28x the scanned step on an H200 (GPT-2 B32)
   config.model.attention = "cudnn"
   config.data.seq_len = 2048
   config.train.batch_size = 8

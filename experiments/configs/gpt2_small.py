@@ -20,6 +20,7 @@ def get_config():
   config.model.max_seq_len = 1024
   config.model.compute_dtype = "bfloat16"
   config.model.remat = "none"
+  config.model.scan_layers = False  # a Python loop over the layers: 1.28x the scanned step on an H200 (GPT-2 B32)
   config.model.attention = "cudnn"  # flash attention: no [B, H, T, T] probabilities kept (off GPUs: recompute)
   config.model.cross_entropy_chunk = 4096  # no f32 [B, T, V] logits: -32% memory, +11% tokens/s on an H200
   config.data.seq_len = 1024
