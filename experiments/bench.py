@@ -285,7 +285,8 @@ def gpu_section(config) -> dict:
   batch = data_lib.packing.make_examples(tokens, segments)
   logits = {}
   for attention in ("xla", "cudnn"):  # two layers of the config's shapes: the check, not the speed
-    model = GPT(dataclasses.replace(config.model, attention=attention, num_layers=2), rngs=nnx.Rngs(0))
+    model = GPT(dataclasses.replace(config.model, attention=attention, num_layers=2, document_mask=True),
+                rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(model)
     apply = jax.jit(lambda p, ids, pos, seg: nnx.merge(graphdef, p)(ids, pos, seg))
     logits[attention] = np.asarray(apply(params, batch["inputs"], batch["positions"], batch["segment_ids"]))

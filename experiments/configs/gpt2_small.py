@@ -2,7 +2,8 @@
 
 Command:  python experiments/train_lm.py --config=experiments/configs/gpt2_small.py --workdir=runs/gpt2_small \
             --config.data.source=hf --config.data.hf_name=<dataset> --config.train.steps=2000
-Runtime:  the same model at batch 16-32 ran 58-99 ms per step on one H200 (280-330k tokens/s, MFU 24-28%, WORKSPACE.md);
+Runtime:  the same model at batch 32 ran 70-74 ms per step on one H200 (440-470k tokens/s, MFU 38-40%, WORKSPACE.md,
+          2026-11-30; 74 ms with the document mask this config keeps for packed documents);
           the planner predicts 0.20 s per step of 64 x 1024 tokens there, so 2000 steps in about 7 minutes.
 Expected: on web text, loss below 4.5 after 2000 steps (131M tokens); the demo corpus (the default source) is far too
           small for this model and only serves to check throughput and MFU.
@@ -20,7 +21,7 @@ def get_config():
   config.model.max_seq_len = 1024
   config.model.compute_dtype = "bfloat16"
   config.model.remat = "none"
-  config.model.scan_layers = False  # a Python loop over the layers: 1.28x the scanned step on an H200 (GPT-2 B32)
+  config.model.scan_layers = False  # a Python loop over the layers: 1.28-1.32x the scanned step on an H200
   config.model.attention = "cudnn"  # flash attention: no [B, H, T, T] probabilities kept (off GPUs: recompute)
   config.model.cross_entropy_chunk = 4096  # no f32 [B, T, V] logits: -32% memory, +11% tokens/s on an H200
   config.data.seq_len = 1024
