@@ -54,35 +54,19 @@ def op_events(trace_dir: str, kinds: dict[str, str]) -> tuple[collections.Counte
     for line in lines:
       for event in line.events:
         stats = dict(event.stats) if hasattr(event, "stats") else {}
-        name = _instruction(str(stats.get("hlo_op", event.name)).lstrip("%"), kinds)
+        # The `hlo_op` stat where the profiler sets one, else the event's (kernel's) own name.
+        name = next(filter(None, (hlo.event_instruction(str(n).lstrip("%"), kinds)
+                                  for n in (stats.get("hlo_op"), event.name) if n)), None)
         if name is None and device_planes:
           # A kernel with no HLO name (a cuBLAS/cuDNN kernel inside a CUDA graph): counted under its own name.
           name = str(event.name)[:100]
-          kinds.setdefault(name, _library_kernel_kind(name))
+          kinds.setdefault(name, hlo.library_kernel_kind(name))
         # Loops and calls are left out: their events span the ops inside them, which are counted themselves.
         if name is not None and kinds[name] != "control":
           per_op[name] += event.duration_ns
   if not contents:
     contents = [{"plane": p.name, "lines": [_line_sample(line) for line in list(p.lines)[:4]]} for p in profile.planes]
   return per_op, contents
-
-
-def _instruction(name: str, kinds: dict[str, str]) -> str | None:
-  """The HLO instruction an event belongs to: its own name, or (XLA:GPU kernels replayed from CUDA graphs carry
-  only the kernel's name) `loop_add_fusion_3` -> `loop_add_fusion.3`."""
-  if name in kinds:
-    return name
-  stem, _, number = name.rpartition("_")
-  return f"{stem}.{number}" if number.isdigit() and f"{stem}.{number}" in kinds else None
-
-
-def _library_kernel_kind(kernel: str) -> str:
-  lower = kernel.lower()
-  if any(k in lower for k in ("sdpa", "fmha", "flash", "attention", "cudnn")):
-    return "attention (cuDNN)"
-  if any(k in lower for k in ("gemm", "xmma", "nvjet", "cutlass", "matmul", "gemv")):
-    return "matmul"
-  return "other kernel"
 
 
 def _line_sample(line) -> dict:

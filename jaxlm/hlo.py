@@ -142,3 +142,22 @@ def _kind(opcode: str, line: str, body: str) -> str:
   if opcode in ("while", "conditional", "call", "parameter", "tuple", "get-tuple-element", "bitcast", "constant"):
     return "control"
   return "elementwise"
+
+
+def event_instruction(name: str, kinds: dict[str, str]) -> str | None:
+  """The HLO instruction an event belongs to: its own name, or (XLA:GPU kernels replayed from CUDA graphs carry
+  only the kernel's name) `loop_add_fusion_3` -> `loop_add_fusion.3`."""
+  if name in kinds:
+    return name
+  stem, _, number = name.rpartition("_")
+  return f"{stem}.{number}" if number.isdigit() and f"{stem}.{number}" in kinds else None
+
+
+def library_kernel_kind(kernel: str) -> str:
+  """The kind of a device kernel that belongs to no HLO instruction, from its library's naming (cuDNN, cuBLAS)."""
+  lower = kernel.lower()
+  if any(k in lower for k in ("sdpa", "fmha", "flash", "attention", "cudnn")):
+    return "attention (cuDNN)"
+  if any(k in lower for k in ("gemm", "xmma", "nvjet", "cutlass", "matmul", "gemv")):
+    return "matmul"
+  return "other kernel"

@@ -52,3 +52,16 @@ def test_profile_of_a_tiny_step_is_written(tmp_path):
   assert kinds["matmul"] > 0 and set(kinds) <= {"matmul", "attention (cuDNN)", "custom-call", "collective",
                                                  "copy/transpose", "slicing", "reduce", "elementwise"}, kinds
   assert abs(sum(kinds.values()) - profile["op_ms_total"]) < 1e-6 * profile["op_ms_total"] + 1e-9
+
+
+def test_gpu_kernel_names_map_to_their_instructions():
+  """XLA:GPU kernels replayed from CUDA graphs carry only the kernel's name (as seen on an H200, jax 0.11.2):
+  `loop_add_fusion_3` is instruction `loop_add_fusion.3`; cuBLAS / cuDNN kernels get a kind from their names."""
+  kinds = {"loop_add_fusion.3": "elementwise", "input_reduce_fusion": "reduce"}
+  assert hlo.event_instruction("loop_add_fusion_3", kinds) == "loop_add_fusion.3"
+  assert hlo.event_instruction("input_reduce_fusion", kinds) == "input_reduce_fusion"
+  assert hlo.event_instruction("loop_add_fusion_4", kinds) is None
+  assert hlo.library_kernel_kind("nvjet_sm90_tst_128x128_64x6_2x1_v_bz_TNT") == "matmul"
+  assert hlo.library_kernel_kind(
+      "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26") == "attention (cuDNN)"
+  assert hlo.library_kernel_kind("wrapped_concatenate_12") == "other kernel"
