@@ -115,7 +115,8 @@ def main(argv):
       "backend": jax.default_backend(), "device_kind": jax.devices()[0].device_kind, "steps": steps,
       "step_ms": step_ms, "op_ms_total": ms(sum(per_op.values())),
       "kinds_ms": {k: ms(v) for k, v in by_kind.most_common()},
-      "top_ops": [{"op": name, "kind": kinds[name], "ms": ms(ns)} for name, ns in per_op.most_common(_TOP.value)],
+      "top_ops": [{"op": name, "kind": kinds[name], "ms": ms(ns), **hlo.instruction_summary(hlo_text, name)}
+                  for name, ns in per_op.most_common(_TOP.value)],
   }
   files.write_json(os.path.join(workdir, "profile.json"), result)
   print(f"step {step_ms:.2f} ms wall; ops {result['op_ms_total']:.2f} ms per step "
@@ -124,7 +125,8 @@ def main(argv):
     print(f"  {kind:20s} {value:9.2f} ms  {100 * value / result['op_ms_total']:5.1f}%")
   print("top ops:")
   for row in result["top_ops"]:
-    print(f"  {row['ms']:9.3f} ms  {row['kind']:18s} {row['op']}")
+    print(f"  {row['ms']:9.3f} ms  {row['kind']:18s} {row['op'][:60]:60s} {row.get('shape', '')[:50]:50s} "
+          f"{row.get('source', '')[-60:]}")
   print(f"wrote {workdir}/profile.json and {trace_dir}")
 
 

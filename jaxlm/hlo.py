@@ -161,3 +161,18 @@ def library_kernel_kind(kernel: str) -> str:
   if any(k in lower for k in ("gemm", "xmma", "nvjet", "cutlass", "matmul", "gemv")):
     return "matmul"
   return "other kernel"
+
+
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+
+
+def instruction_summary(hlo_text: str, name: str) -> dict[str, str]:
+  """What an instruction of a compiled module is, for a profile's top ops: its result shape and the JAX operation
+  it came from (the `op_name` metadata, e.g. `jit(train_step)/transpose(jvp())/reduce_sum`); empty if absent."""
+  match = re.search(r"^\s*(?:ROOT )?%?" + re.escape(name) + r" = (.*)$", hlo_text, re.M)
+  if not match:
+    return {}
+  rest = match.group(1)
+  opcode = _OPCODE.search(rest)
+  source = _OP_NAME.search(rest)
+  return {"shape": rest[:opcode.start()].strip() if opcode else "", "source": source.group(1) if source else ""}

@@ -46,6 +46,8 @@ def test_profile_of_a_tiny_step_is_written(tmp_path):
   assert result.returncode == 0, result.stderr[-2000:]
   profile = json.loads(open(tmp_path / "profile" / "profile.json").read())
   assert profile["step_ms"] > 0 and profile["top_ops"]
+  # Each top op says what it computes: its shape and the JAX operation it came from.
+  assert any(row.get("source", "").startswith("jit(") and row.get("shape") for row in profile["top_ops"])
   # Every op counted has a kind, and the kinds add up to the total. (Which kind leads is not asserted: on a
   # tiny model and a shared 2-core machine the thunks' times are mostly waiting.)
   kinds = profile["kinds_ms"]
@@ -65,3 +67,11 @@ def test_gpu_kernel_names_map_to_their_instructions():
   assert hlo.library_kernel_kind(
       "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26") == "attention (cuDNN)"
   assert hlo.library_kernel_kind("wrapped_concatenate_12") == "other kernel"
+
+
+def test_instruction_summary_reads_shape_and_source():
+  text = ('  %fusion.7 = f32[4096,128]{1,0} fusion(%p.1), kind=kInput, calls=%fused_reduce.2, '
+          'metadata={op_name="jit(train_step)/jvp()/reduce_max" stack_frame_id=40}\n')
+  assert hlo.instruction_summary(text, "fusion.7") == {"shape": "f32[4096,128]{1,0}",
+                                                        "source": "jit(train_step)/jvp()/reduce_max"}
+  assert hlo.instruction_summary(text, "fusion.8") == {}
