@@ -6,12 +6,14 @@ machine (separate processes, or bench.py runs an hour apart, swing by +-10% here
 
 Each variant is `name:key=value;key=value` over the config (an empty list is the config itself); the first is the
 baseline. A key `xla.<option>` is an XLA debug option for that variant's compile alone (e.g.
-`cublas:xla.xla_gpu_enable_triton_gemm=False`), so flag choices are timed side by side in one process too. Every variant's real train step (measure.compiled_train_step) is compiled once, then each runs
---steps_per_round steps per round, in turn, for --rounds rounds; --torch adds torch.compile's GPT-2 step
-(bench_torch, same shape) as one more contender. Prints the median seconds per step, the speed-up over the
-baseline, tokens/s, MFU (model FLOPs of jaxlm.telemetry.flops_per_token over the device's peak: the bf16 datasheet
-peak on accelerators, a measured matmul rate on the CPU) and CPU-seconds per step, and writes <workdir>/ab.json when --workdir is given. Set GLIBC_TUNABLES as
-bench.py does for its runs (huge pages for glibc malloc): it is read when the process starts.
+`cublas:xla.xla_gpu_enable_triton_gemm=False`), so flag choices are timed side by side in one process too; a
+variant that fails to compile (an option this XLA lacks, too little memory) is reported and skipped. Every
+variant's real train step (measure.compiled_train_step) is compiled once, then each runs --steps_per_round steps
+per round, in turn, for --rounds rounds; --torch adds torch.compile's GPT-2 step (bench_torch, same shape) as one
+more contender. Prints the median milliseconds per step, the speed-up over the baseline, tokens/s, MFU (model
+FLOPs of jaxlm.telemetry.flops_per_token over the device's peak: the bf16 datasheet peak on accelerators, a
+measured matmul rate on the CPU) and CPU-seconds per step, and writes <workdir>/ab.json when --workdir is given.
+Set GLIBC_TUNABLES as bench.py does for its runs (huge pages for glibc malloc): it is read when the process starts.
 """
 
 from __future__ import annotations
@@ -151,8 +153,8 @@ def main(argv):
     files.write_json(os.path.join(_WORKDIR.value, "ab.json"),
                      {"variants": _VARIANTS.value, "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),
                       "load_average": os.getloadavg()[0], "peak_flops": peak, "peak_source": peak_source,
-                     "device_kind": jax.devices()[0].device_kind, "jax_version": jax.__version__, "rows": rows,
-                     "failed": failed})
+                      "device_kind": jax.devices()[0].device_kind, "jax_version": jax.__version__, "rows": rows,
+                      "failed": failed})
 
 
 if __name__ == "__main__":

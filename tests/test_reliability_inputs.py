@@ -256,3 +256,21 @@ def test_ab_step_refuses_a_variant_key_the_config_lacks():
                           timeout=120)
   assert result.returncode != 0
   assert "variant assignment 'model.remmat=dots' is not <section>.<key>=<value> of the config" in result.stderr
+
+
+def test_ab_step_variants_take_xla_options_apart_from_config_keys():
+  """experiments/ab_step.py: `xla.<option>=v` becomes a compiler option of that variant alone (typed), config keys
+  keep the type of the key they replace."""
+  import subprocess  # noqa: PLC0415
+  import sys  # noqa: PLC0415
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  code = ("import sys; sys.path.insert(0, 'experiments'); import ab_step; "
+          "from experiments.configs.demo import get_config; "
+          "c, o = ab_step.variant_config(get_config(), 'train.batch_size=4;xla.xla_gpu_enable_triton_gemm=False;"
+          "xla.xla_gpu_autotune_level=0;model.fuse_qkv=True'); "
+          "print(c.train.batch_size, c.model.fuse_qkv, sorted(o.items()))")
+  result = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=root))
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert result.stdout.strip().splitlines()[-1] == (
+      "4 True [('xla_gpu_autotune_level', 0), ('xla_gpu_enable_triton_gemm', False)]")
