@@ -29,6 +29,10 @@ def get_config():
   # [L, ...] residual buffers for the layer scan to zero-fill, write and read back. Measured 1.18-1.19x per step
   # on this CPU in one process, in turns with the default (WORKSPACE.md 2026-11-30).
   config.model.remat = "dots"
+  # The fused cross-entropy over 512-token chunks: no [8, 256, 8192] f32 logits, softmax and gradient arrays to
+  # write and read back (the reference path's exp fusion alone took ~90 ms of thread time per step). 1.05-1.10x per
+  # step in three in-process A/Bs (1024: 1.05-1.14x, 2048: 1.02x, 256: 1.01-1.10x; WORKSPACE.md 2026-11-30).
+  config.model.cross_entropy_chunk = 512
   config.data.seq_len = 256
   config.train.batch_size = 8
   config.mesh.data = 1  # one device: a single-process comparison with torch on the same cores
