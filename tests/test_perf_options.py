@@ -87,9 +87,11 @@ def test_fused_qkv_projection_equals_three_projections(base):
 
 
 def test_cpu_bench_options_together_equal_the_reference():
-  """The CPU bench's combination (experiments/configs/bench_cpu.py): fused q/k/v, block-causal attention and
-  remat=dots (recompute elementwise ops, keep matmul outputs) inside the layer scan: loss and every gradient."""
-  config = dataclasses.replace(TINY, fuse_qkv=True, attention="causal_blocks", attention_block=8, remat="dots")
+  """The CPU bench's combination (experiments/configs/bench_cpu.py): fused q/k/v, block-causal attention,
+  remat=dots (recompute elementwise ops, keep matmul outputs) inside the layer scan and the chunked cross-entropy:
+  loss, token accuracy and every gradient."""
+  config = dataclasses.replace(TINY, fuse_qkv=True, attention="causal_blocks", attention_block=8, remat="dots",
+                               cross_entropy_chunk=8)
   chex.assert_trees_all_close(_loss_value_and_grads(config), _loss_value_and_grads(TINY), rtol=1e-5, atol=1e-6)
 
 
