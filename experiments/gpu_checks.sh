@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every speed check still owed to a GPU (#9), as ONE script for a short device session (about 5-6 minutes on an H200;
+# Every speed check still owed to a GPU (#9), as ONE script for a short device session (4.3 minutes on an H200 on 2026-11-30;
 # each part has its own time limit, so one failure does not eat the rest). Results go under OUT (default
 # runs/gpu_checks):
 #   ab_gpt2/ab.json           GPT-2 124M, bf16, seq 1024, batch 32: jaxlm's speed options side by side in ONE process,
