@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Every speed check still owed to a GPU (#9), as ONE script for a short device session (4.3 minutes on an H200 on 2026-11-30;
-# each part has its own time limit, so one failure does not eat the rest). Results go under OUT (default
-# runs/gpu_checks):
+# Every speed check still owed to a GPU (#9), as ONE script for a short device session (4.3 minutes on an H200 on
+# 2026-11-30; each part has its own time limit, so one failure does not eat the rest). Results go under OUT
+# (default runs/gpu_checks):
 #   ab_gpt2/ab.json           GPT-2 124M, bf16, seq 1024, batch 32: jaxlm's speed options side by side in ONE process,
 #                             rounds interleaved (experiments/ab_step.py), beside torch.compile's HF GPT-2 step of the
 #                             same shape; tokens/s and MFU (bf16 datasheet peak) per contender
