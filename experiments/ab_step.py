@@ -96,6 +96,10 @@ class TorchStep:
     self.step.run(steps)
 
 
+def _first_line(error: Exception) -> str:
+  return f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:300]}"
+
+
 def cpu_seconds() -> float:
   usage = resource.getrusage(resource.RUSAGE_SELF)
   return usage.ru_utime + usage.ru_stime
@@ -117,13 +121,13 @@ def main(argv):
     except Exception as e:  # noqa: BLE001  (an option this XLA lacks, or out of memory: time the others)
       if not contenders:
         raise  # the baseline itself must work
-      failed[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+      failed[name] = _first_line(e)
       print(f"variant {name} skipped: {failed[name]}")
   if _TORCH.value:
     try:
       contenders["torch_compile"] = TorchStep(next(iter(variants.values()))[0])
     except Exception as e:  # noqa: BLE001  (the jaxlm rows still stand)
-      failed["torch_compile"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+      failed["torch_compile"] = _first_line(e)
       print(f"torch_compile skipped: {failed['torch_compile']}")
   # Model FLOPs per device (one device here, as bench.py) over this peak; compute dtype of the baseline.
   peak, peak_source = telemetry.peak_flops_per_device(dtype=next(iter(variants.values()))[0].model.compute_dtype)

@@ -34,9 +34,11 @@ part() {  # part <seconds> <name> <command...>: runs one check, logs its status,
 GPT2="--config=experiments/configs/bench_gpu.py --config.train.batch_size=32 --config.model.cross_entropy_chunk=4096
       --config.model.document_mask=False"
 # torch.compile runs in the same process: JAX must not take 90% of the memory up front.
+VARIANTS="base:,scan:model.scan_layers=True,doc:model.document_mask=True"
+VARIANTS+=",qkv_cublas:model.fuse_qkv=True;xla.xla_gpu_enable_triton_gemm=False"
+VARIANTS+=",b16:train.batch_size=16,b64:train.batch_size=64"
 XLA_PYTHON_CLIENT_PREALLOCATE=false part 240 ab_gpt2 $PY experiments/ab_step.py $GPT2 --torch --rounds=5 \
-    --steps_per_round=5 --workdir="$OUT/ab_gpt2" \
-    --variants="base:,scan:model.scan_layers=True,doc:model.document_mask=True,qkv_cublas:model.fuse_qkv=True;xla.xla_gpu_enable_triton_gemm=False,b16:train.batch_size=16,b64:train.batch_size=64"
+    --steps_per_round=5 --workdir="$OUT/ab_gpt2" --variants="$VARIANTS"
 part 90 profile_gpt2 $PY experiments/profile_step.py $GPT2 --workdir="$OUT/profile_gpt2" --top=30
 LLAMA="--config=experiments/configs/bench_llama_1b.py --config.model.cross_entropy_chunk=4096
        --config.model.document_mask=False"

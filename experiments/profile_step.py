@@ -3,12 +3,14 @@
   python experiments/profile_step.py --config=experiments/configs/bench_cpu.py --workdir=runs/profile
   python experiments/profile_step.py --config=experiments/configs/bench_gpu.py --workdir=runs/profile_gpu
 
-Writes <workdir>/profile.json (step wall time, milliseconds per step of every kind and of the top ops), the compiled
-step's HLO (<workdir>/step.hlo.txt.gz: what each op name computes) and the raw trace under <workdir>/trace (open it with TensorBoard's profile plugin or xprof for the timeline). Each profiled
+Writes <workdir>/profile.json (step wall time, milliseconds per step of every kind and of the top ops, each with
+its shape and the JAX operation it came from), the compiled step's HLO (<workdir>/step.hlo.txt.gz) and the raw
+trace under <workdir>/trace (open it with TensorBoard's profile plugin or xprof for the timeline). Each profiled
 event is matched by name to its instruction in the compiled step's HLO, and the instruction decides the kind:
 matmul (a dot, or a fusion / library call around one), attention (cuDNN), collective, copy/transpose, slicing,
 reduce, elementwise. On a GPU the events are the device's kernels, one stream, so they add up to about the step;
-on the CPU they are XLA's thunks on its worker threads, which overlap, so the kinds add up to thread time.
+kernels that belong to no instruction (cuBLAS, cuDNN) are counted under their own names. On the CPU they are XLA's
+thunks on its worker threads, which overlap, so the kinds add up to thread time.
 """
 
 from __future__ import annotations
@@ -48,7 +50,9 @@ def op_events(trace_dir: str, kinds: dict[str, str]) -> tuple[collections.Counte
     lines = list(plane.lines)
     contents.append({"plane": plane.name, "lines": [_line_sample(line) for line in lines[:12]]})
     if device_planes:  # a GPU plane has the ops once on "XLA Ops" and again as kernels on its stream lines
-      lines = [line for line in lines if line.name == "XLA Ops"] or lines
+      # (XLA:GPU's CUDA-graph replays leave only the stream lines; "XLA Modules"/"Steps" events span whole steps)
+      lines = ([line for line in lines if line.name == "XLA Ops"]
+               or [line for line in lines if line.name.startswith("Stream")] or lines)
     else:
       lines = [line for line in lines if "XLAEigen" in line.name or "XLACpu" in line.name]
     for line in lines:

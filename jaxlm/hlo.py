@@ -160,6 +160,8 @@ def library_kernel_kind(kernel: str) -> str:
     return "attention (cuDNN)"
   if any(k in lower for k in ("gemm", "xmma", "nvjet", "cutlass", "matmul", "gemv")):
     return "matmul"
+  if "fusion" in lower or lower.startswith("wrapped_"):
+    return "XLA fusion (unmatched)"  # XLA's own kernel whose name the compiled HLO does not show as such
   return "other kernel"
 
 

@@ -66,7 +66,8 @@ def test_gpu_kernel_names_map_to_their_instructions():
   assert hlo.library_kernel_kind("nvjet_sm90_tst_128x128_64x6_2x1_v_bz_TNT") == "matmul"
   assert hlo.library_kernel_kind(
       "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26") == "attention (cuDNN)"
-  assert hlo.library_kernel_kind("wrapped_concatenate_12") == "other kernel"
+  assert hlo.library_kernel_kind("wrapped_concatenate_12") == "XLA fusion (unmatched)"
+  assert hlo.library_kernel_kind("void cublasLt::splitKreduce_kernel<32, 16, int, float>") == "other kernel"
 
 
 def test_instruction_summary_reads_shape_and_source():

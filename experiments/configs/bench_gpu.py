@@ -7,8 +7,8 @@ Runtime:  about 1.5 minutes on an H200, most of it compiling (jaxlm 10-20 s, tor
 Expected: the goal is jaxlm_mfu >= 0.5 against the bf16 datasheet peak (llm.c reaches about 0.38 on H100s).
           Measured on an H200, 2026-11-30 (WORKSPACE.md, experiments/ab_step.py in one process): jaxlm 70.0 ms/step,
           468k tokens/s, MFU 0.405; torch.compile (HF GPT-2, same batch) 76.5 ms, MFU 0.370: jaxlm 1.09x. Batch 64:
-          MFU 0.424. Short of 0.5: the matmuls run at about 750 TFLOP/s, the other 40% of the step is cuDNN
-          attention (13%) and XLA's norm, GELU, bias-gradient and cross-entropy fusions (profile in WORKSPACE.md).
+          MFU 0.424. Short of 0.5: the matmuls (47% of the step) run at about 750 TFLOP/s; the other 53% is cuDNN
+          attention (13%) and XLA's norm, GELU, bias-gradient and cross-entropy fusions (39%; WORKSPACE.md).
 """
 
 from jaxlm.config import default_config

@@ -7,7 +7,7 @@ Expected: the goal is jaxlm_mfu >= 0.6 against the bf16 datasheet peak. Measured
           (WORKSPACE.md, experiments/ab_step.py): 232 ms/step, 70.5k tokens/s, MFU 0.522 (0.528 with fuse_qkv;
           FLOPs from jaxlm.telemetry.flops_per_token); the scanned step of the same options 0.452, the first
           measurement (scanned, [B, T, V] logits, document mask) 0.37. The matmuls run at about 715 TFLOP/s (61% of
-          the step), cuDNN attention 16%, XLA's RoPE / SwiGLU / norm fusions 21%.
+          the step), cuDNN attention 16%, XLA's RoPE / SwiGLU / norm fusions 22%.
 """
 
 from jaxlm.config import default_config
