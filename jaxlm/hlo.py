@@ -1,5 +1,6 @@
-"""Collective traffic read from a compiled XLA program's HLO text (and, at the end, each instruction's kind for
-profiles: `instruction_kinds`).
+"""Collective traffic read from a compiled XLA program's HLO text (and, at the end, what profiles need: each
+instruction's kind, `instruction_kinds`; which instruction a profiled kernel belongs to, `event_instruction`; and
+an instruction's shape and source operation, `instruction_summary`).
 
 XLA exposes no counter for bytes moved by collectives, so we read them off the optimised HLO: every all-reduce,
 all-gather, reduce-scatter, all-to-all and collective-permute, with its result shape and replica-group size, weighted
