@@ -114,6 +114,7 @@ def main(argv):
     if not sep or not name.strip():
       raise ValueError(f"--variants entry {entry!r} is not name:key=value;key=value")
     variants[name.strip()] = variant_config(_CONFIG.value, assignments)
+  baseline_config = next(iter(variants.values()))[0]
   contenders, failed = {}, {}
   for name, variant in variants.items():
     try:
@@ -125,12 +126,12 @@ def main(argv):
       print(f"variant {name} skipped: {failed[name]}")
   if _TORCH.value:
     try:
-      contenders["torch_compile"] = TorchStep(next(iter(variants.values()))[0])
+      contenders["torch_compile"] = TorchStep(baseline_config)
     except Exception as e:  # noqa: BLE001  (the jaxlm rows still stand)
       failed["torch_compile"] = _first_line(e)
       print(f"torch_compile skipped: {failed['torch_compile']}")
   # Model FLOPs per device (one device here, as bench.py) over this peak; compute dtype of the baseline.
-  peak, peak_source = telemetry.peak_flops_per_device(dtype=next(iter(variants.values()))[0].model.compute_dtype)
+  peak, peak_source = telemetry.peak_flops_per_device(dtype=baseline_config.model.compute_dtype)
   seconds = {name: [] for name in contenders}
   cpu = {name: [] for name in contenders}
   for _ in range(_ROUNDS.value):

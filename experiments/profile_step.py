@@ -115,12 +115,13 @@ def main(argv):
   for name, ns in per_op.items():
     by_kind[kinds[name]] += ns
   ms = lambda ns: ns / steps / 1e6
+  top = per_op.most_common(_TOP.value)
+  summaries = hlo.instruction_summaries(hlo_text, [name for name, _ in top])
   result = {
       "backend": jax.default_backend(), "device_kind": jax.devices()[0].device_kind, "steps": steps,
       "step_ms": step_ms, "op_ms_total": ms(sum(per_op.values())),
       "kinds_ms": {k: ms(v) for k, v in by_kind.most_common()},
-      "top_ops": [{"op": name, "kind": kinds[name], "ms": ms(ns), **hlo.instruction_summary(hlo_text, name)}
-                  for name, ns in per_op.most_common(_TOP.value)],
+      "top_ops": [{"op": name, "kind": kinds[name], "ms": ms(ns), **summaries.get(name, {})} for name, ns in top],
   }
   files.write_json(os.path.join(workdir, "profile.json"), result)
   print(f"step {step_ms:.2f} ms wall; ops {result['op_ms_total']:.2f} ms per step "

@@ -34,8 +34,9 @@ class ModelConfig:
                           # (jax.nn.dot_product_attention's XLA path) | cudnn (its cuDNN flash path; GPUs only)
   attention_block: int = 32  # causal_blocks: queries per block (fastest at T=256 on the 2-core CPU: 1.05-1.09x 64's)
   scan_layers: bool = True  # False: a Python loop over the layers (compile time grows with depth; no stacked
-                            # [L, ...] activation buffers). On an H200 the loop ran 1.16-1.32x faster and (GPT-2)
-                            # used ~40% less memory, so the GPU configs loop; the CPU bench's loop ran 0.82-1.03x
+                            # [L, ...] activation buffers). On an H200 the loop ran 1.16-1.32x faster (and GPT-2
+                            # took 15.6 GB vs 26.5 GB scanned with the mask), so the GPU configs loop; the CPU
+                            # bench's loop ran 0.82-1.03x
   scan_unroll: int = 1  # blocks per iteration of the layer scan: >1 trades compile time for less per-layer copying
   document_mask: bool = True  # decoders: packed documents attend only within themselves; False: plain causal
                               # attention across the documents of a row (as GPT-2, nanoGPT and llm.c train), which

@@ -1,6 +1,6 @@
 """Collective traffic read from a compiled XLA program's HLO text (and, at the end, what profiles need: each
 instruction's kind, `instruction_kinds`; which instruction a profiled kernel belongs to, `event_instruction`; and
-an instruction's shape and source operation, `instruction_summary`).
+instructions' shapes and source operations, `instruction_summaries`).
 
 XLA exposes no counter for bytes moved by collectives, so we read them off the optimised HLO: every all-reduce,
 all-gather, reduce-scatter, all-to-all and collective-permute, with its result shape and replica-group size, weighted
@@ -169,13 +169,15 @@ def library_kernel_kind(kernel: str) -> str:
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 
 
-def instruction_summary(hlo_text: str, name: str) -> dict[str, str]:
-  """What an instruction of a compiled module is, for a profile's top ops: its result shape and the JAX operation
-  it came from (the `op_name` metadata, e.g. `jit(train_step)/transpose(jvp())/reduce_sum`); empty if absent."""
-  match = re.search(r"^\s*(?:ROOT )?%?" + re.escape(name) + r" = (.*)$", hlo_text, re.M)
-  if not match:
-    return {}
-  rest = match.group(1)
-  opcode = _OPCODE.search(rest)
-  source = _OP_NAME.search(rest)
-  return {"shape": rest[:opcode.start()].strip() if opcode else "", "source": source.group(1) if source else ""}
+def instruction_summaries(hlo_text: str, names) -> dict[str, dict[str, str]]:
+  """What the named instructions of a compiled module are, for a profile's top ops (one pass over the text): name ->
+  its result shape and the JAX operation it came from (the `op_name` metadata, e.g.
+  `jit(train_step)/transpose(jvp())/reduce_sum`). Names the module lacks (library kernels) are left out."""
+  wanted, summaries = set(names), {}
+  for name, rest in _INSTRUCTION.findall(hlo_text):
+    if name in wanted:
+      opcode = _OPCODE.search(rest)
+      source = _OP_NAME.search(rest)
+      summaries[name] = {"shape": rest[:opcode.start()].strip() if opcode else "",
+                         "source": source.group(1) if source else ""}
+  return summaries

@@ -73,6 +73,5 @@ def test_gpu_kernel_names_map_to_their_instructions():
 def test_instruction_summary_reads_shape_and_source():
   text = ('  %fusion.7 = f32[4096,128]{1,0} fusion(%p.1), kind=kInput, calls=%fused_reduce.2, '
           'metadata={op_name="jit(train_step)/jvp()/reduce_max" stack_frame_id=40}\n')
-  assert hlo.instruction_summary(text, "fusion.7") == {"shape": "f32[4096,128]{1,0}",
-                                                        "source": "jit(train_step)/jvp()/reduce_max"}
-  assert hlo.instruction_summary(text, "fusion.8") == {}
+  assert hlo.instruction_summaries(text, ["fusion.7", "fusion.8"]) == {
+      "fusion.7": {"shape": "f32[4096,128]{1,0}", "source": "jit(train_step)/jvp()/reduce_max"}}
