@@ -45,6 +45,9 @@ class ModelConfig:
   fuse_qkv: bool = False  # compute q, k, v with one matmul over the concatenated weights (params stay separate)
   cross_entropy_chunk: int = 0  # 0: [B, T, V] logits, then the loss (reference) | N: fused loss + gradient over
                                 # N-token chunks, no [B, T, V] array (jaxlm/cross_entropy.py)
+  matmul: str = "xla"  # the weight matmuls: xla (XLA's dot, every platform) | blas (the CPU's OpenBLAS sgemm as a
+                       # custom call, f32 only, built on first use: jaxlm/blas.py; on a mesh of several devices XLA
+                       # runs each call whole on every device, so use it on one)
   flavour: str = "gpt2"  # gpt2 | llama (decoders, see jaxlm/models/gpt.py) | bert (encoder, jaxlm/models/bert.py)
   num_kv_heads: int = 0  # key/value heads: 0 = num_heads; fewer = grouped-query, 1 = multi-query attention
   rope_theta: float = 10000.0  # rotary position base of the llama flavour
@@ -209,6 +212,11 @@ def validate(config: Config) -> None:
     raise ValueError(f"model.attention_block={m.attention_block} and model.scan_unroll={m.scan_unroll} must be >= 1")
   if m.cross_entropy_chunk < 0:
     raise ValueError(f"model.cross_entropy_chunk={m.cross_entropy_chunk} must be >= 0 (0 = full logits)")
+  if m.matmul not in ("xla", "blas"):
+    raise ValueError(f"model.matmul={m.matmul!r} is not one of xla, blas")
+  if m.matmul == "blas" and m.compute_dtype != "float32":
+    raise ValueError(f"model.matmul=blas computes in float32, not model.compute_dtype={m.compute_dtype}: set "
+                     "model.compute_dtype=float32 or model.matmul=xla")
   for name in ("param_dtype", "compute_dtype"):
     if getattr(m, name) not in ("float32", "bfloat16", "float16"):
       raise ValueError(f"model.{name}={getattr(m, name)!r} is not one of float32, bfloat16, float16")

@@ -23,12 +23,19 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jaxlm import sharding
+from jaxlm import blas, sharding
 
 
-def _chunk_stats(x_PCD, table_VD, targets_PC, weights_PC):
+def _einsum(matmul: str, subscripts: str, a: jax.Array, b: jax.Array) -> jax.Array:
+  """f32 results from compute-dtype operands, through XLA or (ModelConfig.matmul=blas) one BLAS sgemm."""
+  if matmul == "blas":
+    return blas.einsum(subscripts, a, b)
+  return jnp.einsum(subscripts, a, b, preferred_element_type=jnp.float32)
+
+
+def _chunk_stats(x_PCD, table_VD, targets_PC, weights_PC, matmul):
   """Logits of one chunk in f32 -> (weighted loss sum, weighted correct sum, shifted logits, log-sum-exp)."""
-  logits_PCV = jnp.einsum("pcd,vd->pcv", x_PCD, table_VD, preferred_element_type=jnp.float32)
+  logits_PCV = _einsum(matmul, "pcd,vd->pcv", x_PCD, table_VD)
   # The same formulas as optax.softmax_cross_entropy_with_integer_labels (max-shifted log-sum-exp).
   shift_PC = jax.lax.stop_gradient(logits_PCV.max(axis=-1))
   shifted_PCV = logits_PCV - shift_PC[..., None]
@@ -73,18 +80,18 @@ def _unblocks(x_KPC, num_tokens: int):
 
 
 def fused_cross_entropy(x_ND: jax.Array, table_VD: jax.Array, targets_N: jax.Array, weights_N: jax.Array,
-                        chunk: int) -> tuple[jax.Array, jax.Array]:
+                        chunk: int, matmul: str = "xla") -> tuple[jax.Array, jax.Array]:
   """(sum_n w_n * CE(x_n @ table^T, target_n), sum_n w_n * [argmax == target]) with f32 logits, `chunk` tokens per
   device at a time. x and table are in the compute dtype; gradients flow to x and table (the second output has
-  none)."""
-  return _fused(x_ND, table_VD, targets_N, weights_N, chunk, _batch_shards(x_ND.shape[0]))
+  none). `matmul` is ModelConfig.matmul (xla | blas)."""
+  return _fused(x_ND, table_VD, targets_N, weights_N, chunk, _batch_shards(x_ND.shape[0]), matmul)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _fused(x_ND, table_VD, targets_N, weights_N, chunk, shards):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _fused(x_ND, table_VD, targets_N, weights_N, chunk, shards, matmul):
   def body(totals, xs):
     x_PCD, targets_PC, weights_PC = xs
-    loss, correct, _, _ = _chunk_stats(x_PCD, table_VD, targets_PC, weights_PC)
+    loss, correct, _, _ = _chunk_stats(x_PCD, table_VD, targets_PC, weights_PC, matmul)
     return (totals[0] + loss, totals[1] + correct), None
 
   zero = jnp.zeros((), jnp.float32)
@@ -93,20 +100,20 @@ def _fused(x_ND, table_VD, targets_N, weights_N, chunk, shards):
   return loss, correct
 
 
-def _forward(x_ND, table_VD, targets_N, weights_N, chunk, shards):
+def _forward(x_ND, table_VD, targets_N, weights_N, chunk, shards, matmul):
   n, compute_dtype = x_ND.shape[0], x_ND.dtype
 
   def body(carry, xs):
     loss_sum, correct_sum, dtable_PVD = carry
     x_PCD, targets_PC, weights_PC = xs
-    loss, correct, shifted_PCV, lse_PC = _chunk_stats(x_PCD, table_VD, targets_PC, weights_PC)
+    loss, correct, shifted_PCV, lse_PC = _chunk_stats(x_PCD, table_VD, targets_PC, weights_PC, matmul)
     # d(loss)/d(logits) = w * (softmax - one-hot), in f32, then matmuls in the compute dtype with f32 accumulation.
     dlogits_PCV = jnp.exp(shifted_PCV - lse_PC[..., None])
     dlogits_PCV = dlogits_PCV - jax.nn.one_hot(targets_PC, dlogits_PCV.shape[-1], dtype=jnp.float32)
     dlogits_PCV = (dlogits_PCV * weights_PC[..., None]).astype(compute_dtype)
-    dx_PCD = jnp.einsum("pcv,vd->pcd", dlogits_PCV, table_VD, preferred_element_type=jnp.float32)
+    dx_PCD = _einsum(matmul, "pcv,vd->pcd", dlogits_PCV, table_VD)
     # Each device accumulates its own partial table gradient; they are summed once, after the scan.
-    dtable_PVD = dtable_PVD + jnp.einsum("pcv,pcd->pvd", dlogits_PCV, x_PCD, preferred_element_type=jnp.float32)
+    dtable_PVD = dtable_PVD + _einsum(matmul, "pcv,pcd->pvd", dlogits_PCV, x_PCD)
     return (loss_sum + loss, correct_sum + correct, dtable_PVD), dx_PCD
 
   zero = jnp.zeros((), jnp.float32)
@@ -118,8 +125,8 @@ def _forward(x_ND, table_VD, targets_N, weights_N, chunk, shards):
   return (loss, correct), residuals
 
 
-def _backward(chunk, shards, residuals, cotangents):
-  del chunk, shards
+def _backward(chunk, shards, matmul, residuals, cotangents):
+  del chunk, shards, matmul
   dx_ND, dtable_VD, targets_N, weights_N = residuals
   g_loss = cotangents[0]  # the accuracy output has no gradient
   dx = (g_loss * dx_ND.astype(jnp.float32)).astype(dx_ND.dtype)

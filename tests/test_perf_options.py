@@ -1,4 +1,5 @@
-"""Every speed option computes the same function as its reference path: the fused chunked cross-entropy
+"""Every speed option computes the same function as its reference path: BLAS matmuls (model.matmul=blas) against
+XLA's, the fused chunked cross-entropy
 (model.cross_entropy_chunk) against [B, T, V] logits + optax, the fused q/k/v matmul (model.fuse_qkv), the
 unrolled layer scan (model.scan_unroll) and the layer loop (model.scan_layers=False), and the block-causal,
 recompute and jax.nn.dot_product_attention paths (model.attention=causal_blocks|recompute|jax|cudnn) against the
@@ -86,13 +87,23 @@ def test_fused_qkv_projection_equals_three_projections(base):
                               _loss_value_and_grads(base), rtol=1e-5, atol=1e-6)
 
 
-def test_cpu_bench_options_together_equal_the_reference():
+@pytest.mark.parametrize("base", [TINY, LLAMA], ids=["gpt2_tied", "llama_untied"])
+def test_blas_matmuls_equal_xla_matmuls(base):
+  """model.matmul=blas (jaxlm/blas.py: every weight matmul one OpenBLAS sgemm custom call) against XLA's dots
+  (another summation order: gradients near zero differ by ~1e-6)."""
+  chex.assert_trees_all_close(_loss_value_and_grads(dataclasses.replace(base, matmul="blas")),
+                              _loss_value_and_grads(base), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("matmul", ["xla", "blas"])
+def test_cpu_bench_options_together_equal_the_reference(matmul):
   """The CPU bench's combination (experiments/configs/bench_cpu.py): fused q/k/v, block-causal attention,
-  remat=dots (recompute elementwise ops, keep matmul outputs) inside the layer scan and the chunked cross-entropy:
-  loss, token accuracy and every gradient."""
+  remat=dots (recompute elementwise ops, keep matmul outputs) inside the layer scan and the chunked cross-entropy,
+  with XLA's or BLAS matmuls: loss, token accuracy and every gradient."""
   config = dataclasses.replace(TINY, fuse_qkv=True, attention="causal_blocks", attention_block=8, remat="dots",
-                               cross_entropy_chunk=8)
-  chex.assert_trees_all_close(_loss_value_and_grads(config), _loss_value_and_grads(TINY), rtol=1e-5, atol=1e-6)
+                               cross_entropy_chunk=8, matmul=matmul)
+  chex.assert_trees_all_close(_loss_value_and_grads(config), _loss_value_and_grads(TINY), rtol=1e-5,
+                              atol=1e-5 if matmul == "blas" else 1e-6)
 
 
 @functools.lru_cache(maxsize=None)

@@ -33,6 +33,10 @@ def get_config():
   # write and read back (the reference path's exp fusion alone took ~90 ms of thread time per step). 1.05-1.10x per
   # step in three in-process A/Bs (1024: 1.05-1.14x, 2048: 1.02x, 256: 1.01-1.10x; WORKSPACE.md 2026-11-30).
   config.model.cross_entropy_chunk = 512
+  # Every weight matmul (and the cross-entropy's) as one OpenBLAS sgemm custom call, split over XLA's threads
+  # (jaxlm/blas.py): XLA:CPU's own GEMMs ran 0.72-0.80x torch's on the weight-gradient shapes. 1.25x per step in
+  # an in-process A/B (WORKSPACE.md 2026-12-01).
+  config.model.matmul = "blas"
   config.data.seq_len = 256
   config.train.batch_size = 8
   config.mesh.data = 1  # one device: a single-process comparison with torch on the same cores

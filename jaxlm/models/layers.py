@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxlm import blas
 from jaxlm.models.attention import (causal_block_attention, dot_product_attention, library_attention,
                                     recompute_attention)
 from jaxlm.precision import Policy
@@ -51,8 +52,8 @@ class Embed(nnx.Module):
   def attend(self, x_BTD: jax.Array) -> jax.Array:
     table_VD = self.policy.cast_to_compute(gather_fsdp(self.embedding)[...])
     # f32 accumulation and output: the logits feed a softmax over the whole vocabulary.
-    return jnp.einsum("btd,vd->btv", self.policy.cast_to_compute(x_BTD), table_VD,
-                      preferred_element_type=jnp.float32)  # [B, T, V]
+    return self.policy.einsum("btd,vd->btv", self.policy.cast_to_compute(x_BTD), table_VD,
+                              preferred_element_type=jnp.float32)  # [B, T, V]
 
 
 class Dense(nnx.Module):
@@ -66,7 +67,7 @@ class Dense(nnx.Module):
 
   def __call__(self, x: jax.Array) -> jax.Array:
     c = self.policy.cast_to_compute
-    return jnp.einsum("...i,io->...o", c(x), c(self.w[...])) + _lead(c(self.b[...]), x.ndim)
+    return self.policy.einsum("...i,io->...o", c(x), c(self.w[...])) + _lead(c(self.b[...]), x.ndim)
 
 
 class LayerNorm(nnx.Module):
@@ -168,7 +169,7 @@ class Attention(nnx.Module):
 
   def _project(self, x_BTD: jax.Array, w: nnx.Param, b: nnx.Param | None, heads_axis: str) -> jax.Array:
     c = self.policy.cast_to_compute
-    y = jnp.einsum("btd,dhk->bthk", x_BTD, c(w[...]))
+    y = self.policy.einsum("btd,dhk->bthk", x_BTD, c(w[...]))
     if b is not None:
       y = y + _lead(c(b[...]), 4)
     return constrain(y, ("act_batch", "act_seq", heads_axis, None))  # [B, T, H or G, K]
@@ -191,7 +192,7 @@ class Attention(nnx.Module):
     c = self.policy.cast_to_compute
     h, g = self.w_q.shape[1], self.w_k.shape[1]
     w_DNK = jnp.concatenate([c(self.w_q[...]), c(self.w_k[...]), c(self.w_v[...])], axis=1)  # N = H + 2G
-    y_BTNK = jnp.einsum("btd,dnk->btnk", x_BTD, w_DNK)
+    y_BTNK = self.policy.einsum("btd,dnk->btnk", x_BTD, w_DNK)
     if self.b_q is not None:
       y_BTNK = y_BTNK + _lead(jnp.concatenate([c(self.b_q[...]), c(self.b_k[...]), c(self.b_v[...])]), 4)
     q, k, v = y_BTNK[:, :, :h], y_BTNK[:, :, h:h + g], y_BTNK[:, :, h + g:]
@@ -201,7 +202,7 @@ class Attention(nnx.Module):
 
   def _out(self, out_BTHK: jax.Array) -> jax.Array:
     c = self.policy.cast_to_compute
-    y = jnp.einsum("bthk,hkd->btd", out_BTHK, c(self.w_o[...]))
+    y = self.policy.einsum("bthk,hkd->btd", out_BTHK, c(self.w_o[...]))
     return y if self.b_o is None else y + _lead(c(self.b_o[...]), 3)
 
   def __call__(self, x_BTD: jax.Array, mask_BTS: jax.Array, positions_BT: jax.Array | None = None) -> jax.Array:
@@ -245,9 +246,9 @@ class MLP(nnx.Module):
 
   def __call__(self, x_BTD: jax.Array) -> jax.Array:
     c = self.policy.cast_to_compute
-    h_BTF = jnp.einsum("btd,df->btf", x_BTD, c(self.w_in[...])) + _lead(c(self.b_in[...]), 3)
+    h_BTF = self.policy.einsum("btd,df->btf", x_BTD, c(self.w_in[...])) + _lead(c(self.b_in[...]), 3)
     h_BTF = constrain(jax.nn.gelu(h_BTF, approximate=self.approximate_gelu), ("act_batch", "act_seq", "act_mlp"))
-    return jnp.einsum("btf,fd->btd", h_BTF, c(self.w_out[...])) + _lead(c(self.b_out[...]), 3)
+    return self.policy.einsum("btf,fd->btd", h_BTF, c(self.w_out[...])) + _lead(c(self.b_out[...]), 3)
 
 
 class GatedMLP(nnx.Module):
@@ -262,17 +263,19 @@ class GatedMLP(nnx.Module):
 
   def __call__(self, x_BTD: jax.Array) -> jax.Array:
     c = self.policy.cast_to_compute
-    gate_BTF = jnp.einsum("btd,df->btf", x_BTD, c(self.w_gate[...]))
-    up_BTF = jnp.einsum("btd,df->btf", x_BTD, c(self.w_up[...]))
+    gate_BTF = self.policy.einsum("btd,df->btf", x_BTD, c(self.w_gate[...]))
+    up_BTF = self.policy.einsum("btd,df->btf", x_BTD, c(self.w_up[...]))
     h_BTF = constrain(jax.nn.silu(gate_BTF) * up_BTF, ("act_batch", "act_seq", "act_mlp"))
-    return jnp.einsum("btf,fd->btd", h_BTF, c(self.w_down[...]))
+    return self.policy.einsum("btf,fd->btd", h_BTF, c(self.w_down[...]))
 
 
 # ----------------------------------------------------------------------------------------------- layer stacks
 
 REMAT_POLICIES = {
     "full": None,  # save nothing inside a block: least memory, one extra forward
-    "dots": jax.checkpoint_policies.checkpoint_dots,  # keep matmul outputs, recompute elementwise ops
+    # keep matmul outputs (XLA's dots and model.matmul=blas's named custom calls), recompute elementwise ops
+    "dots": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.checkpoint_dots, jax.checkpoint_policies.save_only_these_names(blas.CHECKPOINT_NAME)),
 }
 
 

@@ -1,0 +1,183 @@
+"""f32 matmuls through the CPU's BLAS (scipy's OpenBLAS sgemm) as an XLA FFI custom call: ModelConfig.matmul=blas.
+
+Why our own kernel: on the 2-core CPU, XLA:CPU's GEMMs (YNNPACK/Eigen) ran 0.72-0.80x torch's on the training
+step's weight-gradient shapes (experiments/bench_cpu_gemm.py), and the step is ~64% matmul. OpenBLAS's sgemm takes
+transposed operands as flags, so dW = x^T @ dy needs no transpose copy. `jax.pure_callback` into numpy was 0.8x
+(copies, the GIL, two thread pools); a custom call runs on XLA's own thread with the buffers in place.
+
+The handler (blas_gemm.cc, ~40 lines against jaxlib's FFI headers) is compiled with the system C++ compiler on first
+use into ~/.cache/jaxlm (XDG_CACHE_HOME), keyed by a hash of its source and the jaxlib version, and handed the
+sgemm function pointer scipy.linalg.cython_blas exports (as jaxlib's own LAPACK kernels are). CPU, f32, one device
+only: XLA cannot shard or differentiate a custom call, so `matmul` carries its own VJP (two more sgemm calls).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import math
+import os
+import pathlib
+import shutil
+import subprocess
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import jaxlib
+from jax.ad_checkpoint import checkpoint_name
+
+_SOURCE = pathlib.Path(__file__).with_name("blas_gemm.cc")
+TARGET = "jaxlm_gemm"
+CHECKPOINT_NAME = "blas_matmul"  # the outputs' name: remat=dots saves them like XLA's dot outputs
+
+
+def _cache_dir() -> pathlib.Path:
+  return pathlib.Path(os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache") / "jaxlm"
+
+
+def _build() -> pathlib.Path:
+  """The compiled handler library, built once per source and jaxlib version (written atomically)."""
+  source = _SOURCE.read_bytes()
+  key = hashlib.sha256(source + jaxlib.__version__.encode()).hexdigest()[:16]
+  library = _cache_dir() / f"blas_gemm-{key}.so"
+  if library.exists():
+    return library
+  compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+  if compiler is None:
+    raise RuntimeError("model.matmul=blas compiles a small C++ kernel: install g++ (or set CXX), or use "
+                       "model.matmul=xla")
+  library.parent.mkdir(parents=True, exist_ok=True)
+  with tempfile.TemporaryDirectory(dir=library.parent) as tmp:
+    built = pathlib.Path(tmp) / library.name
+    command = [compiler, "-O2", "-std=c++17", "-shared", "-fPIC", "-w", f"-I{jax.ffi.include_dir()}",
+               str(_SOURCE), "-o", str(built)]
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode:
+      raise RuntimeError(f"model.matmul=blas: building {_SOURCE.name} failed ({' '.join(command)}): "
+                         f"{result.stderr.strip()[-2000:]}")
+    os.replace(built, library)  # atomic: a concurrent process sees either no library or a whole one
+  return library
+
+
+def _capsule_pointer(capsule) -> int:
+  api = ctypes.pythonapi
+  api.PyCapsule_GetName.restype = ctypes.c_char_p
+  api.PyCapsule_GetName.argtypes = [ctypes.py_object]
+  api.PyCapsule_GetPointer.restype = ctypes.c_void_p
+  api.PyCapsule_GetPointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+  return api.PyCapsule_GetPointer(capsule, api.PyCapsule_GetName(capsule))
+
+
+def _openblas_function(name: str) -> int | None:
+  """The address of `name` in the OpenBLAS library scipy loaded (found in /proc/self/maps), or None."""
+  try:
+    with open("/proc/self/maps") as maps:
+      paths = {line.split()[-1] for line in maps if "openblas" in line and "scipy" in line}
+  except OSError:
+    return None
+  for path in sorted(paths):
+    try:
+      return ctypes.cast(getattr(ctypes.CDLL(path), name), ctypes.c_void_p).value
+    except (OSError, AttributeError):
+      continue
+  return None
+
+
+@functools.cache
+def register() -> None:
+  """Builds (once) and registers the custom call with XLA:CPU; safe to call again."""
+  from scipy.linalg import cython_blas  # scipy comes with jax; importing it loads its OpenBLAS
+
+  # One OpenBLAS thread: the kernel splits each matmul over XLA's own thread pool instead (blas_gemm.cc says why).
+  # Process-wide: scipy's other BLAS/LAPACK calls (and jaxlib's LAPACK kernels, which use them) run on one thread
+  # too once model.matmul=blas has run. (openblas_set_num_threads_local, per calling thread, did not take effect.)
+  set_threads = _openblas_function("scipy_openblas_set_num_threads")
+  if set_threads is not None:
+    ctypes.CFUNCTYPE(None, ctypes.c_int)(set_threads)(1)
+  library = ctypes.cdll.LoadLibrary(str(_build()))
+  library.jaxlm_set_sgemm.argtypes = [ctypes.c_void_p]
+  library.jaxlm_set_sgemm(_capsule_pointer(cython_blas.__pyx_capi__["sgemm"]))
+  jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.jaxlm_gemm), platform="cpu")
+
+
+def gemm(a: jax.Array, b: jax.Array, trans_a: bool = False, trans_b: bool = False) -> jax.Array:
+  """op(a) @ op(b) over the last two axes of f32 arrays, 2-D or 3-D with one shared leading batch axis; op
+  transposes where asked (an sgemm flag, no copy). One custom call, not differentiable (`matmul` is)."""
+  if (a.ndim not in (2, 3) or b.ndim != a.ndim or a.shape[:-2] != b.shape[:-2] or a.dtype != jnp.float32
+      or b.dtype != jnp.float32):
+    raise ValueError(f"model.matmul=blas multiplies 2-D (or batched 3-D) float32 arrays, got {a.dtype}"
+                     f"{list(a.shape)} and {b.dtype}{list(b.shape)}: set model.compute_dtype=float32")
+  if jax.default_backend() != "cpu":
+    raise ValueError(f"model.matmul=blas runs on the CPU only (this backend: {jax.default_backend()}); "
+                     "use model.matmul=xla")
+  register()
+  m, k = a.shape[-1:-3:-1] if trans_a else a.shape[-2:]
+  k_b, n = b.shape[-1:-3:-1] if trans_b else b.shape[-2:]
+  if k != k_b:
+    raise ValueError(f"gemm: contracted sizes differ ({k} vs {k_b}) for {list(a.shape)} and {list(b.shape)}")
+  out = jax.ShapeDtypeStruct((*a.shape[:-2], m, n), jnp.float32)
+  return jax.ffi.ffi_call(TARGET, out)(a, b, trans_a=trans_a, trans_b=trans_b)
+
+
+def matmul(a: jax.Array, b: jax.Array, trans_a: bool = False, trans_b: bool = False) -> jax.Array:
+  """Differentiable `gemm`; its output is named CHECKPOINT_NAME for remat policies (outside the custom VJP: a
+  policy sees only the outputs of a custom_vjp call, not the names inside it)."""
+  return checkpoint_name(_matmul(a, b, trans_a, trans_b), CHECKPOINT_NAME)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _matmul(a, b, trans_a, trans_b):
+  return gemm(a, b, trans_a, trans_b)
+
+
+def _matmul_fwd(a, b, trans_a, trans_b):
+  return gemm(a, b, trans_a, trans_b), (a, b)
+
+
+def _matmul_bwd(trans_a, trans_b, residuals, g):
+  # With C = op(a) @ op(b): d op(a) = g @ op(b)^T and d op(b) = op(a)^T @ g, each one gemm with flags, so no
+  # operand is ever transposed in memory.
+  a, b = residuals
+  da = gemm(b, g, trans_b, True) if trans_a else gemm(g, b, False, not trans_b)
+  db = gemm(g, a, True, trans_a) if trans_b else gemm(a, g, not trans_a, False)
+  return da, db
+
+
+_matmul.defvjp(_matmul_fwd, _matmul_bwd)
+
+
+def _size(shape_of: dict[str, int], letters: str) -> int:
+  return math.prod(shape_of[c] for c in letters)
+
+
+def einsum(subscripts: str, x: jax.Array, w: jax.Array) -> jax.Array:
+  """A two-operand einsum of jaxlm's layers as one differentiable (batched) matmul, e.g. "btd,dhk->bthk",
+  "btd,vd->btv", "...i,io->...o", "bgrqs,bgrqk->bgsk". It must need no transpose in memory: the batch axes (in
+  both operands and the output) lead everywhere in the same order; in each operand the contracted axes come
+  either all before or all after its free axes, in the same order in both; the output is batch, x's free axes,
+  w's free axes. Anything else is a ValueError that says to use model.matmul=xla."""
+  inputs, out = subscripts.replace(" ", "").split("->")
+  xs, ws = inputs.split(",")
+  if xs.startswith("..."):  # name the ellipsis axes so they can be compared like the others
+    named = "".join(chr(ord("A") + i) for i in range(x.ndim - len(xs) + 3))
+    xs, out = named + xs[3:], out.replace("...", named)
+  batch = "".join(c for c in xs if c in ws and c in out)
+  contracted = "".join(c for c in xs if c in ws and c not in out)
+  x_free = "".join(c for c in xs if c not in ws)
+  w_free = "".join(c for c in ws if c not in xs)
+  xr, wr = xs[len(batch):], ws[len(batch):]
+  if (len(xs) != x.ndim or len(ws) != w.ndim or not contracted or not xs.startswith(batch)
+      or not ws.startswith(batch) or out != batch + x_free + w_free
+      or xr not in (x_free + contracted, contracted + x_free) or wr not in (contracted + w_free, w_free + contracted)):
+    raise ValueError(f"model.matmul=blas: einsum {subscripts!r} is not a plain (batched) matmul of these "
+                     f"operands; use model.matmul=xla")
+  shape_of = dict(zip(xs, x.shape)) | dict(zip(ws, w.shape))
+  trans_a = xr != x_free + contracted  # x laid out [batch, contracted, free]
+  trans_b = wr != contracted + w_free  # w laid out [batch, free, contracted]
+  nb, m, k, n = (_size(shape_of, part) for part in (batch, x_free, contracted, w_free))
+  lead = (nb,) if batch else ()
+  a = x.reshape(*lead, *((k, m) if trans_a else (m, k)))
+  b = w.reshape(*lead, *((n, k) if trans_b else (k, n)))
+  return matmul(a, b, trans_a, trans_b).reshape(tuple(shape_of[c] for c in out))

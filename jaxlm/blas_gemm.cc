@@ -1,0 +1,137 @@
+// One XLA FFI handler: row-major C = op(A) @ op(B) in f32 through the Fortran BLAS sgemm that scipy ships
+// (OpenBLAS). Built and loaded by jaxlm/blas.py, which also hands over the BLAS function pointers.
+//
+// Threads: OpenBLAS's own thread pool fights XLA's for the same cores (and two gemms that XLA runs at once share
+// it), which made the step 0.93x XLA's. So OpenBLAS runs on one thread (jaxlm/blas.py sets it) and each call
+// splits C into as many row or column blocks as XLA's intra-op pool has threads: the calling thread and
+// tasks scheduled on XLA's pool take blocks by index until none are left, and the caller waits only for blocks
+// already taken. A busy pool cannot deadlock it: the caller takes every block nobody else has.
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <thread>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+// Fortran sgemm, column-major, every argument by pointer (scipy.linalg.cython_blas exports it with 32-bit ints).
+typedef void SgemmFn(const char*, const char*, const int*, const int*, const int*, const float*, const float*,
+                     const int*, const float*, const int*, const float*, float*, const int*);
+static SgemmFn* sgemm = nullptr;
+
+extern "C" void jaxlm_set_sgemm(void* fn) { sgemm = reinterpret_cast<SgemmFn*>(fn); }
+
+namespace {
+
+// Blocks smaller than this many multiply-adds are not worth a task.
+constexpr int64_t kMinBlockWork = int64_t{1} << 21;
+
+enum class Split { kBatch, kRows, kCols };
+
+struct Gemm {
+  bool trans_a, trans_b;
+  int64_t batch;
+  int m, n, k, lda, ldb, ldc;
+  const float* a;
+  const float* b;
+  float* c;
+  Split split;  // blocks of batch entries, of C's rows (op(A)'s rows) or of its columns (op(B)'s columns)
+  int blocks;
+
+  // C[i] = op(A[i]) @ op(B[i]) for rows (or columns) [begin, begin + count) of C.
+  void Run(int64_t i, int begin, int count, bool rows) const {
+    const float one = 1.0f, zero = 0.0f;
+    const char ta = trans_a ? 'T' : 'N', tb = trans_b ? 'T' : 'N';
+    const float* a_i = a + i * m * k;
+    const float* b_i = b + i * k * n;
+    float* c_i = c + i * m * n;
+    // A row-major [R, C] array is a column-major [C, R] one, so C^T = op(B)^T op(A)^T: B goes first.
+    if (rows) {
+      const float* a_block = a_i + (trans_a ? begin : int64_t(begin) * lda);
+      sgemm(&tb, &ta, &n, &count, &k, &one, b_i, &ldb, a_block, &lda, &zero, c_i + int64_t(begin) * ldc, &ldc);
+    } else {
+      const float* b_block = b_i + (trans_b ? int64_t(begin) * ldb : begin);
+      sgemm(&tb, &ta, &count, &m, &k, &one, b_block, &ldb, a_i, &lda, &zero, c_i + begin, &ldc);
+    }
+  }
+
+  void RunBlock(int block) const {
+    const int64_t size = split == Split::kBatch ? batch : split == Split::kRows ? m : n;
+    const int64_t begin = size * block / blocks, end = size * (block + 1) / blocks;
+    if (split == Split::kBatch) {
+      for (int64_t i = begin; i < end; ++i) Run(i, 0, m, true);
+    } else if (end > begin) {
+      Run(0, int(begin), int(end - begin), split == Split::kRows);
+    }
+  }
+};
+
+struct Blocks {
+  explicit Blocks(Gemm g) : gemm(g) {}
+  Gemm gemm;
+  std::atomic<int> next{0}, done{0};
+
+  void TakeAll() {
+    for (int i; (i = next.fetch_add(1)) < gemm.blocks;) {
+      gemm.RunBlock(i);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+// Row-major C[..., M, N] = op(A[..., :, :]) @ op(B[..., :, :]): 2-D operands, or 3-D with one leading batch axis.
+ffi::Error GemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> b,
+                    ffi::ResultBuffer<ffi::F32> c, bool trans_a, bool trans_b) {
+  if (sgemm == nullptr) return ffi::Error::Internal("jaxlm_gemm: no sgemm (load it with jaxlm.blas)");
+  auto ad = a.dimensions(), bd = b.dimensions();
+  const size_t rank = ad.size();
+  if (rank < 2 || rank > 3 || bd.size() != rank || (rank == 3 && ad[0] != bd[0])) {
+    return ffi::Error::InvalidArgument("jaxlm_gemm: 2-D operands, or 3-D with the same batch size");
+  }
+  Gemm g;
+  g.trans_a = trans_a;
+  g.trans_b = trans_b;
+  g.batch = rank == 3 ? ad[0] : 1;
+  const int64_t a_rows = ad[rank - 2], a_cols = ad[rank - 1], b_rows = bd[rank - 2], b_cols = bd[rank - 1];
+  g.m = trans_a ? a_cols : a_rows;
+  g.k = trans_a ? a_rows : a_cols;
+  g.n = trans_b ? b_rows : b_cols;
+  g.lda = std::max<int64_t>(a_cols, 1);
+  g.ldb = std::max<int64_t>(b_cols, 1);
+  g.ldc = std::max(g.n, 1);
+  g.a = a.typed_data();
+  g.b = b.typed_data();
+  g.c = c->typed_data();
+  if (g.batch == 0 || g.m == 0 || g.n == 0) return ffi::Error::Success();
+  if (g.k == 0) {
+    std::fill(g.c, g.c + g.batch * g.m * g.n, 0.0f);
+    return ffi::Error::Success();
+  }
+  g.split = g.batch > 1 ? Split::kBatch : g.m >= g.n ? Split::kRows : Split::kCols;
+  const int64_t parts = g.split == Split::kBatch ? g.batch : g.split == Split::kRows ? g.m : g.n;
+  const int64_t by_size = std::max<int64_t>(1, g.batch * g.m * g.n * g.k / kMinBlockWork);
+  g.blocks = int(std::min<int64_t>({std::max<int64_t>(pool.num_threads(), 1), by_size, parts}));
+  if (g.blocks == 1) {
+    g.RunBlock(0);
+    return ffi::Error::Success();
+  }
+  auto blocks = std::make_shared<Blocks>(g);
+  // A task that starts after the caller has taken every block returns without touching the buffers.
+  for (int t = 1; t < g.blocks; ++t) pool.Schedule([blocks] { blocks->TakeAll(); });
+  blocks->TakeAll();
+  while (blocks->done.load(std::memory_order_acquire) < g.blocks) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxlm_gemm, GemmImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<bool>("trans_a")
+                                  .Attr<bool>("trans_b"));
