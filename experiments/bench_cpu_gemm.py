@@ -1,4 +1,5 @@
-"""The CPU bench step's matmul shapes, one at a time: XLA:CPU (jax) against torch's CPU GEMM, GFLOP/s.
+"""The CPU bench step's matmul shapes, one at a time: XLA:CPU (jax), jaxlm's OpenBLAS custom call (model.matmul=blas,
+jaxlm/blas.py) and torch's CPU GEMM, GFLOP/s.
 
   JAX_PLATFORMS=cpu GLIBC_TUNABLES=glibc.malloc.hugetlb=1 python experiments/bench_cpu_gemm.py
 
@@ -14,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
+
+from jaxlm import blas
 
 # name -> (shape of a, shape of b, layout): "nn" a @ b, "nt" a @ b.T, "tn" a.T @ b
 SHAPES = {
@@ -45,9 +48,12 @@ def main():
     flops = 2 * a.size * (b.shape[0] if layout == "nt" else b.shape[1])  # 2 * m * k * n
     jitted = jax.jit(product)
     a_jax, b_jax, a_torch, b_torch = jnp.asarray(a), jnp.asarray(b), torch.from_numpy(a), torch.from_numpy(b)
+    jitted_blas = jax.jit(lambda a, b, layout=layout: blas.gemm(a, b, layout[0] == "t", layout[1] == "t"))
     jax_rate = flops / seconds(lambda: jitted(a_jax, b_jax)) / 1e9
+    blas_rate = flops / seconds(lambda: jitted_blas(a_jax, b_jax)) / 1e9
     torch_rate = flops / seconds(lambda: product(a_torch, b_torch)) / 1e9
-    print(f"{name:40s} jax {jax_rate:6.1f} GFLOP/s  torch {torch_rate:6.1f}  ratio {jax_rate / torch_rate:.2f}")
+    print(f"{name:40s} jax {jax_rate:6.1f} GFLOP/s  blas {blas_rate:6.1f}  torch {torch_rate:6.1f}  "
+          f"jax/torch {jax_rate / torch_rate:.2f}  blas/torch {blas_rate / torch_rate:.2f}")
 
 
 if __name__ == "__main__":

@@ -29,10 +29,11 @@ def get_config():
   # [L, ...] residual buffers for the layer scan to zero-fill, write and read back. Measured 1.18-1.19x per step
   # on this CPU in one process, in turns with the default (WORKSPACE.md 2026-11-30).
   config.model.remat = "dots"
-  # The fused cross-entropy over 512-token chunks: no [8, 256, 8192] f32 logits, softmax and gradient arrays to
-  # write and read back (the reference path's exp fusion alone took ~90 ms of thread time per step). 1.05-1.10x per
-  # step in three in-process A/Bs (1024: 1.05-1.14x, 2048: 1.02x, 256: 1.01-1.10x; WORKSPACE.md 2026-11-30).
-  config.model.cross_entropy_chunk = 512
+  # The fused cross-entropy over 1024-token chunks: no [8, 256, 8192] f32 logits, softmax and gradient arrays to
+  # write and read back (the reference path's exp fusion alone took ~90 ms of thread time per step). With XLA's
+  # matmuls 512 was best (1.05-1.10x over the logits path); with the BLAS matmuls below, 1024 ran 1.088x / 1.10x
+  # 512's and 2048 1.06x in in-process A/Bs (WORKSPACE.md 2026-11-30 and 2026-12-01).
+  config.model.cross_entropy_chunk = 1024
   # Every weight matmul (and the cross-entropy's) as one OpenBLAS sgemm custom call, split over XLA's threads
   # (jaxlm/blas.py): XLA:CPU's own GEMMs ran 0.72-0.80x torch's on the weight-gradient shapes. 1.25x per step in
   # an in-process A/B (WORKSPACE.md 2026-12-01).
