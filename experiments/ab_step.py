@@ -35,6 +35,9 @@ _CONFIG = config_flags.DEFINE_config_file("config", "experiments/configs/bench_c
 _VARIANTS = flags.DEFINE_string("variants", "base:", "name:key=value;key=value entries, comma-separated")
 _ROUNDS = flags.DEFINE_integer("rounds", 5, "rounds; every contender runs once per round")
 _STEPS = flags.DEFINE_integer("steps_per_round", 2, "steps per contender per round")
+_WARMUP_STEPS = flags.DEFINE_integer(
+    "warmup_steps_per_round", 1, "untimed steps before each contender's timed steps in every round: on the 2-core "
+    "CPU the first step after another contender ran 10-18% slower, which favoured whoever ran later in a round")
 _TORCH = flags.DEFINE_bool("torch", False, "add torch.compile's GPT-2 step of the baseline's shape")
 _WORKDIR = flags.DEFINE_string("workdir", None, "where ab.json goes (optional)")
 
@@ -136,6 +139,8 @@ def main(argv):
   cpu = {name: [] for name in contenders}
   for _ in range(_ROUNDS.value):
     for name, contender in contenders.items():
+      if _WARMUP_STEPS.value:
+        contender.run(_WARMUP_STEPS.value)
       wall, busy = time.perf_counter(), cpu_seconds()
       contender.run(_STEPS.value)
       seconds[name].append((time.perf_counter() - wall) / _STEPS.value)

@@ -73,6 +73,9 @@ _SECTIONS = flags.DEFINE_list("sections", ["peak", "step", "compile", "loader", 
 _FRAMEWORKS = flags.DEFINE_list("frameworks", ["jaxlm", "torch_compile", "torch_eager"], "step section contenders")
 _ROUNDS = flags.DEFINE_integer("rounds", 5, "rounds of the step section (each framework runs once per round)")
 _STEPS_PER_ROUND = flags.DEFINE_integer("steps_per_round", 3, "steps per framework per round")
+_WARMUP_STEPS = flags.DEFINE_integer(
+    "warmup_steps_per_round", 1, "untimed steps before each framework's timed steps in every round: the first step "
+    "after another framework ran 10-18% slower on the 2-core CPU (WORKSPACE.md 2026-12-01)")
 _DEPTHS = flags.DEFINE_list("depths", ["2", "12", "24"], "layer counts of the compile section")
 _LOADER_BATCHES = flags.DEFINE_integer("loader_batches", 2000, "batches the loader section reads")
 flags.DEFINE_bool("malloc_hugepages", True, "run with GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (read at start-up)")
@@ -175,6 +178,8 @@ def step_section(config, platform: str, peak: float, datasheet_peak: float | Non
   for _ in range(_ROUNDS.value):
     loads.append(load_average())
     for name, contender in contenders.items():
+      if _WARMUP_STEPS.value:
+        contender.run(_WARMUP_STEPS.value)
       cpu_before = process_cpu_seconds()
       times[name].append(contender.run(_STEPS_PER_ROUND.value))
       cpu_times[name].append((process_cpu_seconds() - cpu_before) / _STEPS_PER_ROUND.value)
