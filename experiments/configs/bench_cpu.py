@@ -5,8 +5,8 @@ Runtime:  2.5-5 minutes on an idle 2-core CPU once torch.compile's cache is warm
           minutes, longer under load).
 Expected: goals: jaxlm tokens/s at least torch.compile's in the same run (bench.json `jaxlm_vs_torch_compile` >= 1),
           compile time of 24 layers at most 1.5x that of 2 layers, the loader above 2M tokens/s. Measured
-          (WORKSPACE.md, idle machine): jaxlm_vs_torch_compile 0.89 with the options below (0.82-0.85 before the
-          chunked cross-entropy, 0.76 before remat=dots and causal_blocks' hand-written backward, 0.705 with fuse_qkv
+          (WORKSPACE.md, idle machine): jaxlm_vs_torch_compile 0.95-0.99 with the options below (0.89 before
+          model.matmul=blas, 0.82-0.85 before the chunked cross-entropy, 0.76 before remat=dots and causal_blocks' hand-written backward, 0.705 with fuse_qkv
           alone, 0.66 with none), compile ratio 0.78-1.6 wall / 0.96-1.06 CPU-seconds, loader 4.1-6.0M tokens/s.
 """
 
@@ -34,9 +34,9 @@ def get_config():
   # matmuls 512 was best (1.05-1.10x over the logits path); with the BLAS matmuls below, 1024 ran 1.088x / 1.10x
   # 512's and 2048 1.06x in in-process A/Bs (WORKSPACE.md 2026-11-30 and 2026-12-01).
   config.model.cross_entropy_chunk = 1024
-  # Every weight matmul (and the cross-entropy's) as one OpenBLAS sgemm custom call, split over XLA's threads
-  # (jaxlm/blas.py): XLA:CPU's own GEMMs ran 0.72-0.80x torch's on the weight-gradient shapes. 1.25x per step in
-  # an in-process A/B (WORKSPACE.md 2026-12-01).
+  # Every weight matmul, the cross-entropy's and attention's as OpenBLAS sgemm custom calls split over XLA's
+  # threads (jaxlm/blas.py): XLA:CPU's own GEMMs ran 0.72-0.80x torch's on the weight-gradient shapes. 1.17x per
+  # step in an in-process A/B with a warm-up step per round (WORKSPACE.md 2026-12-01).
   config.model.matmul = "blas"
   config.data.seq_len = 256
   config.train.batch_size = 8

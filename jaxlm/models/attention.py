@@ -70,7 +70,7 @@ def causal_block_attention(q_BTHK: jax.Array, k_BTGK: jax.Array, v_BTGK: jax.Arr
   # Scaling q (B*T*H*K values) instead of the scores (up to B*H*T*T) saves a pass over every score block.
   q_BGRTK = (q_BTHK * (1 / math.sqrt(k))).reshape(b, t, g, h // g, k).transpose(0, 2, 3, 1, 4)  # keeps q's dtype
   out_BGRTK = _causal_blocks(q_BGRTK, k_BTGK.transpose(0, 2, 1, 3), v_BTGK.transpose(0, 2, 1, 3), mask_BTT,
-                             policy.compute_dtype, block)
+                             policy, block)
   return out_BGRTK.transpose(0, 3, 1, 2, 4).reshape(b, t, h, k)
 
 
@@ -78,26 +78,28 @@ def _query_blocks(t: int, block: int) -> list[tuple[int, int]]:
   return [(start, min(start + block, t)) for start in range(0, t, block)]
 
 
+# Its matmuls go through policy.einsum: with model.matmul=blas, batched sgemm calls over the [B, G] leading axes
+# (1.03-1.07x per CPU bench step in one process against XLA's dots here, WORKSPACE.md 2026-12-01).
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _causal_blocks(q_BGRTK, k_BGTK, v_BGTK, mask_BTT, compute_dtype, block):
-  return _causal_blocks_fwd(q_BGRTK, k_BGTK, v_BGTK, mask_BTT, compute_dtype, block)[0]
+def _causal_blocks(q_BGRTK, k_BGTK, v_BGTK, mask_BTT, policy, block):
+  return _causal_blocks_fwd(q_BGRTK, k_BGTK, v_BGTK, mask_BTT, policy, block)[0]
 
 
-def _causal_blocks_fwd(q_BGRTK, k_BGTK, v_BGTK, mask_BTT, compute_dtype, block):
+def _causal_blocks_fwd(q_BGRTK, k_BGTK, v_BGTK, mask_BTT, policy, block):
   outs, probs = [], []
   for start, end in _query_blocks(q_BGRTK.shape[3], block):  # unrolled: each block has its own static key length
-    scores_BGRQS = jnp.einsum("bgrqk,bgsk->bgrqs", q_BGRTK[:, :, :, start:end], k_BGTK[:, :, :end],
-                              preferred_element_type=jnp.float32)
+    scores_BGRQS = policy.einsum("bgrqk,bgsk->bgrqs", q_BGRTK[:, :, :, start:end], k_BGTK[:, :, :end],
+                                 preferred_element_type=jnp.float32)
     scores_BGRQS = jnp.where(mask_BTT[:, None, None, start:end, :end], scores_BGRQS, MASK_VALUE)
     probs_BGRQS = jnp.exp(scores_BGRQS - jnp.max(scores_BGRQS, axis=-1, keepdims=True))
-    probs_BGRQS = (probs_BGRQS / jnp.sum(probs_BGRQS, axis=-1, keepdims=True)).astype(compute_dtype)
+    probs_BGRQS = policy.cast_to_compute(probs_BGRQS / jnp.sum(probs_BGRQS, axis=-1, keepdims=True))
     probs.append(probs_BGRQS)
-    outs.append(jnp.einsum("bgrqs,bgsk->bgrqk", probs_BGRQS, v_BGTK[:, :, :end]))
+    outs.append(policy.einsum("bgrqs,bgsk->bgrqk", probs_BGRQS, v_BGTK[:, :, :end]))
   out_BGRTK = jnp.concatenate(outs, axis=3)
   return out_BGRTK, (q_BGRTK, k_BGTK, v_BGTK, out_BGRTK, probs)
 
 
-def _causal_blocks_bwd(compute_dtype, block, residuals, dout_BGRTK):
+def _causal_blocks_bwd(policy, block, residuals, dout_BGRTK):
   """The softmax backward in the form flash kernels use: dS = P * (dP - rowsum(dO * O)), a sum over the K head
   dimensions per query instead of autodiff's rowsum(dP * P) over every key. Masked keys have P = 0 (no row is
   fully masked), so their scores get no gradient without a second pass over the mask."""
@@ -109,13 +111,13 @@ def _causal_blocks_bwd(compute_dtype, block, residuals, dout_BGRTK):
   for (start, end), probs_BGRQS in zip(_query_blocks(q_BGRTK.shape[3], block), probs):
     dout_BGRQK = dout_BGRTK[:, :, :, start:end]
     dv_BGTK = dv_BGTK.at[:, :, :end].add(
-        jnp.einsum("bgrqs,bgrqk->bgsk", probs_BGRQS, dout_BGRQK, preferred_element_type=jnp.float32))
-    dprobs_BGRQS = jnp.einsum("bgrqk,bgsk->bgrqs", dout_BGRQK, v_BGTK[:, :, :end],
-                              preferred_element_type=jnp.float32)
-    dscores_BGRQS = (probs_BGRQS * (dprobs_BGRQS - row_BGRT1[:, :, :, start:end])).astype(compute_dtype)
-    dqs.append(jnp.einsum("bgrqs,bgsk->bgrqk", dscores_BGRQS, k_BGTK[:, :, :end]))
-    dk_BGTK = dk_BGTK.at[:, :, :end].add(jnp.einsum("bgrqs,bgrqk->bgsk", dscores_BGRQS,
-                                                    q_BGRTK[:, :, :, start:end], preferred_element_type=jnp.float32))
+        policy.einsum("bgrqs,bgrqk->bgsk", probs_BGRQS, dout_BGRQK, preferred_element_type=jnp.float32))
+    dprobs_BGRQS = policy.einsum("bgrqk,bgsk->bgrqs", dout_BGRQK, v_BGTK[:, :, :end],
+                                 preferred_element_type=jnp.float32)
+    dscores_BGRQS = policy.cast_to_compute(probs_BGRQS * (dprobs_BGRQS - row_BGRT1[:, :, :, start:end]))
+    dqs.append(policy.einsum("bgrqs,bgsk->bgrqk", dscores_BGRQS, k_BGTK[:, :, :end]))
+    dk_BGTK = dk_BGTK.at[:, :, :end].add(policy.einsum("bgrqs,bgrqk->bgsk", dscores_BGRQS,
+                                                       q_BGRTK[:, :, :, start:end], preferred_element_type=jnp.float32))
   dq_BGRTK = jnp.concatenate(dqs, axis=3).astype(q_BGRTK.dtype)
   return dq_BGRTK, dk_BGTK.astype(k_BGTK.dtype), dv_BGTK.astype(v_BGTK.dtype), None
 
