@@ -34,16 +34,18 @@ def _einsum(matmul: str, subscripts: str, a: jax.Array, b: jax.Array) -> jax.Arr
 
 
 def _chunk_stats(x_PCD, table_VD, targets_PC, weights_PC, matmul):
-  """Logits of one chunk in f32 -> (weighted loss sum, weighted correct sum, shifted logits, log-sum-exp)."""
+  """Logits of one chunk in f32 -> (weighted loss sum, weighted correct sum, exp(logits - max), their row sums)."""
   logits_PCV = _einsum(matmul, "pcd,vd->pcv", x_PCD, table_VD)
   # The same formulas as optax.softmax_cross_entropy_with_integer_labels (max-shifted log-sum-exp).
   shift_PC = jax.lax.stop_gradient(logits_PCV.max(axis=-1))
-  shifted_PCV = logits_PCV - shift_PC[..., None]
-  lse_PC = jnp.log(jnp.exp(shifted_PCV).sum(axis=-1))
-  target_PC = jnp.take_along_axis(shifted_PCV, targets_PC[..., None], axis=-1)[..., 0]
-  loss = jnp.sum((lse_PC - target_PC) * weights_PC)
-  correct = jnp.sum((jnp.argmax(logits_PCV, axis=-1) == targets_PC).astype(jnp.float32) * weights_PC)
-  return loss, correct, shifted_PCV, lse_PC
+  exp_PCV = jnp.exp(logits_PCV - shift_PC[..., None])  # kept: the gradient reuses it instead of a second exp pass
+  sum_PC = exp_PCV.sum(axis=-1)
+  target_PC = jnp.take_along_axis(logits_PCV, targets_PC[..., None], axis=-1)[..., 0] - shift_PC
+  loss = jnp.sum((jnp.log(sum_PC) - target_PC) * weights_PC)
+  # Correct when the target's logit is the row's maximum (target - max = 0): no separate argmax pass over the row.
+  # Differs from argmax only on an exact tie, where argmax takes the first index.
+  correct = jnp.sum((target_PC >= 0).astype(jnp.float32) * weights_PC)
+  return loss, correct, exp_PCV, sum_PC
 
 
 def _batch_shards(num_tokens: int) -> int:
@@ -106,9 +108,9 @@ def _forward(x_ND, table_VD, targets_N, weights_N, chunk, shards, matmul):
   def body(carry, xs):
     loss_sum, correct_sum, dtable_PVD = carry
     x_PCD, targets_PC, weights_PC = xs
-    loss, correct, shifted_PCV, lse_PC = _chunk_stats(x_PCD, table_VD, targets_PC, weights_PC, matmul)
+    loss, correct, exp_PCV, sum_PC = _chunk_stats(x_PCD, table_VD, targets_PC, weights_PC, matmul)
     # d(loss)/d(logits) = w * (softmax - one-hot), in f32, then matmuls in the compute dtype with f32 accumulation.
-    dlogits_PCV = jnp.exp(shifted_PCV - lse_PC[..., None])
+    dlogits_PCV = exp_PCV * (1 / sum_PC)[..., None]
     dlogits_PCV = dlogits_PCV - jax.nn.one_hot(targets_PC, dlogits_PCV.shape[-1], dtype=jnp.float32)
     dlogits_PCV = (dlogits_PCV * weights_PC[..., None]).astype(compute_dtype)
     dx_PCD = _einsum(matmul, "pcv,vd->pcd", dlogits_PCV, table_VD)
