@@ -37,6 +37,11 @@ def _cache_dir() -> pathlib.Path:
   return pathlib.Path(os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache") / "jaxlm"
 
 
+def compiler() -> str | None:
+  """The C++ compiler that builds the kernel ($CXX, else g++ or c++ on PATH), or None."""
+  return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+
+
 def _build() -> pathlib.Path:
   """The compiled handler library, built once per source and jaxlib version (written atomically)."""
   source = _SOURCE.read_bytes()
@@ -44,14 +49,14 @@ def _build() -> pathlib.Path:
   library = _cache_dir() / f"blas_gemm-{key}.so"
   if library.exists():
     return library
-  compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-  if compiler is None:
+  cxx = compiler()
+  if cxx is None:
     raise RuntimeError("model.matmul=blas compiles a small C++ kernel: install g++ (or set CXX), or use "
                        "model.matmul=xla")
   library.parent.mkdir(parents=True, exist_ok=True)
   with tempfile.TemporaryDirectory(dir=library.parent) as tmp:
     built = pathlib.Path(tmp) / library.name
-    command = [compiler, "-O2", "-std=c++17", "-shared", "-fPIC", "-w", f"-I{jax.ffi.include_dir()}",
+    command = [cxx, "-O2", "-std=c++17", "-shared", "-fPIC", "-w", f"-I{jax.ffi.include_dir()}",
                str(_SOURCE), "-o", str(built)]
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode:

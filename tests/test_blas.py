@@ -11,6 +11,9 @@ import pytest
 from jaxlm import blas, config as config_lib
 from jaxlm.models.layers import REMAT_POLICIES
 
+# The kernel is compiled on first use; a machine without a C++ compiler cannot run model.matmul=blas at all.
+pytestmark = pytest.mark.skipif(blas.compiler() is None, reason="model.matmul=blas needs a C++ compiler (g++)")
+
 # (batch, m, k, n): one block; C's rows split (m >= n); its columns split; batch entries split; empty contraction.
 SHAPES = [(None, 5, 7, 3), (None, 300, 200, 100), (None, 100, 200, 300), (6, 128, 64, 256), (None, 4, 0, 3)]
 
@@ -62,6 +65,13 @@ def test_einsum_refuses_a_contraction_that_needs_a_transpose_in_memory():
 def test_gemm_refuses_bfloat16_operands():
   with pytest.raises(ValueError, match="model.compute_dtype=float32"):
     blas.gemm(jnp.ones((2, 3), jnp.bfloat16), jnp.ones((3, 4), jnp.bfloat16))
+
+
+def test_build_refuses_clearly_without_a_compiler(monkeypatch, tmp_path):
+  monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # nothing built there yet
+  monkeypatch.setattr(blas, "compiler", lambda: None)
+  with pytest.raises(RuntimeError, match="install g\\+\\+"):
+    blas._build()
 
 
 def test_config_refuses_blas_matmul_in_bfloat16():

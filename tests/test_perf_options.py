@@ -17,7 +17,7 @@ import optax
 import pytest
 from flax import nnx
 
-from jaxlm import train
+from jaxlm import blas, train
 from jaxlm.config import ModelConfig
 from jaxlm.cross_entropy import fused_cross_entropy
 from jaxlm.models.gpt import GPT
@@ -87,6 +87,10 @@ def test_fused_qkv_projection_equals_three_projections(base):
                               _loss_value_and_grads(base), rtol=1e-5, atol=1e-6)
 
 
+NEEDS_COMPILER = pytest.mark.skipif(blas.compiler() is None, reason="model.matmul=blas needs a C++ compiler (g++)")
+
+
+@NEEDS_COMPILER
 @pytest.mark.parametrize("base", [TINY, LLAMA], ids=["gpt2_tied", "llama_untied"])
 def test_blas_matmuls_equal_xla_matmuls(base):
   """model.matmul=blas (jaxlm/blas.py: every weight matmul one OpenBLAS sgemm custom call) against XLA's dots
@@ -95,7 +99,7 @@ def test_blas_matmuls_equal_xla_matmuls(base):
                               _loss_value_and_grads(base), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("matmul", ["xla", "blas"])
+@pytest.mark.parametrize("matmul", ["xla", pytest.param("blas", marks=NEEDS_COMPILER)])
 def test_cpu_bench_options_together_equal_the_reference(matmul):
   """The CPU bench's combination (experiments/configs/bench_cpu.py): fused q/k/v, block-causal attention,
   remat=dots (recompute elementwise ops, keep matmul outputs) inside the layer scan and the chunked cross-entropy,
