@@ -32,8 +32,8 @@ def get_config():
   config.model.remat = "dots"
   # The fused cross-entropy over 1024-token chunks: no [8, 256, 8192] f32 logits, softmax and gradient arrays to
   # write and read back (the reference path's exp fusion alone took ~90 ms of thread time per step). With XLA's
-  # matmuls 512 was best (1.05-1.10x over the logits path); with the BLAS matmuls below, 1024 ran 1.088x / 1.10x
-  # 512's and 2048 1.06x in in-process A/Bs (WORKSPACE.md 2026-11-30 and 2026-12-01).
+  # matmuls 512 was best (1.05-1.10x over the logits path); with the BLAS matmuls below, 512 runs 0.95x and 2048
+  # 0.93x of 1024 in an in-process A/B with a warm-up step per round (WORKSPACE.md 2026-12-01).
   config.model.cross_entropy_chunk = 1024
   # Every weight matmul, the cross-entropy's and attention's as OpenBLAS sgemm custom calls split over XLA's
   # threads (jaxlm/blas.py): XLA:CPU's own GEMMs ran 0.72-0.80x torch's on the weight-gradient shapes. 1.17x per
