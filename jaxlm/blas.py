@@ -125,7 +125,8 @@ def gemm(a: jax.Array, b: jax.Array, trans_a: bool = False, trans_b: bool = Fals
   if k != k_b:
     raise ValueError(f"gemm: contracted sizes differ ({k} vs {k_b}) for {list(a.shape)} and {list(b.shape)}")
   out = jax.ShapeDtypeStruct((*a.shape[:-2], m, n), jnp.float32)
-  return jax.ffi.ffi_call(TARGET, out)(a, b, trans_a=trans_a, trans_b=trans_b)
+  # vmap (rare: the models call this unbatched) loops over the mapped axis, one call per entry.
+  return jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(a, b, trans_a=trans_a, trans_b=trans_b)
 
 
 def matmul(a: jax.Array, b: jax.Array, trans_a: bool = False, trans_b: bool = False) -> jax.Array:
@@ -168,8 +169,15 @@ def einsum(subscripts: str, x: jax.Array, w: jax.Array) -> jax.Array:
   inputs, out = subscripts.replace(" ", "").split("->")
   xs, ws = inputs.split(",")
   if xs.startswith("..."):  # name the ellipsis axes so they can be compared like the others
-    named = "".join(chr(ord("A") + i) for i in range(x.ndim - len(xs) + 3))
+    named = "".join([c for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZ" if c not in subscripts][:x.ndim - len(xs) + 3])
     xs, out = named + xs[3:], out.replace("...", named)
+  refuse = ValueError(f"model.matmul=blas: einsum {subscripts!r} is not a plain (batched) matmul of "
+                      f"{list(x.shape)} and {list(w.shape)}; use model.matmul=xla")
+  if any(len(set(s)) != len(s) or not s.isalpha() for s in (xs, ws, out)):  # repeated axes (diagonals), "i...j"
+    raise refuse
+  shape_of = dict(zip(xs, x.shape))
+  if any(shape_of.setdefault(c, size) != size for c, size in zip(ws, w.shape)):
+    raise refuse
   batch = "".join(c for c in xs if c in ws and c in out)
   contracted = "".join(c for c in xs if c in ws and c not in out)
   x_free = "".join(c for c in xs if c not in ws)
@@ -178,9 +186,7 @@ def einsum(subscripts: str, x: jax.Array, w: jax.Array) -> jax.Array:
   if (len(xs) != x.ndim or len(ws) != w.ndim or not contracted or not xs.startswith(batch)
       or not ws.startswith(batch) or out != batch + x_free + w_free
       or xr not in (x_free + contracted, contracted + x_free) or wr not in (contracted + w_free, w_free + contracted)):
-    raise ValueError(f"model.matmul=blas: einsum {subscripts!r} is not a plain (batched) matmul of these "
-                     f"operands; use model.matmul=xla")
-  shape_of = dict(zip(xs, x.shape)) | dict(zip(ws, w.shape))
+    raise refuse
   trans_a = xr != x_free + contracted  # x laid out [batch, contracted, free]
   trans_b = wr != contracted + w_free  # w laid out [batch, free, contracted]
   nb, m, k, n = (_size(shape_of, part) for part in (batch, x_free, contracted, w_free))

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <thread>
 
@@ -89,6 +90,11 @@ ffi::Error GemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> a, ffi::Buffer<f
   const size_t rank = ad.size();
   if (rank < 2 || rank > 3 || bd.size() != rank || (rank == 3 && ad[0] != bd[0])) {
     return ffi::Error::InvalidArgument("jaxlm_gemm: 2-D operands, or 3-D with the same batch size");
+  }
+  for (int64_t d : {ad[rank - 2], ad[rank - 1], bd[rank - 2], bd[rank - 1]}) {
+    if (d > std::numeric_limits<int>::max()) {
+      return ffi::Error::InvalidArgument("jaxlm_gemm: a matrix side over 2^31 - 1 (sgemm takes 32-bit sizes)");
+    }
   }
   Gemm g;
   g.trans_a = trans_a;

@@ -42,9 +42,8 @@ def _chunk_stats(x_PCD, table_VD, targets_PC, weights_PC, matmul):
   sum_PC = exp_PCV.sum(axis=-1)
   target_PC = jnp.take_along_axis(logits_PCV, targets_PC[..., None], axis=-1)[..., 0] - shift_PC
   loss = jnp.sum((jnp.log(sum_PC) - target_PC) * weights_PC)
-  # Correct when the target's logit is the row's maximum (target - max = 0): no separate argmax pass over the row.
-  # Differs from argmax only on an exact tie, where argmax takes the first index.
-  correct = jnp.sum((target_PC >= 0).astype(jnp.float32) * weights_PC)
+  # argmax, not "target logit == max": on a tie (e.g. a zero head) that would count every tied token correct.
+  correct = jnp.sum((jnp.argmax(logits_PCV, axis=-1) == targets_PC).astype(jnp.float32) * weights_PC)
   return loss, correct, exp_PCV, sum_PC
 
 

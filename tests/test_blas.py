@@ -57,9 +57,20 @@ def test_einsum_value_and_gradients_equal_jnp_einsum(subscripts, x_shape, w_shap
   chex.assert_trees_all_close(value_and_grads(blas.einsum), value_and_grads(reference), rtol=1e-5, atol=1e-5)
 
 
-def test_einsum_refuses_a_contraction_that_needs_a_transpose_in_memory():
+@pytest.mark.parametrize("subscripts, x_shape, w_shape", [
+    ("btgrk,bsgk->bgrts", (1, 2, 1, 1, 4), (1, 3, 1, 4)),  # needs a transpose in memory
+    ("ijj,jjk->ik", (2, 3, 3), (3, 3, 4)),  # repeated axes: a diagonal, not a matmul
+    ("bd,bdk->bk", (2, 6), (3, 4, 5)),  # sizes that disagree
+    ("i...j,jk->i...k", (2, 3, 4), (4, 5)),  # an ellipsis inside x
+])
+def test_einsum_refuses_what_is_not_a_plain_matmul(subscripts, x_shape, w_shape):
   with pytest.raises(ValueError, match="use model.matmul=xla"):
-    blas.einsum("btgrk,bsgk->bgrts", jnp.ones((1, 2, 1, 1, 4)), jnp.ones((1, 3, 1, 4)))
+    blas.einsum(subscripts, jnp.ones(x_shape), jnp.ones(w_shape))
+
+
+def test_gemm_under_vmap_equals_numpy():
+  a, b = np.arange(24, dtype=np.float32).reshape(2, 3, 4), np.ones((2, 4, 5), np.float32)
+  np.testing.assert_allclose(jax.vmap(blas.gemm)(a, b), a @ b)
 
 
 def test_gemm_refuses_bfloat16_operands():
