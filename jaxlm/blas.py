@@ -156,10 +156,6 @@ def _matmul_bwd(trans_a, trans_b, residuals, g):
 _matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 
-def _size(shape_of: dict[str, int], letters: str) -> int:
-  return math.prod(shape_of[c] for c in letters)
-
-
 def einsum(subscripts: str, x: jax.Array, w: jax.Array) -> jax.Array:
   """A two-operand einsum of jaxlm's layers as one differentiable (batched) matmul, e.g. "btd,dhk->bthk",
   "btd,vd->btv", "...i,io->...o", "bgrqs,bgrqk->bgsk". It must need no transpose in memory: the batch axes (in
@@ -189,7 +185,7 @@ def einsum(subscripts: str, x: jax.Array, w: jax.Array) -> jax.Array:
     raise refuse
   trans_a = xr != x_free + contracted  # x laid out [batch, contracted, free]
   trans_b = wr != contracted + w_free  # w laid out [batch, free, contracted]
-  nb, m, k, n = (_size(shape_of, part) for part in (batch, x_free, contracted, w_free))
+  nb, m, k, n = (math.prod(shape_of[c] for c in part) for part in (batch, x_free, contracted, w_free))
   lead = (nb,) if batch else ()
   a = x.reshape(*lead, *((k, m) if trans_a else (m, k)))
   b = w.reshape(*lead, *((n, k) if trans_b else (k, n)))

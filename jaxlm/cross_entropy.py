@@ -23,19 +23,15 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jaxlm import blas, sharding
+from jaxlm import sharding
+from jaxlm.precision import Policy
+
+_F32 = {"preferred_element_type": jnp.float32}  # f32 results from compute-dtype operands
 
 
-def _einsum(matmul: str, subscripts: str, a: jax.Array, b: jax.Array) -> jax.Array:
-  """f32 results from compute-dtype operands, through XLA or (ModelConfig.matmul=blas) one BLAS sgemm."""
-  if matmul == "blas":
-    return blas.einsum(subscripts, a, b)
-  return jnp.einsum(subscripts, a, b, preferred_element_type=jnp.float32)
-
-
-def _chunk_stats(x_PCD, table_VD, targets_PC, weights_PC, matmul):
+def _chunk_stats(x_PCD, table_VD, targets_PC, weights_PC, policy):
   """Logits of one chunk in f32 -> (weighted loss sum, weighted correct sum, exp(logits - max), their row sums)."""
-  logits_PCV = _einsum(matmul, "pcd,vd->pcv", x_PCD, table_VD)
+  logits_PCV = policy.einsum("pcd,vd->pcv", x_PCD, table_VD, **_F32)
   # The same formulas as optax.softmax_cross_entropy_with_integer_labels (max-shifted log-sum-exp).
   shift_PC = jax.lax.stop_gradient(logits_PCV.max(axis=-1))
   exp_PCV = jnp.exp(logits_PCV - shift_PC[..., None])  # kept: the gradient reuses it instead of a second exp pass
@@ -81,18 +77,18 @@ def _unblocks(x_KPC, num_tokens: int):
 
 
 def fused_cross_entropy(x_ND: jax.Array, table_VD: jax.Array, targets_N: jax.Array, weights_N: jax.Array,
-                        chunk: int, matmul: str = "xla") -> tuple[jax.Array, jax.Array]:
+                        chunk: int, policy: Policy = Policy()) -> tuple[jax.Array, jax.Array]:
   """(sum_n w_n * CE(x_n @ table^T, target_n), sum_n w_n * [argmax == target]) with f32 logits, `chunk` tokens per
   device at a time. x and table are in the compute dtype; gradients flow to x and table (the second output has
-  none). `matmul` is ModelConfig.matmul (xla | blas)."""
-  return _fused(x_ND, table_VD, targets_N, weights_N, chunk, _batch_shards(x_ND.shape[0]), matmul)
+  none). The model's `policy` decides who runs the matmuls (Policy.einsum: XLA, or BLAS with model.matmul=blas)."""
+  return _fused(x_ND, table_VD, targets_N, weights_N, chunk, _batch_shards(x_ND.shape[0]), policy)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _fused(x_ND, table_VD, targets_N, weights_N, chunk, shards, matmul):
+def _fused(x_ND, table_VD, targets_N, weights_N, chunk, shards, policy):
   def body(totals, xs):
     x_PCD, targets_PC, weights_PC = xs
-    loss, correct, _, _ = _chunk_stats(x_PCD, table_VD, targets_PC, weights_PC, matmul)
+    loss, correct, _, _ = _chunk_stats(x_PCD, table_VD, targets_PC, weights_PC, policy)
     return (totals[0] + loss, totals[1] + correct), None
 
   zero = jnp.zeros((), jnp.float32)
@@ -101,20 +97,20 @@ def _fused(x_ND, table_VD, targets_N, weights_N, chunk, shards, matmul):
   return loss, correct
 
 
-def _forward(x_ND, table_VD, targets_N, weights_N, chunk, shards, matmul):
+def _forward(x_ND, table_VD, targets_N, weights_N, chunk, shards, policy):
   n, compute_dtype = x_ND.shape[0], x_ND.dtype
 
   def body(carry, xs):
     loss_sum, correct_sum, dtable_PVD = carry
     x_PCD, targets_PC, weights_PC = xs
-    loss, correct, exp_PCV, sum_PC = _chunk_stats(x_PCD, table_VD, targets_PC, weights_PC, matmul)
+    loss, correct, exp_PCV, sum_PC = _chunk_stats(x_PCD, table_VD, targets_PC, weights_PC, policy)
     # d(loss)/d(logits) = w * (softmax - one-hot), in f32, then matmuls in the compute dtype with f32 accumulation.
     dlogits_PCV = exp_PCV * (1 / sum_PC)[..., None]
     dlogits_PCV = dlogits_PCV - jax.nn.one_hot(targets_PC, dlogits_PCV.shape[-1], dtype=jnp.float32)
     dlogits_PCV = (dlogits_PCV * weights_PC[..., None]).astype(compute_dtype)
-    dx_PCD = _einsum(matmul, "pcv,vd->pcd", dlogits_PCV, table_VD)
+    dx_PCD = policy.einsum("pcv,vd->pcd", dlogits_PCV, table_VD, **_F32)
     # Each device accumulates its own partial table gradient; they are summed once, after the scan.
-    dtable_PVD = dtable_PVD + _einsum(matmul, "pcv,pcd->pvd", dlogits_PCV, x_PCD)
+    dtable_PVD = dtable_PVD + policy.einsum("pcv,pcd->pvd", dlogits_PCV, x_PCD, **_F32)
     return (loss_sum + loss, correct_sum + correct, dtable_PVD), dx_PCD
 
   zero = jnp.zeros((), jnp.float32)
@@ -126,8 +122,8 @@ def _forward(x_ND, table_VD, targets_N, weights_N, chunk, shards, matmul):
   return (loss, correct), residuals
 
 
-def _backward(chunk, shards, matmul, residuals, cotangents):
-  del chunk, shards, matmul
+def _backward(chunk, shards, policy, residuals, cotangents):
+  del chunk, shards, policy
   dx_ND, dtable_VD, targets_N, weights_N = residuals
   g_loss = cotangents[0]  # the accuracy output has no gradient
   dx = (g_loss * dx_ND.astype(jnp.float32)).astype(dx_ND.dtype)

@@ -101,7 +101,7 @@ def fused_loss(model: GPT, batch: dict):
   mask_BT = batch["loss_mask"].astype(jnp.float32)
   loss_sum, correct = cross_entropy.fused_cross_entropy(
       features_BTD.reshape(b * t, d), model.output_table(), batch["targets"].reshape(b * t), mask_BT.reshape(b * t),
-      model.config.cross_entropy_chunk, model.config.matmul)
+      model.config.cross_entropy_chunk, model.policy)
   return loss_sum, (mask_BT.sum(), {"correct": correct})
 
 
