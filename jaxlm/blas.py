@@ -30,8 +30,11 @@ import jax.numpy as jnp
 import jaxlib
 from jax.ad_checkpoint import checkpoint_name
 
-_SOURCE = pathlib.Path(__file__).with_name("blas_gemm.cc")
+# One library from these sources (cpu_kernels.h is what they share); blas_gemm.cc holds the sgemm pointer.
+_SOURCES = tuple(pathlib.Path(__file__).with_name(name) for name in ("blas_gemm.cc", "cpu_attention.cc"))
+_HEADER = pathlib.Path(__file__).with_name("cpu_kernels.h")
 TARGET = "jaxlm_gemm"
+ATTENTION_TARGETS = ("jaxlm_attention_fwd", "jaxlm_attention_bwd")  # cpu_attention.cc, model.attention=cpu_fused
 CHECKPOINT_NAME = "blas_matmul"  # the outputs' name: remat=dots saves them like XLA's dot outputs
 
 
@@ -44,26 +47,42 @@ def compiler() -> str | None:
   return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
 
 
+def _cpu_flags() -> bytes:
+  """What this CPU can run (/proc/cpuinfo's flags), for the cache key: the library is built for the CPU it runs on,
+  and a cache directory shared between machines must not hand one CPU's build to another."""
+  try:
+    with open("/proc/cpuinfo", "rb") as info:
+      return next((line for line in info if line.startswith((b"flags", b"Features"))), b"")
+  except OSError:
+    return b""
+
+
 def _build() -> pathlib.Path:
-  """The compiled handler library, built once per source and jaxlib version (written atomically)."""
-  source = _SOURCE.read_bytes()
-  key = hashlib.sha256(source + jaxlib.__version__.encode()).hexdigest()[:16]
-  library = _cache_dir() / f"blas_gemm-{key}.so"
+  """The compiled handler library, built once per source, jaxlib version and CPU (written atomically)."""
+  source = b"".join(path.read_bytes() for path in (*_SOURCES, _HEADER))
+  key = hashlib.sha256(source + jaxlib.__version__.encode() + _cpu_flags()).hexdigest()[:16]
+  library = _cache_dir() / f"jaxlm_cpu_kernels-{key}.so"
   if library.exists():
     return library
   cxx = compiler()
   if cxx is None:
-    raise RuntimeError("model.matmul=blas compiles a small C++ kernel: install g++ (or set CXX), or use "
-                       "model.matmul=xla")
+    raise RuntimeError("model.matmul=blas and model.attention=cpu_fused compile small C++ kernels: install g++ "
+                       "(or set CXX), or use model.matmul=xla and another model.attention")
   library.parent.mkdir(parents=True, exist_ok=True)
   with tempfile.TemporaryDirectory(dir=library.parent) as tmp:
     built = pathlib.Path(tmp) / library.name
-    command = [cxx, "-O2", "-std=c++17", "-shared", "-fPIC", "-w", f"-I{jax.ffi.include_dir()}",
-               str(_SOURCE), "-o", str(built)]
-    result = subprocess.run(command, capture_output=True, text=True)
-    if result.returncode:
-      raise RuntimeError(f"model.matmul=blas: building {_SOURCE.name} failed ({' '.join(command)}): "
-                         f"{result.stderr.strip()[-2000:]}")
+    # -march=native: the softmax loops (cpu_attention.cc) in the CPU's widest vectors; -fno-trapping-math lets GCC
+    # vectorise their branch-free selects at all (nothing here reads floating-point exception flags). A compiler
+    # that does not know -march=native gets the portable build.
+    for arch in (["-march=native"], []):
+      command = [cxx, "-O3", *arch, "-fno-trapping-math", "-std=c++17", "-shared", "-fPIC", "-w",
+                 f"-I{jax.ffi.include_dir()}", *map(str, _SOURCES), "-o", str(built)]
+      result = subprocess.run(command, capture_output=True, text=True)
+      if not result.returncode:
+        break
+    else:
+      raise RuntimeError(f"jaxlm's CPU kernels: building {', '.join(p.name for p in _SOURCES)} failed "
+                         f"({' '.join(command)}): {result.stderr.strip()[-2000:]}")
     os.replace(built, library)  # atomic: a concurrent process sees either no library or a whole one
   return library
 
@@ -106,7 +125,8 @@ def register() -> None:
   library = ctypes.cdll.LoadLibrary(str(_build()))
   library.jaxlm_set_sgemm.argtypes = [ctypes.c_void_p]
   library.jaxlm_set_sgemm(_capsule_pointer(cython_blas.__pyx_capi__["sgemm"]))
-  jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.jaxlm_gemm), platform="cpu")
+  for target in (TARGET, *ATTENTION_TARGETS):
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, target)), platform="cpu")
 
 
 def gemm(a: jax.Array, b: jax.Array, trans_a: bool = False, trans_b: bool = False) -> jax.Array:
@@ -190,3 +210,33 @@ def einsum(subscripts: str, x: jax.Array, w: jax.Array) -> jax.Array:
   a = x.reshape(*lead, *((k, m) if trans_a else (m, k)))
   b = w.reshape(*lead, *((n, k) if trans_b else (k, n)))
   return matmul(a, b, trans_a, trans_b).reshape(tuple(shape_of[c] for c in out))
+
+
+def _check_cpu_f32(what: str, *arrays: jax.Array) -> None:
+  if any(a.dtype != jnp.float32 for a in arrays):
+    raise ValueError(f"{what} computes in float32, got {', '.join(str(a.dtype) for a in arrays)}: set "
+                     "model.compute_dtype=float32")
+  if jax.default_backend() != "cpu":
+    raise ValueError(f"{what} runs on the CPU only (this backend: {jax.default_backend()})")
+
+
+def attention_forward(q_BTHK: jax.Array, k_BTGK: jax.Array, v_BTGK: jax.Array, mask_BTT: jax.Array,
+                      block: int) -> tuple[jax.Array, jax.Array]:
+  """(softmax(q k^T + mask) v [B, T, H, K], log-sum-exp per query [B, H, T] f32) for causal self-attention, q
+  already scaled; cpu_attention.cc. Not differentiable (models.attention.fused_cpu_attention is)."""
+  _check_cpu_f32("model.attention=cpu_fused", q_BTHK, k_BTGK, v_BTGK)
+  register()
+  b, t, h, _ = q_BTHK.shape
+  outs = (jax.ShapeDtypeStruct(q_BTHK.shape, jnp.float32), jax.ShapeDtypeStruct((b, h, t), jnp.float32))
+  return jax.ffi.ffi_call(ATTENTION_TARGETS[0], outs, vmap_method="sequential")(
+      q_BTHK, k_BTGK, v_BTGK, mask_BTT.astype(bool), block=block)
+
+
+def attention_backward(q_BTHK, k_BTGK, v_BTGK, mask_BTT, out_BTHK, lse_BHT, dout_BTHK,
+                       block: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """(dq, dk, dv) of `attention_forward` given its output, log-sum-exp and the output's cotangent."""
+  _check_cpu_f32("model.attention=cpu_fused", q_BTHK, k_BTGK, v_BTGK, out_BTHK, lse_BHT, dout_BTHK)
+  register()
+  outs = tuple(jax.ShapeDtypeStruct(a.shape, jnp.float32) for a in (q_BTHK, k_BTGK, v_BTGK))
+  return jax.ffi.ffi_call(ATTENTION_TARGETS[1], outs, vmap_method="sequential")(
+      q_BTHK, k_BTGK, v_BTGK, mask_BTT.astype(bool), out_BTHK, lse_BHT, dout_BTHK, block=block)

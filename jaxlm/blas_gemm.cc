@@ -7,24 +7,22 @@
 // tasks scheduled on XLA's pool take blocks by index until none are left, and the caller waits only for blocks
 // already taken. A busy pool cannot deadlock it: the caller takes every block nobody else has.
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <limits>
-#include <memory>
-#include <thread>
 
+#include "cpu_kernels.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
-// Fortran sgemm, column-major, every argument by pointer (scipy.linalg.cython_blas exports it with 32-bit ints).
-typedef void SgemmFn(const char*, const char*, const int*, const int*, const int*, const float*, const float*,
-                     const int*, const float*, const int*, const float*, float*, const int*);
-static SgemmFn* sgemm = nullptr;
+jaxlm::SgemmFn* jaxlm::sgemm = nullptr;
 
-extern "C" void jaxlm_set_sgemm(void* fn) { sgemm = reinterpret_cast<SgemmFn*>(fn); }
+extern "C" void jaxlm_set_sgemm(void* fn) { jaxlm::sgemm = reinterpret_cast<jaxlm::SgemmFn*>(fn); }
 
 namespace {
+
+using jaxlm::RowMajorGemm;
+using jaxlm::sgemm;
 
 // Blocks smaller than this many multiply-adds are not worth a task.
 constexpr int64_t kMinBlockWork = int64_t{1} << 21;
@@ -43,18 +41,16 @@ struct Gemm {
 
   // C[i] = op(A[i]) @ op(B[i]) for rows (or columns) [begin, begin + count) of C.
   void Run(int64_t i, int begin, int count, bool rows) const {
-    const float one = 1.0f, zero = 0.0f;
-    const char ta = trans_a ? 'T' : 'N', tb = trans_b ? 'T' : 'N';
     const float* a_i = a + i * m * k;
     const float* b_i = b + i * k * n;
     float* c_i = c + i * m * n;
-    // A row-major [R, C] array is a column-major [C, R] one, so C^T = op(B)^T op(A)^T: B goes first.
     if (rows) {
       const float* a_block = a_i + (trans_a ? begin : int64_t(begin) * lda);
-      sgemm(&tb, &ta, &n, &count, &k, &one, b_i, &ldb, a_block, &lda, &zero, c_i + int64_t(begin) * ldc, &ldc);
+      RowMajorGemm(trans_a, trans_b, count, n, k, 1.0f, a_block, lda, b_i, ldb, 0.0f, c_i + int64_t(begin) * ldc,
+                   ldc);
     } else {
       const float* b_block = b_i + (trans_b ? int64_t(begin) * ldb : begin);
-      sgemm(&tb, &ta, &count, &m, &k, &one, b_block, &ldb, a_i, &lda, &zero, c_i + begin, &ldc);
+      RowMajorGemm(trans_a, trans_b, m, count, k, 1.0f, a_i, lda, b_block, ldb, 0.0f, c_i + begin, ldc);
     }
   }
 
@@ -65,19 +61,6 @@ struct Gemm {
       for (int64_t i = begin; i < end; ++i) Run(i, 0, m, true);
     } else if (end > begin) {
       Run(0, int(begin), int(end - begin), split == Split::kRows);
-    }
-  }
-};
-
-struct Blocks {
-  explicit Blocks(Gemm g) : gemm(g) {}
-  Gemm gemm;
-  std::atomic<int> next{0}, done{0};
-
-  void TakeAll() {
-    for (int i; (i = next.fetch_add(1)) < gemm.blocks;) {
-      gemm.RunBlock(i);
-      done.fetch_add(1, std::memory_order_release);
     }
   }
 };
@@ -119,15 +102,7 @@ ffi::Error GemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> a, ffi::Buffer<f
   const int64_t parts = g.split == Split::kBatch ? g.batch : g.split == Split::kRows ? g.m : g.n;
   const int64_t by_size = std::max<int64_t>(1, g.batch * g.m * g.n * g.k / kMinBlockWork);
   g.blocks = int(std::min<int64_t>({std::max<int64_t>(pool.num_threads(), 1), by_size, parts}));
-  if (g.blocks == 1) {
-    g.RunBlock(0);
-    return ffi::Error::Success();
-  }
-  auto blocks = std::make_shared<Blocks>(g);
-  // A task that starts after the caller has taken every block returns without touching the buffers.
-  for (int t = 1; t < g.blocks; ++t) pool.Schedule([blocks] { blocks->TakeAll(); });
-  blocks->TakeAll();
-  while (blocks->done.load(std::memory_order_acquire) < g.blocks) std::this_thread::yield();
+  jaxlm::ParallelFor(pool, g.blocks, g.blocks, [&g](int64_t block) { g.RunBlock(int(block)); });
   return ffi::Error::Success();
 }
 

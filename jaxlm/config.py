@@ -12,7 +12,7 @@ from typing import Any
 
 import ml_collections
 
-ATTENTION_IMPLEMENTATIONS = ("xla", "causal_blocks", "recompute", "jax", "cudnn")
+ATTENTION_IMPLEMENTATIONS = ("xla", "causal_blocks", "cpu_fused", "recompute", "jax", "cudnn")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,10 +29,12 @@ class ModelConfig:
   compute_dtype: str = "bfloat16"  # matmul inputs; use float32 on the CPU where bf16 matmuls are slow
   remat: str = "none"  # activation recomputation per block: none | full | dots (save matmul outputs only)
   attention: str = "xla"  # attention implementation: xla (einsum + f32 softmax, the reference) | causal_blocks
-                          # (the same in query blocks that skip the masked upper triangle; decoders) | recompute
+                          # (the same in query blocks that skip the masked upper triangle; decoders) | cpu_fused
+                          # (causal_blocks as one C++ call per layer and direction: CPU, f32, jaxlm/cpu_attention.cc,
+                          # built on first use like matmul=blas; decoders) | recompute
                           # (saves only q, k, v, output and log-sum-exp, as flash kernels do) | jax
                           # (jax.nn.dot_product_attention's XLA path) | cudnn (its cuDNN flash path; GPUs only)
-  attention_block: int = 32  # causal_blocks: queries per block (fastest at T=256 on the 2-core CPU: 1.05-1.09x 64's)
+  attention_block: int = 32  # causal_blocks and cpu_fused: queries per block (fastest at T=256 on the 2-core CPU: 1.05-1.09x 64's)
   scan_layers: bool = True  # False: a Python loop over the layers (compile time grows with depth; no stacked
                             # [L, ...] activation buffers). On an H200 the loop ran 1.16-1.32x faster (and GPT-2
                             # took 15.6 GB vs 26.5 GB scanned with the mask), so the GPU configs loop; the CPU
@@ -214,6 +216,9 @@ def validate(config: Config) -> None:
     raise ValueError(f"model.cross_entropy_chunk={m.cross_entropy_chunk} must be >= 0 (0 = full logits)")
   if m.matmul not in ("xla", "blas"):
     raise ValueError(f"model.matmul={m.matmul!r} is not one of xla, blas")
+  if m.attention == "cpu_fused" and m.compute_dtype != "float32":
+    raise ValueError(f"model.attention=cpu_fused computes in float32, not model.compute_dtype={m.compute_dtype}: "
+                     "set model.compute_dtype=float32 or model.attention=causal_blocks")
   if m.matmul == "blas" and m.compute_dtype != "float32":
     raise ValueError(f"model.matmul=blas computes in float32, not model.compute_dtype={m.compute_dtype}: set "
                      "model.compute_dtype=float32 or model.matmul=xla")

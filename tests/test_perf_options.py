@@ -1,9 +1,9 @@
 """Every speed option computes the same function as its reference path: BLAS matmuls (model.matmul=blas) against
-XLA's, the fused chunked cross-entropy
-(model.cross_entropy_chunk) against [B, T, V] logits + optax, the fused q/k/v matmul (model.fuse_qkv), the
-unrolled layer scan (model.scan_unroll) and the layer loop (model.scan_layers=False), and the block-causal,
-recompute and jax.nn.dot_product_attention paths (model.attention=causal_blocks|recompute|jax|cudnn) against the
-einsum attention on packed documents, and attention across the documents of a row (model.document_mask=False).
+XLA's, the fused chunked cross-entropy (model.cross_entropy_chunk) against [B, T, V] logits + optax, the fused
+q/k/v matmul (model.fuse_qkv), the unrolled layer scan (model.scan_unroll) and the layer loop
+(model.scan_layers=False), and the block-causal, fused CPU, recompute and jax.nn.dot_product_attention paths
+(model.attention=causal_blocks|cpu_fused|recompute|jax|cudnn) against the einsum attention on packed documents,
+and attention across the documents of a row (model.document_mask=False).
 Tiny shapes: seconds on a CPU."""
 
 import dataclasses
@@ -99,12 +99,14 @@ def test_blas_matmuls_equal_xla_matmuls(base):
                               _loss_value_and_grads(base), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("matmul", ["xla", pytest.param("blas", marks=NEEDS_COMPILER)])
-def test_cpu_bench_options_together_equal_the_reference(matmul):
-  """The CPU bench's combination (experiments/configs/bench_cpu.py): fused q/k/v, block-causal attention,
-  remat=dots (recompute elementwise ops, keep matmul outputs) inside the layer scan and the chunked cross-entropy,
-  with XLA's or BLAS matmuls: loss, token accuracy and every gradient."""
-  config = dataclasses.replace(TINY, fuse_qkv=True, attention="causal_blocks", attention_block=8, remat="dots",
+@pytest.mark.parametrize("matmul, attention", [("xla", "causal_blocks"),
+                                               pytest.param("blas", "causal_blocks", marks=NEEDS_COMPILER),
+                                               pytest.param("blas", "cpu_fused", marks=NEEDS_COMPILER)])
+def test_cpu_bench_options_together_equal_the_reference(matmul, attention):
+  """The CPU bench's combination (experiments/configs/bench_cpu.py): fused q/k/v, block-causal attention (einsums
+  or the fused C++ kernel), remat=dots (recompute elementwise ops, keep matmul outputs) inside the layer scan and
+  the chunked cross-entropy, with XLA's or BLAS matmuls: loss, token accuracy and every gradient."""
+  config = dataclasses.replace(TINY, fuse_qkv=True, attention=attention, attention_block=8, remat="dots",
                                cross_entropy_chunk=8, matmul=matmul)
   chex.assert_trees_all_close(_loss_value_and_grads(config), _loss_value_and_grads(TINY), rtol=1e-5,
                               atol=1e-5 if matmul == "blas" else 1e-6)
@@ -126,9 +128,11 @@ def test_jax_nn_attention_equals_einsum_attention_on_packed_documents(base):
 
 @pytest.mark.parametrize("block", [4, 7, 16])  # divides T=16; leaves a short last block; one block
 @pytest.mark.parametrize("base", [TINY, LLAMA], ids=["gpt2_mha", "llama_gqa"])
-def test_causal_block_attention_equals_einsum_attention(base, block):
-  """Loss and every gradient, on rows of two packed documents (the document mask inside the causal one)."""
-  config = dataclasses.replace(base, attention="causal_blocks", attention_block=block)
+@pytest.mark.parametrize("attention", ["causal_blocks", pytest.param("cpu_fused", marks=NEEDS_COMPILER)])
+def test_causal_block_attention_equals_einsum_attention(base, block, attention):
+  """Loss and every gradient, on rows of two packed documents (the document mask inside the causal one), for the
+  einsum blocks and the fused C++ kernel (tests/test_cpu_attention.py tests the kernel alone)."""
+  config = dataclasses.replace(base, attention=attention, attention_block=block)
   chex.assert_trees_all_close(_loss_value_and_grads(config), _loss_value_and_grads(base), rtol=1e-5, atol=1e-6)
 
 

@@ -12,7 +12,9 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
+from jaxlm import blas
 from jaxlm.precision import Policy
 
 # A large finite negative instead of -inf: a fully masked row then gives a uniform softmax rather than NaNs.
@@ -197,3 +199,37 @@ def library_attention(q_BTHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, m
   mask = None if mask_BTS is None else mask_BTS[:, None]
   return jax.nn.dot_product_attention(q_BTHK, k_BSGK, v_BSGK, mask=mask, is_causal=causal,
                                       implementation="xla" if implementation == "jax" else implementation)
+
+
+def fused_cpu_attention(q_BTHK: jax.Array, k_BTGK: jax.Array, v_BTGK: jax.Array, mask_BTT: jax.Array,
+                        block: int) -> jax.Array:
+  """`dot_product_attention` for causal self-attention as one C++ custom call per layer and direction on the CPU
+  (jaxlm/cpu_attention.cc, through jaxlm.blas): query blocks of `block` rows skip the keys after them, the scores
+  stay in cache, and the backward pass rebuilds the probabilities from the saved log-sum-exp. f32, the CPU, the
+  same mask contract as `causal_block_attention`."""
+  if k_BTGK.shape[1] != q_BTHK.shape[1]:
+    raise ValueError(f"cpu_fused attention needs as many keys as queries, got {k_BTGK.shape[1]} and {q_BTHK.shape[1]}")
+  q_BTHK = q_BTHK * (1 / math.sqrt(q_BTHK.shape[-1]))  # scaling q: a pass over B*T*H*K values, not every score
+  return _fused_cpu(q_BTHK, k_BTGK, v_BTGK, mask_BTT, block)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _fused_cpu(q_BTHK, k_BTGK, v_BTGK, mask_BTT, block):
+  return blas.attention_forward(q_BTHK, k_BTGK, v_BTGK, mask_BTT, block)[0]
+
+
+def _fused_cpu_fwd(q_BTHK, k_BTGK, v_BTGK, mask_BTT, block):
+  out_BTHK, lse_BHT = blas.attention_forward(q_BTHK, k_BTGK, v_BTGK, mask_BTT, block)
+  # Named so remat=dots keeps them (the policy sees this rule's operations): otherwise the backward pass runs the
+  # forward kernel again to rebuild them.
+  out_BTHK, lse_BHT = checkpoint_name(out_BTHK, blas.CHECKPOINT_NAME), checkpoint_name(lse_BHT, blas.CHECKPOINT_NAME)
+  return out_BTHK, (q_BTHK, k_BTGK, v_BTGK, mask_BTT, out_BTHK, lse_BHT)
+
+
+def _fused_cpu_bwd(block, residuals, dout_BTHK):
+  q_BTHK, k_BTGK, v_BTGK, mask_BTT, out_BTHK, lse_BHT = residuals
+  dq, dk, dv = blas.attention_backward(q_BTHK, k_BTGK, v_BTGK, mask_BTT, out_BTHK, lse_BHT, dout_BTHK, block)
+  return dq, dk, dv, None
+
+
+_fused_cpu.defvjp(_fused_cpu_fwd, _fused_cpu_bwd)

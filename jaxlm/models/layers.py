@@ -20,8 +20,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxlm import blas
-from jaxlm.models.attention import (causal_block_attention, dot_product_attention, library_attention,
-                                    recompute_attention)
+from jaxlm.models.attention import (causal_block_attention, dot_product_attention, fused_cpu_attention,
+                                    library_attention, recompute_attention)
 from jaxlm.precision import Policy
 from jaxlm.sharding import constrain, gather_fsdp
 
@@ -144,13 +144,14 @@ class Attention(nnx.Module):
                rngs: nnx.Rngs):
     if num_heads % num_kv_heads:
       raise ValueError(f"num_heads={num_heads} is not divisible by num_kv_heads={num_kv_heads}")
-    if implementation == "causal_blocks" and not causal:
-      raise ValueError("attention=causal_blocks skips the blocks a causal mask hides; this model's attention is not "
-                       "causal: use attention=xla")
+    if implementation in ("causal_blocks", "cpu_fused") and not causal:
+      raise ValueError(f"attention={implementation} skips the blocks a causal mask hides; this model's attention is "
+                       "not causal: use attention=xla")
     self.policy = policy
     self.rope_theta = rope_theta
-    self.implementation = implementation  # ModelConfig.attention: xla | causal_blocks | recompute | jax | cudnn
-    self.block = block  # ModelConfig.attention_block: queries per block of causal_blocks
+    self.implementation = implementation  # ModelConfig.attention: xla | causal_blocks | cpu_fused | recompute | jax
+    # | cudnn
+    self.block = block  # ModelConfig.attention_block: queries per block of causal_blocks and cpu_fused
     self.causal = causal  # the caller's mask hides every later key (decoders); enables causal-only kernels
     self.document_mask = document_mask  # False (decoders): the mask is plain causal, library kernels get none
     self.fuse_qkv = fuse_qkv  # ModelConfig.fuse_qkv: one [D, H+2G, K] matmul instead of three
@@ -211,6 +212,8 @@ class Attention(nnx.Module):
       return self._out(dot_product_attention(q, k, v, mask_BTS, self.policy))
     if self.implementation == "causal_blocks":
       return self._out(causal_block_attention(q, k, v, mask_BTS, self.policy, self.block))
+    if self.implementation == "cpu_fused":
+      return self._out(fused_cpu_attention(q, k, v, mask_BTS, self.block))
     if self.implementation == "recompute":
       return self._out(recompute_attention(q, k, v, mask_BTS))
     plain_causal = self.causal and not self.document_mask

@@ -1,0 +1,90 @@
+"""model.attention=cpu_fused (jaxlm/cpu_attention.cc through jaxlm.blas): output and q/k/v gradients against the
+einsum reference for multi-head, grouped and multi-query heads, packed documents, query blocks that do or do not
+divide T, large scores; a query that sees no key; the refusals; remat=dots keeping its forward. Whole models:
+tests/test_perf_options.py."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxlm import blas, config as config_lib
+from jaxlm.models.attention import causal_mask, dot_product_attention, fused_cpu_attention
+from jaxlm.models.layers import REMAT_POLICIES, Attention
+from jaxlm.precision import Policy
+
+pytestmark = pytest.mark.skipif(blas.compiler() is None, reason="model.attention=cpu_fused needs a C++ compiler")
+
+F32 = Policy(compute_dtype=jnp.float32)
+
+
+def _inputs(b, t, h, g, k, documents, scale=1.0, seed=0):
+  rng = np.random.default_rng(seed)
+  q = jnp.asarray(rng.standard_normal((b, t, h, k)) * scale, jnp.float32)
+  keys, values = (jnp.asarray(rng.standard_normal((b, t, g, k)) * scale, jnp.float32) for _ in range(2))
+  segments = np.cumsum(rng.random((b, t)) < 0.15, axis=1) + 1 if documents else np.ones((b, t))
+  return q, keys, values, causal_mask(jnp.asarray(segments, jnp.int32))
+
+
+@pytest.mark.parametrize("b, t, h, g, k, block, documents, scale", [
+    (2, 16, 4, 4, 8, 4, False, 1.0),  # multi-head, blocks divide T
+    (2, 19, 4, 2, 8, 5, True, 1.0),  # grouped heads, a short last block, packed documents
+    (3, 33, 6, 1, 16, 8, True, 1.0),  # multi-query
+    (1, 12, 2, 2, 8, 64, False, 1.0),  # one block longer than T
+    (2, 24, 2, 2, 8, 8, True, 6.0),  # scores in the tens: the exp's range
+])
+def test_fused_attention_and_gradients_equal_einsum_attention(b, t, h, g, k, block, documents, scale):
+  q, keys, values, mask = _inputs(b, t, h, g, k, documents, scale)
+  dout = jnp.asarray(np.random.default_rng(9).standard_normal(q.shape), jnp.float32)
+
+  def value_and_grads(attend):
+    out, vjp = jax.vjp(attend, q, keys, values)
+    return out, vjp(dout)
+
+  reference = jax.jit(lambda *a: value_and_grads(lambda q, k, v: dot_product_attention(q, k, v, mask, F32)))()
+  got = jax.jit(lambda *a: value_and_grads(lambda q, k, v: fused_cpu_attention(q, k, v, mask, block)))()
+  # Scores near 100 (scale 6): rounding them to f32 alone moves outputs by ~2e-5, on both paths (each is within
+  # 2.5e-5 of a float64 computation there).
+  chex.assert_trees_all_close(got, reference, rtol=1e-5, atol=2e-5 if scale == 1 else 1e-4)
+
+
+def test_a_query_that_sees_no_key_gets_zeros():
+  q, keys, values, mask = _inputs(1, 8, 2, 2, 4, documents=False)
+  mask = mask.at[:, 3].set(False)  # query 3 sees nothing
+  q = q / 2.0  # the kernel takes q already scaled by 1 / sqrt(K)
+  out, lse = jax.jit(blas.attention_forward, static_argnums=4)(q, keys, values, mask, 4)
+  assert np.all(np.asarray(out[:, 3]) == 0) and np.all(np.isneginf(np.asarray(lse[:, :, 3])))
+  dq, dk, dv = jax.jit(blas.attention_backward, static_argnums=7)(q, keys, values, mask, out, lse, jnp.ones_like(q), 4)
+  assert np.all(np.asarray(dq[:, 3]) == 0) and all(np.isfinite(np.asarray(x)).all() for x in (dq, dk, dv))
+  reference = dot_product_attention(q * 2.0, keys, values, mask, F32)  # the other queries are untouched
+  np.testing.assert_allclose(np.delete(np.asarray(out), 3, axis=1), np.delete(np.asarray(reference), 3, axis=1),
+                             rtol=1e-5, atol=1e-5)
+
+
+def test_refusals_are_one_line_errors():
+  q, keys, values, mask = _inputs(1, 8, 2, 2, 4, documents=False)
+  with pytest.raises(ValueError, match="float32"):
+    fused_cpu_attention(q.astype(jnp.bfloat16), keys, values, mask, 4)
+  with pytest.raises(ValueError, match="as many keys as queries"):
+    fused_cpu_attention(q, keys[:, :4], values[:, :4], mask[:, :, :4], 4)
+  with pytest.raises(ValueError, match="not causal"):
+    Attention(32, 4, 4, F32, 0.02, 0.02, implementation="cpu_fused", rngs=nnx.Rngs(0))
+  config = config_lib.default_config()
+  config.model.attention = "cpu_fused"
+  with pytest.raises(ValueError, match="model.attention=cpu_fused computes in float32"):
+    config_lib.validate(config)
+
+
+def test_remat_dots_keeps_the_forward_kernels_outputs():
+  """Under remat=dots the backward pass uses the saved output and log-sum-exp: one forward kernel call per
+  layer, not a second one to rebuild them (that cost ~90 ms of a 1.9 s CPU bench step)."""
+  q, keys, values, mask = _inputs(1, 8, 2, 2, 4, documents=False)
+
+  def hlo(remat):
+    layer = lambda q: jnp.sum(jnp.sin(fused_cpu_attention(q, keys, values, mask, 4)))
+    return jax.jit(jax.value_and_grad(jax.checkpoint(layer, policy=REMAT_POLICIES[remat]))).lower(q).as_text()
+
+  assert hlo("dots").count(f"{blas.ATTENTION_TARGETS[0]}") == 1
+  assert hlo("full").count(f"{blas.ATTENTION_TARGETS[0]}") == 2  # the control: remat=full does rebuild them
