@@ -5,7 +5,7 @@ Runtime:  2.5-5 minutes on an idle 2-core CPU once torch.compile's cache is warm
           minutes, longer under load).
 Expected: goals: jaxlm tokens/s at least torch.compile's in the same run (bench.json `jaxlm_vs_torch_compile` >= 1),
           compile time of 24 layers at most 1.5x that of 2 layers, the loader above 2M tokens/s. Measured
-          (WORKSPACE.md, idle machine): jaxlm_vs_torch_compile 0.97-1.03 with the options below (0.89 before
+          (WORKSPACE.md, idle machine): jaxlm_vs_torch_compile 0.97-1.03 before model.attention=cpu_fused (0.89 before
           model.matmul=blas, 0.82-0.85 before the chunked cross-entropy, 0.76 before remat=dots and causal_blocks'
           hand-written backward, 0.705 with fuse_qkv alone, 0.66 with none), compile ratio 0.78-1.6 wall /
           0.96-1.06 CPU-seconds, loader 4.1-6.0M tokens/s.
@@ -25,7 +25,11 @@ def get_config():
   # jaxlm's fastest CPU options (each tested equal to its reference in tests/test_perf_options.py; torch's SDPA
   # likewise skips the masked half of causal attention): fused q/k/v 1.15x, block-causal attention 1.10-1.15x.
   config.model.fuse_qkv = True
-  config.model.attention = "causal_blocks"
+  # Block-causal attention as one C++ call per layer and direction (jaxlm/cpu_attention.cc): 1.065x the einsum
+  # blocks (model.attention=causal_blocks) with BLAS matmuls per step; blocks of 64: 1.052x, 128: 1.027x (in-process
+  # A/B with a warm-up step per round, WORKSPACE.md 2026-12-01, session 9).
+  config.model.attention = "cpu_fused"
+  config.model.attention_block = 32
   # Recompute the elementwise ops (norms, GELU, softmax) in the backward pass and keep only matmul outputs: fewer
   # [L, ...] residual buffers for the layer scan to zero-fill, write and read back. Measured 1.18-1.19x per step
   # on this CPU in one process, in turns with the default (WORKSPACE.md 2026-11-30).
