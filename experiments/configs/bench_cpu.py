@@ -6,9 +6,9 @@ Runtime:  2.5-5 minutes on an idle 2-core CPU once torch.compile's cache is warm
 Expected: goals: jaxlm tokens/s at least torch.compile's in the same run (bench.json `jaxlm_vs_torch_compile` >= 1),
           compile time of 24 layers at most 1.5x that of 2 layers, the loader above 2M tokens/s. Measured
           (WORKSPACE.md, idle machine): jaxlm_vs_torch_compile 0.96-1.07 with the options below (0.97-1.03 before
-          model.attention=cpu_fused, 0.89 before model.matmul=blas, 0.82-0.85 before the chunked cross-entropy, 0.76 before remat=dots and causal_blocks'
-          hand-written backward, 0.705 with fuse_qkv alone, 0.66 with none), compile ratio 0.78-1.6 wall /
-          0.96-1.06 CPU-seconds, loader 4.1-6.0M tokens/s.
+          model.attention=cpu_fused, 0.89 before model.matmul=blas, 0.82-0.85 before the chunked cross-entropy,
+          0.76 before remat=dots and causal_blocks' hand-written backward, 0.705 with fuse_qkv alone, 0.66 with
+          none), compile ratio 0.78-1.6 wall / 0.96-1.06 CPU-seconds, loader 4.1-6.0M tokens/s.
 """
 
 from jaxlm.config import default_config
