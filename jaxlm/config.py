@@ -31,7 +31,8 @@ class ModelConfig:
   attention: str = "xla"  # attention implementation: xla (einsum + f32 softmax, the reference) | causal_blocks
                           # (the same in query blocks that skip the masked upper triangle; decoders) | cpu_fused
                           # (causal_blocks as one C++ call per layer and direction: CPU, f32, jaxlm/cpu_attention.cc,
-                          # built on first use like matmul=blas; decoders) | recompute
+                          # built on first use like matmul=blas; decoders; one device: on a mesh XLA runs the call
+                          # whole on every device) | recompute
                           # (saves only q, k, v, output and log-sum-exp, as flash kernels do) | jax
                           # (jax.nn.dot_product_attention's XLA path) | cudnn (its cuDNN flash path; GPUs only)
   attention_block: int = 32  # causal_blocks and cpu_fused: queries per block (fastest at T=256 on the 2-core CPU: 1.05-1.09x 64's)

@@ -3,6 +3,7 @@
 #ifndef JAXLM_CPU_KERNELS_H_
 #define JAXLM_CPU_KERNELS_H_
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <memory>

@@ -58,9 +58,12 @@ def _abstract_mesh(sizes: tuple[int, int, int]):
 def runnable_on(model: ModelConfig, platform: str) -> ModelConfig:
   """The model as it can be traced or compiled on `platform`: cuDNN attention exists only on NVIDIA GPUs, and
   elsewhere `recompute` attention stands in for it. Same function, and the same residuals (q, k, v, the output
-  and per-row softmax statistics, no [T, S] probabilities), so what the step saves and moves is cuDNN's."""
-  if model.attention == "cudnn" and platform != "gpu":
-    return dataclasses.replace(model, attention="recompute")
+  and per-row softmax statistics, no [T, S] probabilities), so what the step saves and moves is cuDNN's. The same
+  holds for the CPU kernels off the CPU: `recompute` for `cpu_fused` attention, XLA's dots for `matmul=blas`."""
+  if model.attention in ("cudnn", "cpu_fused") and platform != ("gpu" if model.attention == "cudnn" else "cpu"):
+    model = dataclasses.replace(model, attention="recompute")
+  if model.matmul == "blas" and platform != "cpu":
+    model = dataclasses.replace(model, matmul="xla")
   return model
 
 

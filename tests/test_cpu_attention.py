@@ -34,6 +34,7 @@ def _inputs(b, t, h, g, k, documents, scale=1.0, seed=0):
     (3, 33, 6, 1, 16, 8, True, 1.0),  # multi-query
     (1, 12, 2, 2, 8, 64, False, 1.0),  # one block longer than T
     (2, 24, 2, 2, 8, 8, True, 6.0),  # scores in the tens: the exp's range
+    (8, 64, 6, 6, 16, 8, True, 1.0),  # 48 tasks over the pool's threads, many taken late
 ])
 def test_fused_attention_and_gradients_equal_einsum_attention(b, t, h, g, k, block, documents, scale):
   q, keys, values, mask = _inputs(b, t, h, g, k, documents, scale)
@@ -56,11 +57,17 @@ def test_a_query_that_sees_no_key_gets_zeros():
   q = q / 2.0  # the kernel takes q already scaled by 1 / sqrt(K)
   out, lse = jax.jit(blas.attention_forward, static_argnums=4)(q, keys, values, mask, 4)
   assert np.all(np.asarray(out[:, 3]) == 0) and np.all(np.isneginf(np.asarray(lse[:, :, 3])))
-  dq, dk, dv = jax.jit(blas.attention_backward, static_argnums=7)(q, keys, values, mask, out, lse, jnp.ones_like(q), 4)
-  assert np.all(np.asarray(dq[:, 3]) == 0) and all(np.isfinite(np.asarray(x)).all() for x in (dq, dk, dv))
-  reference = dot_product_attention(q * 2.0, keys, values, mask, F32)  # the other queries are untouched
-  np.testing.assert_allclose(np.delete(np.asarray(out), 3, axis=1), np.delete(np.asarray(reference), 3, axis=1),
-                             rtol=1e-5, atol=1e-5)
+  dout = jnp.asarray(np.random.default_rng(3).standard_normal(q.shape), jnp.float32)
+  grads = jax.jit(blas.attention_backward, static_argnums=7)(q, keys, values, mask, out, lse, dout, 4)
+  assert np.all(np.asarray(grads[0][:, 3]) == 0) and all(np.isfinite(np.asarray(g)).all() for g in grads)
+  # Everything else is the reference's, where query 3 (uniform over every key there) gets no output gradient.
+  attend = lambda q, k, v: dot_product_attention(q * 2.0, k, v, mask, F32)  # the kernel's function of its q
+  reference, vjp = jax.vjp(attend, q, keys, values)
+  dq, dk, dv = vjp(dout.at[:, 3].set(0.0))
+  for got, expected in ((out, reference), (grads[0], dq)):
+    np.testing.assert_allclose(np.delete(np.asarray(got), 3, axis=1), np.delete(np.asarray(expected), 3, axis=1),
+                               rtol=1e-5, atol=1e-5)
+  chex.assert_trees_all_close(grads[1:], (dk, dv), rtol=1e-5, atol=1e-5)
 
 
 def test_refusals_are_one_line_errors():

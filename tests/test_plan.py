@@ -97,6 +97,18 @@ def test_cudnn_configs_plan_and_compile_where_there_is_no_cudnn():
     model(np.zeros((1, 8), np.int32))
 
 
+def test_cpu_kernel_options_are_planned_through_their_stand_ins_off_the_cpu():
+  """A CPU config (attention=cpu_fused, matmul=blas) planned for a GPU is traced with `recompute` attention (the
+  same residuals: q, k, v, output, log-sum-exp) and XLA's dots; on the CPU it stays as it is; cudnn the reverse."""
+  from jaxlm.predict import runnable_on  # noqa: PLC0415
+  cpu_model = dataclasses.replace(TINY.model, attention="cpu_fused", matmul="blas")
+  assert runnable_on(cpu_model, "cpu") == cpu_model
+  assert runnable_on(cpu_model, "gpu") == dataclasses.replace(cpu_model, attention="recompute", matmul="xla")
+  gpu_model = dataclasses.replace(TINY.model, attention="cudnn")
+  assert runnable_on(gpu_model, "gpu") == gpu_model
+  assert runnable_on(gpu_model, "cpu") == dataclasses.replace(gpu_model, attention="recompute")
+
+
 def test_roofline_and_cost_arithmetic():
   hardware = plan.Hardware(name="toy", memory_gib=1, bf16_flops=1e12, matmul_efficiency=0.5, hbm_bytes_per_sec=1e11,
                            interconnect_bytes_per_sec=1e10, usd_per_hour_on_demand=2.0, usd_per_hour_spot=1.0,
