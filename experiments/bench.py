@@ -12,7 +12,9 @@ Sections (--sections, comma-separated):
            AdamW, non-finite skip, metrics) and torch's (forward, cross-entropy, backward, clip, AdamW). The
            frameworks take turns: --rounds rounds of --steps_per_round steps each, so a shared machine's load falls
            on all of them alike; each reports the median round. `<fw>_tokens_per_sec`, `<fw>_step_sec`,
-           `<fw>_flops_per_sec`, `<fw>_peak_ratio`, `jaxlm_vs_torch_compile` (tokens/s ratio), per-device memory.
+           `<fw>_flops_per_sec`, `<fw>_peak_ratio`, `jaxlm_vs_torch_compile` (tokens/s ratio), per-device memory;
+           also the round-by-round ratios' min, max and median (`jaxlm_vs_torch_compile_median_round`), the
+           CPU-seconds ratio (`jaxlm_vs_torch_compile_cpu_sec`) and every round's step time.
   compile  trace + compile seconds of jaxlm's train step at --depths layers (abstract inputs, nothing allocated);
            `compile_ratio_<deepest>_vs_<shallowest>`.
   loader   tokens/s of jaxlm.data's train iterator over a pre-tokenised cache written to and read from the workdir.
@@ -193,6 +195,7 @@ def step_section(config, platform: str, peak: float, datasheet_peak: float | Non
     out[f"{name}_cpu_sec_per_step"] = statistics.median(cpu_times[name])
     out[f"{name}_step_sec"] = step_sec
     out[f"{name}_step_sec_min"] = min(seconds)
+    out[f"{name}_step_sec_rounds"] = [round(x, 4) for x in seconds]  # the raw data behind the medians
     out[f"{name}_tokens_per_sec"] = tokens_per_step / step_sec
     out[f"{name}_flops_per_sec"] = flops_per_token * tokens_per_step / step_sec
     out[f"{name}_peak_ratio"] = out[f"{name}_flops_per_sec"] / peak
@@ -208,6 +211,11 @@ def step_section(config, platform: str, peak: float, datasheet_peak: float | Non
     # The same ratio round by round: how much of the verdict the load could have moved.
     per_round = [c / j for j, c in zip(times["jaxlm"], times["torch_compile"])]
     out["jaxlm_vs_torch_compile_min_round"], out["jaxlm_vs_torch_compile_max_round"] = min(per_round), max(per_round)
+    # Paired: the two ran back to back in each round, so the median of the round ratios is less moved by a round
+    # the whole machine was slow in than the ratio of the two medians.
+    out["jaxlm_vs_torch_compile_median_round"] = statistics.median(per_round)
+    # The same in CPU-seconds per step, which other processes on the machine move less than wall time.
+    out["jaxlm_vs_torch_compile_cpu_sec"] = (out["torch_compile_cpu_sec_per_step"] / out["jaxlm_cpu_sec_per_step"])
   if "jaxlm" in times and "torch_eager" in times:
     out["jaxlm_vs_torch_eager"] = out["jaxlm_tokens_per_sec"] / out["torch_eager_tokens_per_sec"]
   stats = telemetry.device_memory_stats()
