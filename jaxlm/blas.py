@@ -1,16 +1,19 @@
-"""f32 matmuls through the CPU's BLAS (scipy's OpenBLAS sgemm) as an XLA FFI custom call: ModelConfig.matmul=blas.
+"""jaxlm's CPU kernels as XLA FFI custom calls: f32 matmuls through the CPU's BLAS (scipy's OpenBLAS sgemm,
+ModelConfig.matmul=blas) and causal self-attention built on it (cpu_attention.cc, ModelConfig.attention=cpu_fused;
+`attention_forward` / `attention_backward` here, the differentiable wrapper in models/attention.py).
 
 Why our own kernel: on the 2-core CPU, XLA:CPU's GEMMs (YNNPACK/Eigen) ran 0.72-0.80x torch's on the training
 step's weight-gradient shapes (experiments/bench_cpu_gemm.py), and the step is ~64% matmul. OpenBLAS's sgemm takes
 transposed operands as flags, so dW = x^T @ dy needs no transpose copy. `jax.pure_callback` into numpy was 0.8x
 (copies, the GIL, two thread pools); a custom call runs on XLA's own thread with the buffers in place.
 
-The handler (blas_gemm.cc, against jaxlib's FFI headers) is compiled with the system C++ compiler on first use into
-~/.cache/jaxlm (XDG_CACHE_HOME), keyed by a hash of its source and the jaxlib version, and handed the sgemm function
-pointer scipy.linalg.cython_blas exports (as jaxlib's own LAPACK kernels are). OpenBLAS runs on one thread and each
-call splits its rows (or columns, or batch entries) over XLA's intra-op thread pool: OpenBLAS's own threads made the
-step 0.92x of this (WORKSPACE.md 2026-12-01). CPU, f32, one device: XLA cannot shard or differentiate a custom call
-(on a mesh it runs each one whole on every device), so `matmul` carries its own VJP (two more sgemm calls).
+The handlers (blas_gemm.cc, cpu_attention.cc, against jaxlib's FFI headers) are compiled with the system C++
+compiler on first use into ~/.cache/jaxlm (XDG_CACHE_HOME), keyed by a hash of their sources, the jaxlib version and
+the CPU, and handed the sgemm function pointer scipy.linalg.cython_blas exports (as jaxlib's own LAPACK kernels
+are). OpenBLAS runs on one thread and each call splits its rows (or columns, or batch entries) over XLA's intra-op
+thread pool: OpenBLAS's own threads made the step 0.92x of this (WORKSPACE.md 2026-12-01). CPU, f32, one device:
+XLA cannot shard or differentiate a custom call (on a mesh it runs each one whole on every device), so `matmul`
+carries its own VJP (two more sgemm calls).
 """
 
 from __future__ import annotations
