@@ -132,16 +132,22 @@ def register() -> None:
     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, target)), platform="cpu")
 
 
+def _check_cpu_f32(option: str, alternative: str, *arrays: jax.Array) -> None:
+  """The custom calls take float32 buffers and exist for XLA:CPU only."""
+  if any(a.dtype != jnp.float32 for a in arrays):
+    raise ValueError(f"{option} computes in float32, got {', '.join(str(a.dtype) for a in arrays)}: set "
+                     "model.compute_dtype=float32")
+  if jax.default_backend() != "cpu":
+    raise ValueError(f"{option} runs on the CPU only (this backend: {jax.default_backend()}); use {alternative}")
+
+
 def gemm(a: jax.Array, b: jax.Array, trans_a: bool = False, trans_b: bool = False) -> jax.Array:
   """op(a) @ op(b) over the last two axes of f32 arrays, 2-D or 3-D with one shared leading batch axis; op
   transposes where asked (an sgemm flag, no copy). One custom call, not differentiable (`matmul` is)."""
-  if (a.ndim not in (2, 3) or b.ndim != a.ndim or a.shape[:-2] != b.shape[:-2] or a.dtype != jnp.float32
-      or b.dtype != jnp.float32):
-    raise ValueError(f"model.matmul=blas multiplies 2-D (or batched 3-D) float32 arrays, got {a.dtype}"
-                     f"{list(a.shape)} and {b.dtype}{list(b.shape)}: set model.compute_dtype=float32")
-  if jax.default_backend() != "cpu":
-    raise ValueError(f"model.matmul=blas runs on the CPU only (this backend: {jax.default_backend()}); "
-                     "use model.matmul=xla")
+  if a.ndim not in (2, 3) or b.ndim != a.ndim or a.shape[:-2] != b.shape[:-2]:
+    raise ValueError(f"model.matmul=blas multiplies 2-D (or batched 3-D) arrays, got {list(a.shape)} and "
+                     f"{list(b.shape)}")
+  _check_cpu_f32("model.matmul=blas", "model.matmul=xla", a, b)
   register()
   m, k = a.shape[-1:-3:-1] if trans_a else a.shape[-2:]
   k_b, n = b.shape[-1:-3:-1] if trans_b else b.shape[-2:]
@@ -215,19 +221,13 @@ def einsum(subscripts: str, x: jax.Array, w: jax.Array) -> jax.Array:
   return matmul(a, b, trans_a, trans_b).reshape(tuple(shape_of[c] for c in out))
 
 
-def _check_cpu_f32(what: str, *arrays: jax.Array) -> None:
-  if any(a.dtype != jnp.float32 for a in arrays):
-    raise ValueError(f"{what} computes in float32, got {', '.join(str(a.dtype) for a in arrays)}: set "
-                     "model.compute_dtype=float32")
-  if jax.default_backend() != "cpu":
-    raise ValueError(f"{what} runs on the CPU only (this backend: {jax.default_backend()})")
 
 
 def attention_forward(q_BTHK: jax.Array, k_BTGK: jax.Array, v_BTGK: jax.Array, mask_BTT: jax.Array,
                       block: int) -> tuple[jax.Array, jax.Array]:
   """(softmax(q k^T + mask) v [B, T, H, K], log-sum-exp per query [B, H, T] f32) for causal self-attention, q
   already scaled; cpu_attention.cc. Not differentiable (models.attention.fused_cpu_attention is)."""
-  _check_cpu_f32("model.attention=cpu_fused", q_BTHK, k_BTGK, v_BTGK)
+  _check_cpu_f32("model.attention=cpu_fused", "model.attention=causal_blocks", q_BTHK, k_BTGK, v_BTGK)
   register()
   b, t, h, _ = q_BTHK.shape
   outs = (jax.ShapeDtypeStruct(q_BTHK.shape, jnp.float32), jax.ShapeDtypeStruct((b, h, t), jnp.float32))
@@ -238,7 +238,8 @@ def attention_forward(q_BTHK: jax.Array, k_BTGK: jax.Array, v_BTGK: jax.Array, m
 def attention_backward(q_BTHK, k_BTGK, v_BTGK, mask_BTT, out_BTHK, lse_BHT, dout_BTHK,
                        block: int) -> tuple[jax.Array, jax.Array, jax.Array]:
   """(dq, dk, dv) of `attention_forward` given its output, log-sum-exp and the output's cotangent."""
-  _check_cpu_f32("model.attention=cpu_fused", q_BTHK, k_BTGK, v_BTGK, out_BTHK, lse_BHT, dout_BTHK)
+  _check_cpu_f32("model.attention=cpu_fused", "model.attention=causal_blocks", q_BTHK, k_BTGK, v_BTGK, out_BTHK,
+                 lse_BHT, dout_BTHK)
   register()
   outs = tuple(jax.ShapeDtypeStruct(a.shape, jnp.float32) for a in (q_BTHK, k_BTGK, v_BTGK))
   return jax.ffi.ffi_call(ATTENTION_TARGETS[1], outs, vmap_method="sequential")(

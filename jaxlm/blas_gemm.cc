@@ -3,9 +3,7 @@
 //
 // Threads: OpenBLAS's own thread pool fights XLA's for the same cores (and two gemms that XLA runs at once share
 // it), which made the step 0.93x XLA's. So OpenBLAS runs on one thread (jaxlm/blas.py sets it) and each call
-// splits C into as many row or column blocks as XLA's intra-op pool has threads: the calling thread and
-// tasks scheduled on XLA's pool take blocks by index until none are left, and the caller waits only for blocks
-// already taken. A busy pool cannot deadlock it: the caller takes every block nobody else has.
+// splits C into as many row or column blocks as XLA's intra-op pool has threads (jaxlm::ParallelFor).
 #include <algorithm>
 #include <cstdint>
 #include <limits>

@@ -35,8 +35,8 @@ class ModelConfig:
                           # whole on every device) | recompute
                           # (saves only q, k, v, output and log-sum-exp, as flash kernels do) | jax
                           # (jax.nn.dot_product_attention's XLA path) | cudnn (its cuDNN flash path; GPUs only)
-  attention_block: int = 32  # causal_blocks and cpu_fused: queries per block (32 fastest at T=256 on the 2-core
-                             # CPU for both: causal_blocks 1.05-1.09x 64's, cpu_fused 1.01x)
+  attention_block: int = 32  # causal_blocks and cpu_fused: queries per block (T=256 on the 2-core CPU:
+                             # causal_blocks 1.05-1.09x faster at 32 than 64; cpu_fused within 2% either way)
   scan_layers: bool = True  # False: a Python loop over the layers (compile time grows with depth; no stacked
                             # [L, ...] activation buffers). On an H200 the loop ran 1.16-1.32x faster (and GPT-2
                             # took 15.6 GB vs 26.5 GB scanned with the mask), so the GPU configs loop; the CPU

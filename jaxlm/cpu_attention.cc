@@ -2,7 +2,8 @@
 //
 // Why our own kernel: the einsum versions run a dozen small matmuls, masks, softmax passes and transposes per
 // layer as separate XLA ops that each stream [B, H, T, S] blocks through memory; torch's fused SDPA kernel did a
-// layer's attention in 0.70-0.75x the time of our fastest einsum version (causal_blocks with BLAS matmuls). Here
+// layer's attention in 0.70-0.88x the time of our fastest einsum version (causal_blocks with BLAS matmuls;
+// experiments/bench_cpu_attention.py, WORKSPACE.md 2026-12-01). Here
 // one task per (batch, key/value head) works through query blocks whose scores stay in the core's cache: scores
 // by sgemm, the softmax in place, then the output by sgemm, reading q, k, v and writing the output in their
 // [B, T, heads, K] layout (no transposes). Query block i meets keys 0 .. end of block i only, so the masked upper
@@ -15,8 +16,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <string>
 #include <limits>
+#include <string>
 #include <vector>
 
 #include "cpu_kernels.h"
@@ -30,8 +31,8 @@ using jaxlm::RowMajorGemm;
 
 // exp(x) for x <= 0 (Cephes' single-precision polynomial, ~1 ulp; 0 below about -87.5): written out so the
 // compiler vectorises the softmax loops (libm's expf is a call per element there). Branch-free on purpose: with
-// -fno-trapping-math GCC then turns the loops into 8-wide AVX2 code, 0.57 ns per element here against 4.4 ns
-// for the scalar loop it makes otherwise.
+// -fno-trapping-math GCC then turns the loops into 8-wide AVX2 code (0.57 against 4.4 ns per element for the
+// scalar loop it makes otherwise, in a scratch loop benchmark; WORKSPACE.md 2026-12-01).
 inline float ExpNonPositive(float x) {
   x = std::max(x, -88.0f);  // there n = -127, so the scale below is 0.0f: masked scores come out exactly 0
   const float t = x * 1.44269504088896341f;
@@ -168,17 +169,18 @@ ffi::Error AttentionForward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
   const bool* md = mask.typed_data();
   float *od = out->typed_data(), *ld = lse->typed_data();
   const int64_t r_per_g = s.h / s.g;
+  const Heads q_layout = s.q(), kv_layout = s.kv();
+  const int ldq = q_layout.ld(), ldkv = kv_layout.ld(), head_dim = int(s.k);
   jaxlm::ParallelFor(pool, s.b * s.h, std::max<int64_t>(pool.num_threads(), 1), [&](int64_t task) {
     const int64_t b = task / s.h, h = task % s.h, g = h / r_per_g;
-    const float *qh = qd + s.q().offset(b, h), *kg = kd + s.kv().offset(b, g), *vg = vd + s.kv().offset(b, g);
-    float* oh = od + s.q().offset(b, h);
+    const float *qh = qd + q_layout.offset(b, h), *kg = kd + kv_layout.offset(b, g), *vg = vd + kv_layout.offset(b, g);
+    float* oh = od + q_layout.offset(b, h);
     float* lse_bh = ld + (b * s.h + h) * s.t;
     float* p = Scratch(0, size_t(std::min(s.block, s.t) * s.t)).data();
     for (int64_t start = 0; start < s.t; start += s.block) {
       const int rows = int(std::min(s.block, s.t - start)), keys = int(start + rows);
       Probabilities(s, qh, kg, md + b * s.t * s.t, start, rows, keys, p, nullptr, lse_bh);
-      RowMajorGemm(false, false, rows, int(s.k), keys, 1.0f, p, keys, vg, s.kv().ld(), 0.0f,
-                   oh + start * s.q().ld(), s.q().ld());
+      RowMajorGemm(false, false, rows, head_dim, keys, 1.0f, p, keys, vg, ldkv, 0.0f, oh + start * ldq, ldq);
     }
   });
   return ffi::Error::Success();
@@ -199,8 +201,8 @@ ffi::Error AttentionBackward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi:
   const bool* md = mask.typed_data();
   float *dqd = dq->typed_data(), *dkd = dk->typed_data(), *dvd = dv->typed_data();
   const int64_t r_per_g = s.h / s.g;
-  const Heads qh_layout = s.q(), kv_layout = s.kv();
-  const int ldq = qh_layout.ld(), ldkv = kv_layout.ld();
+  const Heads q_layout = s.q(), kv_layout = s.kv();
+  const int ldq = q_layout.ld(), ldkv = kv_layout.ld(), head_dim = int(s.k);
   // One task per (batch, key/value head): the query heads that share it add into its dk and dv in turn.
   jaxlm::ParallelFor(pool, s.b * s.g, std::max<int64_t>(pool.num_threads(), 1), [&](int64_t task) {
     const int64_t b = task / s.g, g = task % s.g;
@@ -214,9 +216,9 @@ ffi::Error AttentionBackward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi:
     float *p = Scratch(0, scratch).data(), *dp = Scratch(1, scratch + size_t(s.t)).data();
     float* row_dot = dp + scratch;  // per query: sum over K of dout * out (the softmax backward's row term)
     for (int64_t h = g * r_per_g; h < (g + 1) * r_per_g; ++h) {
-      const float *qh = qd + qh_layout.offset(b, h), *oh = od + qh_layout.offset(b, h);
-      const float* doh = dod + qh_layout.offset(b, h);
-      float* dqh = dqd + qh_layout.offset(b, h);
+      const float *qh = qd + q_layout.offset(b, h), *oh = od + q_layout.offset(b, h);
+      const float* doh = dod + q_layout.offset(b, h);
+      float* dqh = dqd + q_layout.offset(b, h);
       const float* lse_bh = ld + (b * s.h + h) * s.t;
       for (int64_t t = 0; t < s.t; ++t) {
         float dot = 0.0f;
@@ -224,19 +226,19 @@ ffi::Error AttentionBackward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi:
         row_dot[t] = dot;
       }
       for (int64_t start = 0; start < s.t; start += s.block) {
-        const int rows = int(std::min(s.block, s.t - start)), keys = int(start + rows), kd_ = int(s.k);
+        const int rows = int(std::min(s.block, s.t - start)), keys = int(start + rows);
         const float* do_block = doh + start * ldq;
         Probabilities(s, qh, kg, md + b * s.t * s.t, start, rows, keys, p, lse_bh, nullptr);
-        RowMajorGemm(true, false, keys, kd_, rows, 1.0f, p, keys, do_block, ldq, 1.0f, dvg, ldkv);  // dv += p^T do
-        RowMajorGemm(false, true, rows, keys, kd_, 1.0f, do_block, ldq, vg, ldkv, 0.0f, dp, keys);  // dp = do v^T
+        RowMajorGemm(true, false, keys, head_dim, rows, 1.0f, p, keys, do_block, ldq, 1.0f, dvg, ldkv);  // dv += p^T do
+        RowMajorGemm(false, true, rows, keys, head_dim, 1.0f, do_block, ldq, vg, ldkv, 0.0f, dp, keys);  // dp = do v^T
         for (int r = 0; r < rows; ++r) {  // dscores = p * (dp - row_dot), in dp
           float* dp_row = dp + int64_t(r) * keys;
           const float* p_row = p + int64_t(r) * keys;
           const float term = row_dot[start + r];
           for (int j = 0; j < keys; ++j) dp_row[j] = p_row[j] * (dp_row[j] - term);
         }
-        RowMajorGemm(false, false, rows, kd_, keys, 1.0f, dp, keys, kg, ldkv, 0.0f, dqh + start * ldq, ldq);
-        RowMajorGemm(true, false, keys, kd_, rows, 1.0f, dp, keys, qh + start * ldq, ldq, 1.0f, dkg, ldkv);
+        RowMajorGemm(false, false, rows, head_dim, keys, 1.0f, dp, keys, kg, ldkv, 0.0f, dqh + start * ldq, ldq);
+        RowMajorGemm(true, false, keys, head_dim, rows, 1.0f, dp, keys, qh + start * ldq, ldq, 1.0f, dkg, ldkv);
       }
     }
   });

@@ -60,7 +60,8 @@ def runnable_on(model: ModelConfig, platform: str) -> ModelConfig:
   elsewhere `recompute` attention stands in for it. Same function, and the same residuals (q, k, v, the output
   and per-row softmax statistics, no [T, S] probabilities), so what the step saves and moves is cuDNN's. The same
   holds for the CPU kernels off the CPU: `recompute` for `cpu_fused` attention, XLA's dots for `matmul=blas`."""
-  if model.attention in ("cudnn", "cpu_fused") and platform != ("gpu" if model.attention == "cudnn" else "cpu"):
+  home = {"cudnn": "gpu", "cpu_fused": "cpu"}.get(model.attention)  # the one platform the kernel runs on
+  if home is not None and platform != home:
     model = dataclasses.replace(model, attention="recompute")
   if model.matmul == "blas" and platform != "cpu":
     model = dataclasses.replace(model, matmul="xla")

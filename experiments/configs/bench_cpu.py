@@ -25,9 +25,9 @@ def get_config():
   # jaxlm's fastest CPU options (each tested equal to its reference in tests/test_perf_options.py; torch's SDPA
   # likewise skips the masked half of causal attention): fused q/k/v 1.15x, block-causal attention 1.10-1.15x.
   config.model.fuse_qkv = True
-  # Block-causal attention as one C++ call per layer and direction (jaxlm/cpu_attention.cc): 1.065x the einsum
-  # blocks (model.attention=causal_blocks) with BLAS matmuls per step; blocks of 64: 1.052x, 128: 1.027x (in-process
-  # A/B with a warm-up step per round, WORKSPACE.md 2026-12-01, session 9).
+  # Block-causal attention as one C++ call per layer and direction (jaxlm/cpu_attention.cc): 1.003-1.065x the
+  # einsum blocks (model.attention=causal_blocks) with BLAS matmuls per step in two in-process A/Bs; blocks of 64
+  # within 2% of 32, 128: 1.027x (WORKSPACE.md 2026-12-01, session 9).
   config.model.attention = "cpu_fused"
   config.model.attention_block = 32
   # Recompute the elementwise ops (norms, GELU, softmax) in the backward pass and keep only matmul outputs: fewer
