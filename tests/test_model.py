@@ -14,6 +14,7 @@ from flax import nnx
 
 from jaxlm.config import ModelConfig
 from jaxlm.models.bert import Bert, BertForMaskedLM, BertForSequenceClassification
+from jaxlm.models import layers
 from jaxlm.models.gpt import GPT
 
 TINY = ModelConfig(vocab_size=128, num_layers=2, d_model=32, num_heads=4, max_seq_len=32,
@@ -106,6 +107,32 @@ def test_llama_flavour_has_gqa_rmsnorm_swiglu_no_biases_and_an_untied_head():
   assert set(params["blocks"]["mlp"]) == {"w_gate", "w_up", "w_down"}
   assert set(params["blocks"]["attn_norm"]) == {"scale"}
   assert "position_embed" not in params and "lm_head" in params
+
+
+def _rope_rotate_half(x, positions, theta):
+  """HF Llama's rotary embedding as written there: halves sliced, rotate_half concatenated."""
+  half = x.shape[-1] // 2
+  inv_freq = 1.0 / theta ** (jnp.arange(0, 2 * half, 2, dtype=jnp.float32) / (2 * half))
+  angles = positions.astype(jnp.float32)[:, :, None] * inv_freq[None, None, :]
+  cos, sin = (jnp.concatenate([f(angles)] * 2, axis=-1)[:, :, None, :] for f in (jnp.cos, jnp.sin))
+  x = x.astype(jnp.float32)
+  rotate_half = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+  return x * cos + rotate_half * sin
+
+
+def test_rope_equals_hf_rotate_half_values_and_gradients():
+  x = jax.random.normal(jax.random.key(0), (2, 7, 3, 16), jnp.float32) * 3
+  positions = jnp.array([[0, 1, 2, 3, 4, 5, 6], [5, 9, 100, 2047, 0, 1, 3]], jnp.int32)
+  ours = jax.jit(lambda x, p: layers.apply_rope(x, layers.rotary_tables(p, 16, 10000.0)))
+  reference = jax.jit(functools.partial(_rope_rotate_half, theta=10000.0))
+  # The same products and sums in the same order: equal bit for bit on the CPU.
+  np.testing.assert_array_equal(np.asarray(ours(x, positions)), np.asarray(reference(x, positions)))
+  cotangent = jax.random.normal(jax.random.key(1), x.shape, jnp.float32)
+  grad = lambda f: jax.grad(lambda x: jnp.sum(f(x, positions) * cotangent))(x)
+  chex.assert_trees_all_close(grad(ours), grad(reference), atol=1e-6)
+  bf16 = ours(x.astype(jnp.bfloat16), positions)
+  assert bf16.dtype == jnp.bfloat16
+  chex.assert_trees_all_close(bf16.astype(jnp.float32), reference(x, positions), atol=0.1, rtol=0.02)
 
 
 def test_llama_is_causal():

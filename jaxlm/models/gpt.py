@@ -19,7 +19,8 @@ from flax import nnx
 
 from jaxlm.config import ModelConfig
 from jaxlm.models.attention import cache_mask, causal_mask
-from jaxlm.models.layers import MLP, Attention, Embed, GatedMLP, KVCache, LayerNorm, RMSNorm, scan_blocks, stacked
+from jaxlm.models.layers import (MLP, Attention, Embed, GatedMLP, KVCache, LayerNorm, RMSNorm, Rotary, rotary_tables,
+                                 scan_blocks, stacked)
 from jaxlm.precision import Policy
 from jaxlm.sharding import constrain, gather_fsdp
 
@@ -37,8 +38,7 @@ class Block(nnx.Module):
     norm = RMSNorm if llama else LayerNorm
     self.attn_norm = norm(config.d_model, config.layer_norm_eps, policy)
     self.attn = Attention(config.d_model, config.num_heads, config.num_kv_heads or config.num_heads, policy, std,
-                          out_std, use_bias=not llama, rope_theta=config.rope_theta if llama else None,
-                          implementation=config.attention, fuse_qkv=config.fuse_qkv,
+                          out_std, use_bias=not llama, implementation=config.attention, fuse_qkv=config.fuse_qkv,
                           block=config.attention_block, causal=True, document_mask=config.document_mask,
                           rngs=rngs)
     self.mlp_norm = norm(config.d_model, config.layer_norm_eps, policy)
@@ -47,15 +47,15 @@ class Block(nnx.Module):
     else:
       self.mlp = MLP(config.d_model, config.mlp_width, policy, std, out_std, rngs=rngs)
 
-  def __call__(self, x_BTD: jax.Array, mask_BTS: jax.Array, positions_BT: jax.Array) -> jax.Array:
+  def __call__(self, x_BTD: jax.Array, mask_BTS: jax.Array, rotary: Rotary | None) -> jax.Array:
     # Constraining after each residual add makes a row-parallel output's all-reduce a reduce-scatter under
     # sequence parallelism (and pins the layout otherwise).
-    x_BTD = constrain(x_BTD + self.attn(self.attn_norm(x_BTD), mask_BTS, positions_BT), RESIDUAL_AXES)
+    x_BTD = constrain(x_BTD + self.attn(self.attn_norm(x_BTD), mask_BTS, rotary), RESIDUAL_AXES)
     x_BTD = x_BTD + self.mlp(self.mlp_norm(x_BTD))
     return constrain(x_BTD, RESIDUAL_AXES)
 
-  def decode(self, x_BTD, mask_BTS, positions_BT, k_BSGK, v_BSGK, end):
-    attn_BTD, k_BSGK, v_BSGK = self.attn.decode(self.attn_norm(x_BTD), mask_BTS, positions_BT, k_BSGK, v_BSGK, end)
+  def decode(self, x_BTD, mask_BTS, rotary, k_BSGK, v_BSGK, end):
+    attn_BTD, k_BSGK, v_BSGK = self.attn.decode(self.attn_norm(x_BTD), mask_BTS, rotary, k_BSGK, v_BSGK, end)
     x_BTD = x_BTD + attn_BTD
     x_BTD = x_BTD + self.mlp(self.mlp_norm(x_BTD))
     return constrain(x_BTD, RESIDUAL_AXES), k_BSGK, v_BSGK
@@ -86,6 +86,11 @@ class GPT(nnx.Module):
     if self.position_embed is not None:
       x_BTD = x_BTD + self.position_embed(positions_BT)
     return constrain(x_BTD, RESIDUAL_AXES)
+
+  def _rotary(self, positions_BT: jax.Array) -> Rotary | None:
+    """The rotary tables every layer shares (llama), or None (gpt2's positions are learned embeddings)."""
+    c = self.config
+    return rotary_tables(positions_BT, c.head_dim, c.rope_theta) if c.flavour == "llama" else None
 
   def _head(self) -> Embed:
     return self.lm_head if self.lm_head is not None else self.token_embed
@@ -118,8 +123,10 @@ class GPT(nnx.Module):
     # Without document masking every row is one causal sequence (the library kernels then get no mask at all).
     mask_BTS = causal_mask(segment_ids_BT if self.config.document_mask else jnp.ones_like(segment_ids_BT))
 
+    rotary = self._rotary(positions_BT)
+
     def body(block, x_BTD, _):
-      return block(x_BTD, mask_BTS, positions_BT), None
+      return block(x_BTD, mask_BTS, rotary), None
 
     x_BTD, _ = scan_blocks(self.blocks, body, self._embed(input_ids_BT, positions_BT), remat=self.config.remat,
                            unroll=self.config.scan_unroll, scan=self.config.scan_layers)
@@ -146,8 +153,10 @@ class GPT(nnx.Module):
                                                      (zero, cache.end))
     mask_BTS = cache_mask(segment_ids_BT, cache_segments_BS, cache.end)
 
+    rotary = self._rotary(positions_BT)
+
     def body(block, x_BTD, kv):
-      x_BTD, k_BSGK, v_BSGK = block.decode(x_BTD, mask_BTS, positions_BT, *kv, cache.end)
+      x_BTD, k_BSGK, v_BSGK = block.decode(x_BTD, mask_BTS, rotary, *kv, cache.end)
       return x_BTD, (k_BSGK, v_BSGK)
 
     x_BTD, (k_LBSGK, v_LBSGK) = scan_blocks(self.blocks, body, self._embed(input_ids_BT, positions_BT),

@@ -105,12 +105,27 @@ class RMSNorm(nnx.Module):
 # ----------------------------------------------------------------------------------------------- positions
 
 
-def apply_rope(x_BTHK: jax.Array, positions_BT: jax.Array, theta: float) -> jax.Array:
-  """Rotary position embedding, HF's rotate_half convention: dims i and i + K/2 form one rotated pair."""
-  half = x_BTHK.shape[-1] // 2
+class Rotary(NamedTuple):
+  """cos and sin of every rotary angle, [B, T, K/2] in f32: computed once per forward pass and shared by every
+  layer. Computed inside each layer, XLA fuses the cos/sin into the elementwise kernel that rotates q or k and
+  evaluates them for every head: on this CPU one layer's q rotation ([8, 256, 8, 64]) took 4.5-5.0 ms forward and
+  1.3-1.9 ms forward + backward that way, 0.3 and 0.6 ms from tables. On the H200 the ~1B Llama's RoPE kernels took
+  7.3 ms of a 234 ms step at ~1 TB/s, likely the same cause (WORKSPACE.md 2026-11-30; the tables are unmeasured there)."""
+  cos_BTk: jax.Array
+  sin_BTk: jax.Array
+
+
+def rotary_tables(positions_BT: jax.Array, head_dim: int, theta: float) -> Rotary:
+  half = head_dim // 2
   inv_freq = 1.0 / theta ** (jnp.arange(0, 2 * half, 2, dtype=jnp.float32) / (2 * half))  # [K/2]
   angles_BTk = positions_BT.astype(jnp.float32)[:, :, None] * _lead(inv_freq, 3)
-  cos, sin = jnp.cos(angles_BTk)[:, :, None, :], jnp.sin(angles_BTk)[:, :, None, :]  # [B, T, 1, K/2]
+  return Rotary(jnp.cos(angles_BTk), jnp.sin(angles_BTk))
+
+
+def apply_rope(x_BTHK: jax.Array, rotary: Rotary) -> jax.Array:
+  """Rotary position embedding, HF's rotate_half convention: dims i and i + K/2 form one rotated pair."""
+  half = x_BTHK.shape[-1] // 2
+  cos, sin = rotary.cos_BTk[:, :, None, :], rotary.sin_BTk[:, :, None, :]  # [B, T, 1, K/2]
   x = x_BTHK.astype(jnp.float32)
   x1, x2 = x[..., :half], x[..., half:]
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BTHK.dtype)
@@ -139,7 +154,7 @@ class Attention(nnx.Module):
   or bidirectional."""
 
   def __init__(self, d_model: int, num_heads: int, num_kv_heads: int, policy: Policy, std: float, out_std: float,
-               *, use_bias: bool = True, rope_theta: float | None = None, implementation: str = "xla",
+               *, use_bias: bool = True, implementation: str = "xla",
                fuse_qkv: bool = False, block: int = 32, causal: bool = False, document_mask: bool = True,
                rngs: nnx.Rngs):
     if num_heads % num_kv_heads:
@@ -148,7 +163,6 @@ class Attention(nnx.Module):
       raise ValueError(f"attention={implementation} skips the blocks a causal mask hides; this model's attention is "
                        "not causal: use attention=xla")
     self.policy = policy
-    self.rope_theta = rope_theta
     self.implementation = implementation  # ModelConfig.attention: xla | causal_blocks | cpu_fused | recompute | jax
     # | cudnn
     self.block = block  # ModelConfig.attention_block: queries per block of causal_blocks and cpu_fused
@@ -175,15 +189,15 @@ class Attention(nnx.Module):
       y = y + _lead(c(b[...]), 4)
     return constrain(y, ("act_batch", "act_seq", heads_axis, None))  # [B, T, H or G, K]
 
-  def _qkv(self, x_BTD: jax.Array, positions_BT: jax.Array | None):
+  def _qkv(self, x_BTD: jax.Array, rotary: Rotary | None):
     if self.fuse_qkv:
       q, k, v = self._fused_project(x_BTD)
     else:
       q = self._project(x_BTD, self.w_q, self.b_q, "act_heads")
       k = self._project(x_BTD, self.w_k, self.b_k, "act_kv_heads")
       v = self._project(x_BTD, self.w_v, self.b_v, "act_kv_heads")
-    if self.rope_theta is not None:
-      q, k = apply_rope(q, positions_BT, self.rope_theta), apply_rope(k, positions_BT, self.rope_theta)
+    if rotary is not None:
+      q, k = apply_rope(q, rotary), apply_rope(k, rotary)
     return q, k, v
 
   def _fused_project(self, x_BTD: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -206,8 +220,8 @@ class Attention(nnx.Module):
     y = self.policy.einsum("bthk,hkd->btd", out_BTHK, c(self.w_o[...]))
     return y if self.b_o is None else y + _lead(c(self.b_o[...]), 3)
 
-  def __call__(self, x_BTD: jax.Array, mask_BTS: jax.Array, positions_BT: jax.Array | None = None) -> jax.Array:
-    q, k, v = self._qkv(x_BTD, positions_BT)
+  def __call__(self, x_BTD: jax.Array, mask_BTS: jax.Array, rotary: Rotary | None = None) -> jax.Array:
+    q, k, v = self._qkv(x_BTD, rotary)
     if self.implementation == "xla":
       return self._out(dot_product_attention(q, k, v, mask_BTS, self.policy))
     if self.implementation == "causal_blocks":
@@ -220,11 +234,11 @@ class Attention(nnx.Module):
     return self._out(library_attention(q, k, v, None if plain_causal else mask_BTS, self.implementation,
                                        self.causal))
 
-  def decode(self, x_BTD: jax.Array, mask_BTS: jax.Array, positions_BT: jax.Array, k_BSGK: jax.Array,
+  def decode(self, x_BTD: jax.Array, mask_BTS: jax.Array, rotary: Rotary | None, k_BSGK: jax.Array,
              v_BSGK: jax.Array, end: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Writes the T new keys/values at cache slots end..end+T-1, attends over the whole cache (the mask hides the
     empty slots), and returns (output, updated keys, updated values)."""
-    q, k, v = self._qkv(x_BTD, positions_BT)
+    q, k, v = self._qkv(x_BTD, rotary)
     zero = jnp.zeros((), jnp.int32)
     k_BSGK = jax.lax.dynamic_update_slice(k_BSGK, k.astype(k_BSGK.dtype), (zero, end, zero, zero))
     v_BSGK = jax.lax.dynamic_update_slice(v_BSGK, v.astype(v_BSGK.dtype), (zero, end, zero, zero))
