@@ -30,17 +30,42 @@ _F32 = {"preferred_element_type": jnp.float32}  # f32 results from compute-dtype
 
 
 def _chunk_stats(x_PCD, table_VD, targets_PC, weights_PC, policy):
-  """Logits of one chunk in f32 -> (weighted loss sum, weighted correct sum, exp(logits - max), their row sums)."""
+  """Logits of one chunk in f32 -> (weighted loss sum, weighted correct sum, logits, row max, exp(logits - max),
+  its row sums)."""
   logits_PCV = policy.einsum("pcd,vd->pcv", x_PCD, table_VD, **_F32)
   # The same formulas as optax.softmax_cross_entropy_with_integer_labels (max-shifted log-sum-exp).
   shift_PC = jax.lax.stop_gradient(logits_PCV.max(axis=-1))
-  exp_PCV = jnp.exp(logits_PCV - shift_PC[..., None])  # kept: the gradient reuses it instead of a second exp pass
+  exp_PCV = jnp.exp(logits_PCV - shift_PC[..., None])
   sum_PC = exp_PCV.sum(axis=-1)
   target_PC = jnp.take_along_axis(logits_PCV, targets_PC[..., None], axis=-1)[..., 0] - shift_PC
   loss = jnp.sum((jnp.log(sum_PC) - target_PC) * weights_PC)
   # argmax, not "target logit == max": on a tie (e.g. a zero head) that would count every tied token correct.
   correct = jnp.sum((jnp.argmax(logits_PCV, axis=-1) == targets_PC).astype(jnp.float32) * weights_PC)
-  return loss, correct, exp_PCV, sum_PC
+  return loss, correct, logits_PCV, shift_PC, exp_PCV, sum_PC
+
+
+def _scatter_gradient() -> bool:
+  """Which form of d(loss)/d(logits) to trace: the scatter form on XLA:CPU, the one-hot form elsewhere."""
+  return jax.default_backend() == "cpu"
+
+
+def _dlogits(logits_PCV, shift_PC, exp_PCV, sum_PC, targets_PC, weights_PC):
+  """d(loss)/d(logits) = w * (softmax - one-hot) in f32, in the form each compiler runs fastest.
+
+  XLA:GPU fuses `(exp(logits - log-sum-exp) - one_hot) * w` into one pass that reads the logits and writes the
+  gradient (the form the H200 runs of 2026-11-30 measured). XLA:CPU fused the one-hot's iota compare into a pass 10x
+  slower than the exp pass over the same array (42 vs 4 ms of thread time per CPU bench step), so there the
+  gradient reuses exp(logits - max) with one scale per row, then scatters -w at each row's target (vmapped over P so
+  that a P split over devices stays split). The scatter form unfused on a GPU would write and read the f32 exp and
+  the f32 gradient once more each."""
+  if _scatter_gradient():
+    dlogits_PCV = exp_PCV * (weights_PC / sum_PC)[..., None]
+    subtract_at_targets = lambda d_CV, t_C, w_C: d_CV.at[jnp.arange(t_C.shape[0]), t_C].add(-w_C)
+    return jax.vmap(subtract_at_targets)(dlogits_PCV, targets_PC, weights_PC)
+  lse_PC = shift_PC + jnp.log(sum_PC)
+  softmax_PCV = jnp.exp(logits_PCV - lse_PC[..., None])
+  one_hot_PCV = jax.nn.one_hot(targets_PC, logits_PCV.shape[-1], dtype=jnp.float32)
+  return (softmax_PCV - one_hot_PCV) * weights_PC[..., None]
 
 
 def _batch_shards(num_tokens: int) -> int:
@@ -88,7 +113,7 @@ def fused_cross_entropy(x_ND: jax.Array, table_VD: jax.Array, targets_N: jax.Arr
 def _fused(x_ND, table_VD, targets_N, weights_N, chunk, shards, policy):
   def body(totals, xs):
     x_PCD, targets_PC, weights_PC = xs
-    loss, correct, _, _ = _chunk_stats(x_PCD, table_VD, targets_PC, weights_PC, policy)
+    loss, correct, *_ = _chunk_stats(x_PCD, table_VD, targets_PC, weights_PC, policy)
     return (totals[0] + loss, totals[1] + correct), None
 
   zero = jnp.zeros((), jnp.float32)
@@ -103,14 +128,9 @@ def _forward(x_ND, table_VD, targets_N, weights_N, chunk, shards, policy):
   def body(carry, xs):
     loss_sum, correct_sum, dtable_PVD = carry
     x_PCD, targets_PC, weights_PC = xs
-    loss, correct, exp_PCV, sum_PC = _chunk_stats(x_PCD, table_VD, targets_PC, weights_PC, policy)
-    # d(loss)/d(logits) = w * (softmax - one-hot), in f32, then matmuls in the compute dtype with f32 accumulation:
-    # one scale per row over [P, C, V], then -w at each row's target (a scatter of P*C values, vmapped over P so
-    # that a P split over devices stays split). "(p - one_hot) * w" made XLA:CPU fuse a [P, C, V] iota compare into
-    # the pass, 10x slower (42 vs 4 ms of thread time per CPU bench step).
-    dlogits_PCV = exp_PCV * (weights_PC / sum_PC)[..., None]
-    subtract_at_targets = lambda d_CV, t_C, w_C: d_CV.at[jnp.arange(t_C.shape[0]), t_C].add(-w_C)
-    dlogits_PCV = jax.vmap(subtract_at_targets)(dlogits_PCV, targets_PC, weights_PC).astype(compute_dtype)
+    loss, correct, *softmax_parts = _chunk_stats(x_PCD, table_VD, targets_PC, weights_PC, policy)
+    # The gradient in f32, then matmuls in the compute dtype with f32 accumulation.
+    dlogits_PCV = _dlogits(*softmax_parts, targets_PC, weights_PC).astype(compute_dtype)
     dx_PCD = policy.einsum("pcv,vd->pcd", dlogits_PCV, table_VD, **_F32)
     # Each device accumulates its own partial table gradient; they are summed once, after the scan.
     dtable_PVD = dtable_PVD + policy.einsum("pcv,pcd->pvd", dlogits_PCV, x_PCD, **_F32)

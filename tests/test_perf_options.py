@@ -17,7 +17,7 @@ import optax
 import pytest
 from flax import nnx
 
-from jaxlm import blas, train
+from jaxlm import blas, cross_entropy, train
 from jaxlm.config import ModelConfig
 from jaxlm.cross_entropy import fused_cross_entropy
 from jaxlm.models.gpt import GPT
@@ -34,7 +34,10 @@ def _reference_ce(x, table, targets, weights):
 
 
 @pytest.mark.parametrize("chunk", [8, 64])  # divides N=40; larger than N (one padded chunk)
-def test_fused_cross_entropy_equals_logits_path_value_and_gradients(chunk):
+@pytest.mark.parametrize("scatter", [True, False], ids=["scatter_form_cpu", "one_hot_form_gpu"])
+def test_fused_cross_entropy_equals_logits_path_value_and_gradients(chunk, scatter, monkeypatch):
+  """Both forms of the gradient (cross_entropy._dlogits: each platform traces its own) against optax's."""
+  monkeypatch.setattr(cross_entropy, "_scatter_gradient", lambda: scatter)
   rng = np.random.default_rng(0)
   x = jnp.asarray(rng.standard_normal((40, 16)), jnp.float32)
   table = jnp.asarray(rng.standard_normal((50, 16)), jnp.float32)
