@@ -35,8 +35,9 @@ _STEPS = flags.DEFINE_integer("steps", 3, "profiled steps (after two unprofiled 
 _TOP = flags.DEFINE_integer("top", 25, "ops listed by time")
 flags.mark_flags_as_required(["config", "workdir"])
 
-def op_events(trace_dir: str, kinds: dict[str, str]) -> tuple[collections.Counter, list[dict]]:
-  """(nanoseconds per HLO instruction over the trace, what the trace holds): the device's kernel events on a
+def op_events(trace_dir: str, kinds: dict[str, str]) -> tuple[collections.Counter, list[tuple], list[dict]]:
+  """(nanoseconds per HLO instruction over the trace, (start, end, kind) of each counted event, what the trace
+  holds): the device's kernel events on a
   GPU/TPU, XLA's thunks on the CPU (host threads named XLA/Eigen), matched by their `hlo_op` stat or their name.
   Device kernels that match no instruction (library kernels) are counted under their kernel name, which is added
   to `kinds`.
@@ -45,6 +46,7 @@ def op_events(trace_dir: str, kinds: dict[str, str]) -> tuple[collections.Counte
   profile = jax.profiler.ProfileData.from_file(path)
   device_planes = [p for p in profile.planes if p.name.startswith(("/device:GPU", "/device:TPU"))]
   per_op: collections.Counter = collections.Counter()
+  intervals = []
   contents = []
   for plane in device_planes or [p for p in profile.planes if p.name.startswith("/host:CPU")]:
     lines = list(plane.lines)
@@ -68,9 +70,35 @@ def op_events(trace_dir: str, kinds: dict[str, str]) -> tuple[collections.Counte
         # Loops and calls are left out: their events span the ops inside them, which are counted themselves.
         if name is not None and kinds[name] != "control":
           per_op[name] += event.duration_ns
+          intervals.append((event.start_ns, event.start_ns + event.duration_ns, kinds[name]))
   if not contents:
     contents = [{"plane": p.name, "lines": [_line_sample(line) for line in list(p.lines)[:4]]} for p in profile.planes]
-  return per_op, contents
+  return per_op, intervals, contents
+
+
+LIBRARY_KINDS = ("matmul", "custom-call", "attention (cuDNN)")
+
+
+def wall_time_shares(intervals: list[tuple]) -> dict[str, float]:
+  """How the wall time from the first op's start to the last op's end splits by what runs at once: a matmul /
+  custom call / library kernel with nothing else ("library alone"), one beside XLA fusions, XLA fusions alone (one,
+  or several on different threads), or nothing. On the CPU this says what the thread time cannot: a fusion alone
+  means the other threads wait (XLA:CPU runs each loop fusion as one task)."""
+  edges = sorted([(start, +1, kind in LIBRARY_KINDS) for start, _, kind in intervals]
+                 + [(end, -1, kind in LIBRARY_KINDS) for _, end, kind in intervals])
+  running = {True: 0, False: 0}
+  shares: collections.Counter = collections.Counter()
+  previous = edges[0][0] if edges else 0
+  for time_ns, change, library in edges:
+    if running[True]:
+      state = "library beside fusions" if running[False] else "library alone"
+    else:
+      state = {0: "nothing", 1: "one fusion"}.get(running[False], "several fusions")
+    shares[state] += time_ns - previous
+    running[library] += change
+    previous = time_ns
+  total = sum(shares.values()) or 1
+  return {state: ns / total for state, ns in shares.most_common() if ns}
 
 
 def _line_sample(line) -> dict:
@@ -106,7 +134,7 @@ def main(argv):
       state, metrics = compiled(state, batch)
     jax.block_until_ready(metrics)
     step_ms = (time.perf_counter() - started) / steps * 1e3
-  per_op, contents = op_events(trace_dir, kinds)
+  per_op, intervals, contents = op_events(trace_dir, kinds)
   if not per_op:
     files.write_json(os.path.join(workdir, "trace_contents.json"), contents)
     raise ValueError(f"the trace under {trace_dir} holds no events of the step's HLO ops (what it holds: "
@@ -121,6 +149,7 @@ def main(argv):
       "backend": jax.default_backend(), "device_kind": jax.devices()[0].device_kind, "steps": steps,
       "step_ms": step_ms, "op_ms_total": ms(sum(per_op.values())),
       "kinds_ms": {k: ms(v) for k, v in by_kind.most_common()},
+      "wall_time_shares": wall_time_shares(intervals),
       "top_ops": [{"op": name, "kind": kinds[name], "ms": ms(ns), **summaries.get(name, {})} for name, ns in top],
   }
   files.write_json(os.path.join(workdir, "profile.json"), result)
@@ -128,6 +157,7 @@ def main(argv):
         f"({'one device stream' if result['backend'] != 'cpu' else 'CPU thread time, threads overlap'})")
   for kind, value in result["kinds_ms"].items():
     print(f"  {kind:20s} {value:9.2f} ms  {100 * value / result['op_ms_total']:5.1f}%")
+  print("wall time: " + ", ".join(f"{state} {100 * share:.1f}%" for state, share in result["wall_time_shares"].items()))
   print("top ops:")
   for row in result["top_ops"]:
     print(f"  {row['ms']:9.3f} ms  {row['kind']:18s} {row['op'][:60]:60s} {row.get('shape', '')[:50]:50s} "
