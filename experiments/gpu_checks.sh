@@ -30,7 +30,9 @@ part() {  # part <seconds> <name> <command...>: runs one check, logs its status,
 # The baseline: the config (layers in a Python loop: 1.28x the scanned step on an H200, 2026-11-30) at batch 32,
 # the fused cross-entropy over 4096-token chunks (no [B, T, V] logits) and plain causal attention
 # (document_mask=False: cuDNN gets no bias tensor and computes no bias gradient; the rows here hold one document
-# each, so the function is the same). Variants change one thing each.
+# each, so the function is the same). Variants change one thing each. The base itself changed after 2026-11-30's
+# runs (GPT-2 70.0 ms, Llama 232 ms per step then): the cross-entropy gradient is the one-hot form again off the CPU
+# and Llama's rotary tables are computed once per forward (2026-12-01): compare its step with those.
 GPT2="--config=experiments/configs/bench_gpu.py --config.train.batch_size=32 --config.model.cross_entropy_chunk=4096
       --config.model.document_mask=False"
 # Measured on 2026-11-30 and settled: the scan (0.76x), the document mask (0.95x), fuse_qkv + no Triton gemm
@@ -46,8 +48,9 @@ XLA_PYTHON_CLIENT_PREALLOCATE=false part 240 ab_gpt2 $PY experiments/ab_step.py 
 part 90 profile_gpt2 $PY experiments/profile_step.py $GPT2 --workdir="$OUT/profile_gpt2" --top=30
 LLAMA="--config=experiments/configs/bench_llama_1b.py --config.model.cross_entropy_chunk=4096
        --config.model.document_mask=False"
-part 150 ab_llama $PY experiments/ab_step.py $LLAMA --rounds=3 --steps_per_round=3 --workdir="$OUT/ab_llama" \
-    --variants="base:,qkv:model.fuse_qkv=True,$TRITON_BLOCKS"
+# Batch 16 (32k tokens per step; batch 8 used 38 GB of the 141): fixed per-step costs spread over twice the tokens.
+part 200 ab_llama $PY experiments/ab_step.py $LLAMA --rounds=3 --steps_per_round=3 --workdir="$OUT/ab_llama" \
+    --variants="base:,qkv:model.fuse_qkv=True,$TRITON_BLOCKS,b16:train.batch_size=16"
 # cuDNN attention against the XLA reference (bf16, packed documents): the one test the CPU suite skips.
 JAX_PLATFORMS=cuda part 90 test_cudnn $PY -m pytest -q -p no:cacheprovider tests/test_perf_options.py -k cudnn
 rm -rf "$OUT/profile_gpt2/trace"  # the raw trace is too deep and large to come back
