@@ -145,18 +145,26 @@ def main(argv):
       contender.run(_STEPS.value)
       seconds[name].append((time.perf_counter() - wall) / _STEPS.value)
       cpu[name].append((cpu_seconds() - busy) / _STEPS.value)
-  baseline = statistics.median(seconds[next(iter(variants))])
+  baseline_seconds = seconds[next(iter(variants))]
+  baseline = statistics.median(baseline_seconds)
   rows = {}
   for name, s in seconds.items():
     step = statistics.median(s)
     tokens_per_sec = contenders[name].tokens_per_step / step
+    # Paired: each round's baseline step over this contender's, run back to back; the median of those and a
+    # distribution-free ~95% interval for it (measure.median_interval): an interval around 1.0 decides nothing.
+    paired = [b / x for b, x in zip(baseline_seconds, s)]
+    low, high, coverage = measure.median_interval(paired)
     rows[name] = {"step_sec": step, "step_sec_min": min(s), "speedup": baseline / step,
+                  "paired_speedup": statistics.median(paired), "paired_interval": [low, high],
+                  "paired_interval_coverage": coverage,
                   "tokens_per_sec": tokens_per_sec, "mfu": tokens_per_sec * contenders[name].flops_per_token / peak,
                   "cpu_sec_per_step": statistics.median(cpu[name]), "rounds_sec": s}
   for name, row in rows.items():
     print(f"{name:24s} {row['step_sec'] * 1e3:8.1f} ms/step (min {row['step_sec_min'] * 1e3:.1f})  "
-          f"x{row['speedup']:.3f}  {row['tokens_per_sec']:,.0f} tokens/s  MFU {row['mfu']:.1%}  "
-          f"{row['cpu_sec_per_step']:.2f} CPU-s/step")
+          f"x{row['speedup']:.3f} (paired x{row['paired_speedup']:.3f}, {row['paired_interval_coverage']:.0%} "
+          f"interval {row['paired_interval'][0]:.3f}-{row['paired_interval'][1]:.3f})  "
+          f"{row['tokens_per_sec']:,.0f} tokens/s  MFU {row['mfu']:.1%}  {row['cpu_sec_per_step']:.2f} CPU-s/step")
   print(f"MFU peak: {peak / 1e12:.1f} TFLOP/s ({peak_source})")
   if _WORKDIR.value:
     os.makedirs(_WORKDIR.value, exist_ok=True)

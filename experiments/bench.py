@@ -13,7 +13,8 @@ Sections (--sections, comma-separated):
            frameworks take turns: --rounds rounds of --steps_per_round steps each, so a shared machine's load falls
            on all of them alike; each reports the median round. `<fw>_tokens_per_sec`, `<fw>_step_sec`,
            `<fw>_flops_per_sec`, `<fw>_peak_ratio`, `jaxlm_vs_torch_compile` (tokens/s ratio), per-device memory;
-           also the round-by-round ratios' min, max and median (`jaxlm_vs_torch_compile_median_round`), the
+           also the round-by-round ratios' min, max and median (`jaxlm_vs_torch_compile_median_round`, with a
+           distribution-free ~95% interval for it, `..._median_round_interval`), the
            CPU-seconds ratio (`jaxlm_vs_torch_compile_cpu_sec`) and every round's step time.
   compile  trace + compile seconds of jaxlm's train step at --depths layers (abstract inputs, nothing allocated);
            `compile_ratio_<deepest>_vs_<shallowest>`.
@@ -66,7 +67,7 @@ import bench_torch  # noqa: E402
 from jaxlm import cli  # noqa: E402
 from jaxlm import config as config_lib  # noqa: E402
 from jaxlm import data as data_lib  # noqa: E402
-from jaxlm import files, optim, sharding, telemetry, train  # noqa: E402
+from jaxlm import files, measure, optim, sharding, telemetry, train  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", "experiments/configs/bench_cpu.py", "model and batch to time",
                                           lock_config=True)
@@ -214,6 +215,10 @@ def step_section(config, platform: str, peak: float, datasheet_peak: float | Non
     # Paired: the two ran back to back in each round, so the median of the round ratios is less moved by a round
     # the whole machine was slow in than the ratio of the two medians.
     out["jaxlm_vs_torch_compile_median_round"] = statistics.median(per_round)
+    # Where that median could lie (order statistics, no assumption on the noise): [low, high] and its coverage.
+    low, high, coverage = measure.median_interval(per_round)
+    out["jaxlm_vs_torch_compile_median_round_interval"] = [low, high]
+    out["jaxlm_vs_torch_compile_median_round_interval_coverage"] = round(coverage, 4)
     # The same in CPU-seconds per step, which other processes on the machine move less than wall time.
     out["jaxlm_vs_torch_compile_cpu_sec"] = (out["torch_compile_cpu_sec_per_step"] / out["jaxlm_cpu_sec_per_step"])
   if "jaxlm" in times and "torch_eager" in times:

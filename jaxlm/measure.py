@@ -106,3 +106,19 @@ def host_hardware(matmul_flops: float, bandwidth: float, num_devices: int) -> pl
       hbm_bytes_per_sec=bandwidth, interconnect_bytes_per_sec=bandwidth, usd_per_hour_on_demand=0.0,
       usd_per_hour_spot=0.0, description=f"this host, measured: {matmul_flops * num_devices / 1e9:.0f} GFLOP/s "
       f"1024^3 f32 matmul, {bandwidth * num_devices / 1e9:.1f} GB/s softmax stream, over {num_devices} device(s)")
+
+
+def median_interval(values: Sequence[float], level: float = 0.95) -> tuple[float, float, float]:
+  """(low, high, coverage): a distribution-free confidence interval for the median of what `values` sample, from
+  their order statistics: [x_(k), x_(n+1-k)] covers the median with probability 1 - 2 P(Binomial(n, 1/2) < k), the
+  narrowest such interval with at least `level` (with fewer than 6 values none reaches 95%: then the full range
+  and its coverage). For speed ratios measured round by round on a noisy machine: an interval that contains 1.0
+  does not say which side is faster."""
+  x, n = sorted(values), len(values)
+  if n == 0:
+    raise ValueError("median_interval needs at least one value")
+  coverage = lambda k: 1 - 2 * sum(math.comb(n, i) for i in range(k)) / 2**n
+  k = 1
+  while k + 1 <= (n + 1) // 2 and coverage(k + 1) >= level:
+    k += 1
+  return x[k - 1], x[n - k], coverage(k)
