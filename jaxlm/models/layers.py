@@ -107,10 +107,10 @@ class RMSNorm(nnx.Module):
 
 class Rotary(NamedTuple):
   """cos and sin of every rotary angle, [B, T, K/2] in f32: computed once per forward pass and shared by every
-  layer. Computed inside each layer, XLA fuses the cos/sin into the elementwise kernel that rotates q or k and
-  evaluates them for every head: on this CPU one layer's q rotation ([8, 256, 8, 64]) took 4.5-5.0 ms forward and
-  1.3-1.9 ms forward + backward that way, 0.3 and 0.6 ms from tables. On the H200 the ~1B Llama's RoPE kernels took
-  7.3 ms of a 234 ms step at ~1 TB/s, likely the same cause (WORKSPACE.md 2026-11-30; the tables are unmeasured there)."""
+  layer. Computed inside each layer, XLA fuses cos and sin into the kernel that rotates q or k and evaluates them
+  for every head: on this CPU one rotation of q [8, 256, 8, 64] took 4.5-5.0 ms that way, 0.3 ms from tables
+  (forward and backward: 1.3-1.9 vs 0.6 ms). On the H200 the ~1B Llama's RoPE kernels took 7.3 ms of a 234 ms
+  step at ~1 TB/s, likely the same cause (WORKSPACE.md 2026-11-30 and 2026-12-01; unmeasured there with tables)."""
   cos_BTk: jax.Array
   sin_BTk: jax.Array
 

@@ -1,3 +1,7 @@
+"""Session 10 (2026-12-01): one RoPE rotation in three forms (pair-swap with reverse, HF concatenate, stack),
+cos/sin precomputed; forward and forward+backward times on the CPU, and the HLO ops each compiles to.
+  JAX_PLATFORMS=cpu python experiments/results/cpu_2026-12-01/rope_forms_microbench.py
+"""
 import time, statistics, jax, jax.numpy as jnp
 x = jax.random.normal(jax.random.key(0), (8,256,8,64), jnp.float32); pos = jnp.broadcast_to(jnp.arange(256), (8,256))
 half = 32
@@ -30,4 +34,5 @@ for r in range(10):
 print({n: f"{statistics.median(v):.2f}" for n, v in ts.items()})
 for n in ("rev", "cat", "stk"):
   t = fs[n+"_vg"].lower(x, cos, sin).compile().as_text()
-  print(n, "concat", t.count("concatenate("), "slice", t.count(" slice("), "fusion", t.count(" fusion("), "reverse", t.count("reverse("))
+  print(n, "concat", t.count("concatenate("), "slice", t.count(" slice("), "fusion", t.count(" fusion("),
+        "reverse", t.count("reverse("))
