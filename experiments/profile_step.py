@@ -76,31 +76,6 @@ def op_events(trace_dir: str, kinds: dict[str, str]) -> tuple[collections.Counte
   return per_op, intervals, contents
 
 
-LIBRARY_KINDS = ("matmul", "custom-call", "attention (cuDNN)")
-
-
-def wall_time_shares(intervals: list[tuple]) -> dict[str, float]:
-  """How the wall time from the first op's start to the last op's end splits by what runs at once: a matmul /
-  custom call / library kernel with nothing else ("library alone"), one beside XLA fusions, XLA fusions alone (one,
-  or several on different threads), or nothing. On the CPU this says what the thread time cannot: a fusion alone
-  means the other threads wait (XLA:CPU runs each loop fusion as one task)."""
-  edges = sorted([(start, +1, kind in LIBRARY_KINDS) for start, _, kind in intervals]
-                 + [(end, -1, kind in LIBRARY_KINDS) for _, end, kind in intervals])
-  running = {True: 0, False: 0}
-  shares: collections.Counter = collections.Counter()
-  previous = edges[0][0] if edges else 0
-  for time_ns, change, library in edges:
-    if running[True]:
-      state = "library beside fusions" if running[False] else "library alone"
-    else:
-      state = {0: "nothing", 1: "one fusion"}.get(running[False], "several fusions")
-    shares[state] += time_ns - previous
-    running[library] += change
-    previous = time_ns
-  total = sum(shares.values()) or 1
-  return {state: ns / total for state, ns in shares.most_common() if ns}
-
-
 def _line_sample(line) -> dict:
   events = list(line.events)
   samples = []
@@ -149,7 +124,7 @@ def main(argv):
       "backend": jax.default_backend(), "device_kind": jax.devices()[0].device_kind, "steps": steps,
       "step_ms": step_ms, "op_ms_total": ms(sum(per_op.values())),
       "kinds_ms": {k: ms(v) for k, v in by_kind.most_common()},
-      "wall_time_shares": wall_time_shares(intervals),
+      "wall_time_shares": measure.wall_time_shares(intervals),
       "top_ops": [{"op": name, "kind": kinds[name], "ms": ms(ns), **summaries.get(name, {})} for name, ns in top],
   }
   files.write_json(os.path.join(workdir, "profile.json"), result)

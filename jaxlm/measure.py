@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import time
@@ -122,3 +123,29 @@ def median_interval(values: Sequence[float], level: float = 0.95) -> tuple[float
   while k + 1 <= (n + 1) // 2 and coverage(k + 1) >= level:
     k += 1
   return x[k - 1], x[n - k], coverage(k)
+
+
+# Kinds (jaxlm.hlo.instruction_kinds, hlo.library_kernel_kind) of the ops that are one library call each.
+LIBRARY_KINDS = ("matmul", "custom-call", "attention (cuDNN)")
+
+
+def wall_time_shares(intervals: list[tuple]) -> dict[str, float]:
+  """How the wall time from the first op's start to the last op's end splits by what runs at once: a matmul /
+  custom call / library kernel with nothing else ("library alone"), one beside XLA fusions, XLA fusions alone (one,
+  or several on different threads), or nothing. On the CPU this says what the thread time cannot: a fusion alone
+  means the other threads wait (XLA:CPU runs each loop fusion as one task)."""
+  edges = sorted([(start, +1, kind in LIBRARY_KINDS) for start, _, kind in intervals]
+                 + [(end, -1, kind in LIBRARY_KINDS) for _, end, kind in intervals])
+  running = {True: 0, False: 0}
+  shares: collections.Counter = collections.Counter()
+  previous = edges[0][0] if edges else 0
+  for time_ns, change, library in edges:
+    if running[True]:
+      state = "library beside fusions" if running[False] else "library alone"
+    else:
+      state = {0: "nothing", 1: "one fusion"}.get(running[False], "several fusions")
+    shares[state] += time_ns - previous
+    running[library] += change
+    previous = time_ns
+  total = sum(shares.values()) or 1
+  return {state: ns / total for state, ns in shares.most_common() if ns}

@@ -1,7 +1,6 @@
 """experiments/profile_step.py: HLO instructions get the right kinds (jaxlm.hlo.instruction_kinds), and a profiled
 tiny step is written with its time by kind."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -13,7 +12,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxlm import hlo
+from jaxlm import hlo, measure
 from conftest import xla_flags_without_device_count
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -64,14 +63,11 @@ WALL_TIME_STATES = ("library alone", "library beside fusions", "one fusion", "se
 
 
 def test_wall_time_shares_split_the_span_by_what_runs_at_once():
-  spec = importlib.util.spec_from_file_location("profile_step", os.path.join(ROOT, "experiments/profile_step.py"))
-  profile_step = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(profile_step)
   # Thread 1: a matmul 0-50, a fusion 60-100. Thread 2: a fusion 40-70.
   intervals = [(0, 50, "matmul"), (60, 100, "elementwise"), (40, 70, "reduce")]
-  assert profile_step.wall_time_shares(intervals) == pytest.approx(
+  assert measure.wall_time_shares(intervals) == pytest.approx(
       {"library alone": 0.4, "library beside fusions": 0.1, "one fusion": 0.4, "several fusions": 0.1})
-  assert profile_step.wall_time_shares([(0, 10, "custom-call"), (20, 30, "copy/transpose")]) == pytest.approx(
+  assert measure.wall_time_shares([(0, 10, "custom-call"), (20, 30, "copy/transpose")]) == pytest.approx(
       {"library alone": 1 / 3, "nothing": 1 / 3, "one fusion": 1 / 3})
 
 
