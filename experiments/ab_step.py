@@ -145,17 +145,19 @@ def main(argv):
       contender.run(_STEPS.value)
       seconds[name].append((time.perf_counter() - wall) / _STEPS.value)
       cpu[name].append((cpu_seconds() - busy) / _STEPS.value)
-  baseline_seconds = seconds[next(iter(variants))]
-  baseline = statistics.median(baseline_seconds)
+  base = next(iter(variants))
+  baseline_tokens_per_sec = [contenders[base].tokens_per_step / x for x in seconds[base]]
   rows = {}
   for name, s in seconds.items():
     step = statistics.median(s)
     tokens_per_sec = contenders[name].tokens_per_step / step
-    # Paired: each round's baseline step over this contender's, run back to back; the median of those and a
-    # distribution-free ~95% interval for it (measure.median_interval): an interval around 1.0 decides nothing.
-    paired = [b / x for b, x in zip(baseline_seconds, s)]
+    # Speedups in tokens/s, so a variant with another batch size compares by throughput. Paired: round by round
+    # against the baseline run just before it; the median of those and a distribution-free ~95% interval for it
+    # (measure.median_interval): an interval around 1.0 shows neither faster.
+    paired = [contenders[name].tokens_per_step / x / b for x, b in zip(s, baseline_tokens_per_sec)]
     low, high, coverage = measure.median_interval(paired)
-    rows[name] = {"step_sec": step, "step_sec_min": min(s), "speedup": baseline / step,
+    rows[name] = {"step_sec": step, "step_sec_min": min(s),
+                  "speedup": tokens_per_sec / statistics.median(baseline_tokens_per_sec),
                   "paired_speedup": statistics.median(paired), "paired_interval": [low, high],
                   "paired_interval_coverage": coverage,
                   "tokens_per_sec": tokens_per_sec, "mfu": tokens_per_sec * contenders[name].flops_per_token / peak,

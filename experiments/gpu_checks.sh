@@ -49,7 +49,9 @@ part 90 profile_gpt2 $PY experiments/profile_step.py $GPT2 --workdir="$OUT/profi
 LLAMA="--config=experiments/configs/bench_llama_1b.py --config.model.cross_entropy_chunk=4096
        --config.model.document_mask=False"
 # Batch 16 (32k tokens per step; batch 8 used 38 GB of the 141): fixed per-step costs spread over twice the tokens.
-part 200 ab_llama $PY experiments/ab_step.py $LLAMA --rounds=3 --steps_per_round=3 --workdir="$OUT/ab_llama" \
+# Four contenders' states and temporaries (~100 GB) must fit: JAX allocates as it goes, not 75% up front.
+XLA_PYTHON_CLIENT_PREALLOCATE=false part 200 ab_llama $PY experiments/ab_step.py $LLAMA --rounds=3 \
+    --steps_per_round=3 --workdir="$OUT/ab_llama" \
     --variants="base:,qkv:model.fuse_qkv=True,$TRITON_BLOCKS,b16:train.batch_size=16"
 # cuDNN attention against the XLA reference (bf16, packed documents): the one test the CPU suite skips.
 JAX_PLATFORMS=cuda part 90 test_cudnn $PY -m pytest -q -p no:cacheprovider tests/test_perf_options.py -k cudnn

@@ -10,7 +10,8 @@ event is matched by name to its instruction in the compiled step's HLO, and the 
 matmul (a dot, or a fusion / library call around one), attention (cuDNN), collective, copy/transpose, slicing,
 reduce, elementwise. On a GPU the events are the device's kernels, one stream, so they add up to about the step;
 kernels that belong to no instruction (cuBLAS, cuDNN) are counted under their own names. On the CPU they are XLA's
-thunks on its worker threads, which overlap, so the kinds add up to thread time.
+thunks on its worker threads, which overlap, so the kinds add up to thread time; `wall_time_shares` then says how
+the wall time splits by what runs at once (jaxlm.measure.wall_time_shares).
 """
 
 from __future__ import annotations
@@ -36,19 +37,19 @@ _TOP = flags.DEFINE_integer("top", 25, "ops listed by time")
 flags.mark_flags_as_required(["config", "workdir"])
 
 def op_events(trace_dir: str, kinds: dict[str, str]) -> tuple[collections.Counter, list[tuple], list[dict]]:
-  """(nanoseconds per HLO instruction over the trace, (start, end, kind) of each counted event, what the trace
-  holds): the device's kernel events on a
-  GPU/TPU, XLA's thunks on the CPU (host threads named XLA/Eigen), matched by their `hlo_op` stat or their name.
-  Device kernels that match no instruction (library kernels) are counted under their kernel name, which is added
-  to `kinds`.
-  The second value lists each plane's lines with a few sample events, for when nothing matches."""
+  """(nanoseconds per HLO instruction over the trace, (start, end, kind) of each event of the first plane, what the
+  trace holds): the device's kernel events on a GPU/TPU, XLA's thunks on the CPU (host threads named XLA/Eigen),
+  matched by their `hlo_op` stat or their name. Device kernels that match no instruction (library kernels) are
+  counted under their kernel name, which is added to `kinds`. The intervals come from one plane (the first device,
+  or the host's threads), so that devices running side by side do not read as ops running at once. The third
+  value lists each plane's lines with a few sample events, for when nothing matches."""
   path = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)[0]
   profile = jax.profiler.ProfileData.from_file(path)
   device_planes = [p for p in profile.planes if p.name.startswith(("/device:GPU", "/device:TPU"))]
   per_op: collections.Counter = collections.Counter()
   intervals = []
   contents = []
-  for plane in device_planes or [p for p in profile.planes if p.name.startswith("/host:CPU")]:
+  for plane_index, plane in enumerate(device_planes or [p for p in profile.planes if p.name.startswith("/host:CPU")]):
     lines = list(plane.lines)
     contents.append({"plane": plane.name, "lines": [_line_sample(line) for line in lines[:12]]})
     if device_planes:  # a GPU plane has the ops once on "XLA Ops" and again as kernels on its stream lines
@@ -70,7 +71,8 @@ def op_events(trace_dir: str, kinds: dict[str, str]) -> tuple[collections.Counte
         # Loops and calls are left out: their events span the ops inside them, which are counted themselves.
         if name is not None and kinds[name] != "control":
           per_op[name] += event.duration_ns
-          intervals.append((event.start_ns, event.start_ns + event.duration_ns, kinds[name]))
+          if plane_index == 0:
+            intervals.append((event.start_ns, event.start_ns + event.duration_ns, kinds[name]))
   if not contents:
     contents = [{"plane": p.name, "lines": [_line_sample(line) for line in list(p.lines)[:4]]} for p in profile.planes]
   return per_op, intervals, contents

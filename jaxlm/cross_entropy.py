@@ -44,26 +44,25 @@ def _chunk_stats(x_PCD, table_VD, targets_PC, weights_PC, policy):
   return loss, correct, logits_PCV, shift_PC, exp_PCV, sum_PC
 
 
-def _scatter_gradient() -> bool:
-  """Which form of d(loss)/d(logits) to trace: the scatter form on XLA:CPU, the one-hot form elsewhere."""
+def _use_scatter_gradient() -> bool:
+  """Which form of d(loss)/d(logits) to trace: the scatter form when the default backend is XLA:CPU, the one-hot
+  form otherwise (a CPU mesh on a GPU host gets the one-hot form: correct, slower)."""
   return jax.default_backend() == "cpu"
 
 
 def _dlogits(logits_PCV, shift_PC, exp_PCV, sum_PC, targets_PC, weights_PC):
-  """d(loss)/d(logits) = w * (softmax - one-hot) in f32, in the form each compiler runs fastest.
+  """d(loss)/d(logits) = w * (softmax - one-hot) in f32, in the form measured fastest on each compiler.
 
-  XLA:GPU fuses `(exp(logits - log-sum-exp) - one_hot) * w` into one pass that reads the logits and writes the
-  gradient (the form the H200 runs of 2026-11-30 measured). XLA:CPU fused the one-hot's iota compare into a pass 10x
-  slower than the exp pass over the same array (42 vs 4 ms of thread time per CPU bench step), so there the
-  gradient reuses exp(logits - max) with one scale per row, then scatters -w at each row's target (vmapped over P so
-  that a P split over devices stays split). The scatter form unfused on a GPU would write and read the f32 exp and
-  the f32 gradient once more each."""
-  if _scatter_gradient():
+  Off the CPU: `(exp(logits - max - log(sum)) - one_hot) * w`, the form of 2026-11-30 (commit 9b55d36) that the
+  H200 runs measured, a pass XLA:GPU can fuse from logits to gradient. On XLA:CPU the one-hot's iota compare was
+  fused into a pass 10x slower than the exp pass over the same array (42 vs 4 ms of thread time per CPU bench step),
+  so there the gradient reuses exp(logits - max) with one scale per row, then scatters -w at each row's target
+  (vmapped over P so that a P split over devices stays split); that form is unmeasured on GPUs."""
+  if _use_scatter_gradient():
     dlogits_PCV = exp_PCV * (weights_PC / sum_PC)[..., None]
     subtract_at_targets = lambda d_CV, t_C, w_C: d_CV.at[jnp.arange(t_C.shape[0]), t_C].add(-w_C)
     return jax.vmap(subtract_at_targets)(dlogits_PCV, targets_PC, weights_PC)
-  lse_PC = shift_PC + jnp.log(sum_PC)
-  softmax_PCV = jnp.exp(logits_PCV - lse_PC[..., None])
+  softmax_PCV = jnp.exp((logits_PCV - shift_PC[..., None]) - jnp.log(sum_PC)[..., None])
   one_hot_PCV = jax.nn.one_hot(targets_PC, logits_PCV.shape[-1], dtype=jnp.float32)
   return (softmax_PCV - one_hot_PCV) * weights_PC[..., None]
 
@@ -128,9 +127,9 @@ def _forward(x_ND, table_VD, targets_N, weights_N, chunk, shards, policy):
   def body(carry, xs):
     loss_sum, correct_sum, dtable_PVD = carry
     x_PCD, targets_PC, weights_PC = xs
-    loss, correct, *softmax_parts = _chunk_stats(x_PCD, table_VD, targets_PC, weights_PC, policy)
+    loss, correct, *stats = _chunk_stats(x_PCD, table_VD, targets_PC, weights_PC, policy)
     # The gradient in f32, then matmuls in the compute dtype with f32 accumulation.
-    dlogits_PCV = _dlogits(*softmax_parts, targets_PC, weights_PC).astype(compute_dtype)
+    dlogits_PCV = _dlogits(*stats, targets_PC, weights_PC).astype(compute_dtype)
     dx_PCD = policy.einsum("pcv,vd->pcd", dlogits_PCV, table_VD, **_F32)
     # Each device accumulates its own partial table gradient; they are summed once, after the scan.
     dtable_PVD = dtable_PVD + policy.einsum("pcv,pcd->pvd", dlogits_PCV, x_PCD, **_F32)

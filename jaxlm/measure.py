@@ -130,10 +130,11 @@ LIBRARY_KINDS = ("matmul", "custom-call", "attention (cuDNN)")
 
 
 def wall_time_shares(intervals: list[tuple]) -> dict[str, float]:
-  """How the wall time from the first op's start to the last op's end splits by what runs at once: a matmul /
-  custom call / library kernel with nothing else ("library alone"), one beside XLA fusions, XLA fusions alone (one,
-  or several on different threads), or nothing. On the CPU this says what the thread time cannot: a fusion alone
-  means the other threads wait (XLA:CPU runs each loop fusion as one task)."""
+  """How the wall time from the first op's start to the last op's end splits by what runs at once, given the
+  (start, end, kind) of one device's ops (or of the host threads' on a CPU): library calls (matmuls, custom calls,
+  cuDNN; one or several) with no XLA op beside them, library calls beside XLA ops, one XLA op alone (a fusion, a
+  copy, a collective...), several XLA ops, or nothing. On the CPU this says what thread time cannot: an XLA op
+  alone means the other threads wait (XLA:CPU runs each loop fusion as one task)."""
   edges = sorted([(start, +1, kind in LIBRARY_KINDS) for start, _, kind in intervals]
                  + [(end, -1, kind in LIBRARY_KINDS) for _, end, kind in intervals])
   running = {True: 0, False: 0}
@@ -141,9 +142,9 @@ def wall_time_shares(intervals: list[tuple]) -> dict[str, float]:
   previous = edges[0][0] if edges else 0
   for time_ns, change, library in edges:
     if running[True]:
-      state = "library beside fusions" if running[False] else "library alone"
+      state = "library beside XLA ops" if running[False] else "library alone"
     else:
-      state = {0: "nothing", 1: "one fusion"}.get(running[False], "several fusions")
+      state = {0: "nothing", 1: "one XLA op"}.get(running[False], "several XLA ops")
     shares[state] += time_ns - previous
     running[library] += change
     previous = time_ns

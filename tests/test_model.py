@@ -125,8 +125,8 @@ def test_rope_equals_hf_rotate_half_values_and_gradients():
   positions = jnp.array([[0, 1, 2, 3, 4, 5, 6], [5, 9, 100, 2047, 0, 1, 3]], jnp.int32)
   ours = jax.jit(lambda x, p: layers.apply_rope(x, layers.rotary_tables(p, 16, 10000.0)))
   reference = jax.jit(functools.partial(_rope_rotate_half, theta=10000.0))
-  # The same products and sums in the same order: equal bit for bit on the CPU.
-  np.testing.assert_array_equal(np.asarray(ours(x, positions)), np.asarray(reference(x, positions)))
+  # The same products and sums: equal to rounding (bit for bit on today's CPU; a compiler may contract differently).
+  chex.assert_trees_all_close(ours(x, positions), reference(x, positions), atol=1e-6, rtol=0)
   cotangent = jax.random.normal(jax.random.key(1), x.shape, jnp.float32)
   grad = lambda f: jax.grad(lambda x: jnp.sum(f(x, positions) * cotangent))(x)
   chex.assert_trees_all_close(grad(ours), grad(reference), atol=1e-6)

@@ -153,14 +153,3 @@ def test_progress_bar_accepts_absolute_steps(capsys):
   assert telemetry._format_postfix({"loss": 2.345678, "tokens_per_sec": 12345.0, "mfu": 0.412}) == (
       "loss=2.3457, tok/s=12.3k, mfu=41.2%")
 
-
-def test_median_interval_is_the_order_statistics_interval():
-  from jaxlm.measure import median_interval  # noqa: PLC0415
-  # n = 10: [x_(2), x_(9)] covers the median with 1 - 2 * 11 / 1024; n = 20: [x_(6), x_(15)], 1 - 2 * 21700 / 2^20.
-  assert median_interval([5, 1, 9, 3, 7, 2, 10, 4, 8, 6]) == (2, 9, pytest.approx(1 - 22 / 1024))
-  low, high, coverage = median_interval(range(1, 21))
-  assert (low, high) == (6, 15) and coverage == pytest.approx(1 - 2 * 21700 / 2**20) and coverage >= 0.95
-  # Too few values for 95%: the full range, and how sure it is.
-  assert median_interval([1.02, 0.97, 1.10]) == (0.97, 1.10, 0.75)
-  with pytest.raises(ValueError, match="at least one value"):
-    median_interval([])

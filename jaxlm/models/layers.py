@@ -3,7 +3,8 @@ The masks and attention computations themselves are in attention.py.
 
 Dimension alphabet used in names and comments:
   B batch   T query positions   S key positions (cache slots)   D d_model   H query heads   G key/value heads
-  R query heads per key/value head (H = G * R)   K head dim   F MLP width   V vocab   L layers
+  R query heads per key/value head (H = G * R)   K head dim   k half the head dim (rotary pairs)   F MLP width
+  V vocab   L layers
 
 We write these few layers ourselves instead of using `nnx.Linear` & co. because each parameter must carry its
 logical axis names (`axes=` metadata, read by `jaxlm.sharding`) and each matmul must follow the precision policy
@@ -106,16 +107,19 @@ class RMSNorm(nnx.Module):
 
 
 class Rotary(NamedTuple):
-  """cos and sin of every rotary angle, [B, T, K/2] in f32: computed once per forward pass and shared by every
-  layer. Computed inside each layer, XLA fuses cos and sin into the kernel that rotates q or k and evaluates them
-  for every head: on this CPU one rotation of q [8, 256, 8, 64] took 4.5-5.0 ms that way, 0.3 ms from tables
-  (forward and backward: 1.3-1.9 vs 0.6 ms). On the H200 the ~1B Llama's RoPE kernels took 7.3 ms of a 234 ms
-  step at ~1 TB/s, likely the same cause (WORKSPACE.md 2026-11-30 and 2026-12-01; unmeasured there with tables)."""
+  """cos and sin of every rotary angle, [B, T, K/2] in f32: computed once per forward pass and shared by every layer,
+  as HF does. Computed from the positions inside each layer, XLA fused cos and sin into the kernel that rotates q or k
+  and evaluated them for every head and element: on this CPU one rotation of q [8, 256, 8, 64] took 4.5 ms forward and
+  1.3-9.5 ms forward and backward (as XLA happened to fuse) that way, 0.3 and 0.6 ms from tables (the whole CPU Llama
+  step, where RoPE is under 1%, did not change measurably). The ~1B Llama's RoPE kernels took 7.3 ms of a 234 ms H200
+  step, not bandwidth-bound, possibly the same cause; unmeasured there with tables (WORKSPACE.md 2026-11-30,
+  2026-12-01)."""
   cos_BTk: jax.Array
   sin_BTk: jax.Array
 
 
 def rotary_tables(positions_BT: jax.Array, head_dim: int, theta: float) -> Rotary:
+  """The Rotary tables of `positions` (each row its own, e.g. restarting at every packed document's start)."""
   half = head_dim // 2
   inv_freq = 1.0 / theta ** (jnp.arange(0, 2 * half, 2, dtype=jnp.float32) / (2 * half))  # [K/2]
   angles_BTk = positions_BT.astype(jnp.float32)[:, :, None] * _lead(inv_freq, 3)

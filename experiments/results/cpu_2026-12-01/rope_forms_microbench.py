@@ -1,5 +1,5 @@
 """Session 10 (2026-12-01): one RoPE rotation in three forms (pair-swap with reverse, HF concatenate, stack),
-cos/sin precomputed; forward and forward+backward times on the CPU, and the HLO ops each compiles to.
+cos/sin precomputed, and the HF form with the angles computed inside; forward and forward+backward times on the CPU, and the HLO ops each compiles to.
   JAX_PLATFORMS=cpu python experiments/results/cpu_2026-12-01/rope_forms_microbench.py
 """
 import time, statistics, jax, jax.numpy as jnp
@@ -20,8 +20,12 @@ def stk(x, cos, sin):
   c, s = cos[:, :, None, :], sin[:, :, None, :]
   xp = x.reshape(*x.shape[:-1], 2, half); x1, x2 = xp[..., 0, :], xp[..., 1, :]
   return jnp.stack([x1 * c - x2 * s, x2 * c + x1 * s], axis=-2).reshape(x.shape)
+def inside(x, cos, sin):  # the angles computed from the positions inside the rotation (before session 10)
+  del cos, sin
+  a = pos.astype(jnp.float32)[:, :, None] * inv[None, None, :]
+  return cat(x, jnp.cos(a), jnp.sin(a))
 fs = {}
-for n, f in [("rev", rev), ("cat", cat), ("stk", stk)]:
+for n, f in [("rev", rev), ("cat", cat), ("stk", stk), ("inside", inside)]:
   fs[n+"_fwd"] = jax.jit(f)
   fs[n+"_vg"] = jax.jit(jax.value_and_grad(lambda x, c, s, f=f: jnp.sum(f(x, c, s) * x)))
 ts = {n: [] for n in fs}
