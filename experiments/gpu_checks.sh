@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # Every speed check still owed to a GPU (#9), as ONE script for a short device session (4.3 minutes on an H200 on
-# 2026-11-30; each part has its own time limit, so one failure does not eat the rest). Results go under OUT
+# 2026-11-30, ~6 expected with the Llama batch-16 variant and profile added). Each part has its own time limit, so
+# one failure does not eat the rest; the limits add up to 710 s, over a device command's 600 s, so a part that hangs
+# to its limit can cut the last ones (every part writes its own files as it ends). Results go under OUT
 # (default runs/gpu_checks):
 #   ab_gpt2/ab.json           GPT-2 124M, bf16, seq 1024, batch 32: jaxlm's speed options side by side in ONE process,
 #                             rounds interleaved (experiments/ab_step.py), beside torch.compile's HF GPT-2 step of the
 #                             same shape; tokens/s and MFU (bf16 datasheet peak) per contender
 #   profile_gpt2/profile.json where the baseline step's time goes, kernel by kernel (experiments/profile_step.py)
 #   ab_llama/ab.json          the ~1.1B Llama flavour, seq 2048, batch 8: options side by side
+#   profile_llama/profile.json  its baseline step kernel by kernel (the RoPE kernels: 7.3 ms on 2026-11-30)
 #   (log.txt)                 tests/test_perf_options.py's cuDNN-vs-XLA attention test, skipped on the CPU
 #   log.txt                   everything printed
 # Usage: bash experiments/gpu_checks.sh [python] [OUT]
@@ -53,9 +56,10 @@ LLAMA="--config=experiments/configs/bench_llama_1b.py --config.model.cross_entro
 XLA_PYTHON_CLIENT_PREALLOCATE=false part 200 ab_llama $PY experiments/ab_step.py $LLAMA --rounds=3 \
     --steps_per_round=3 --workdir="$OUT/ab_llama" \
     --variants="base:,qkv:model.fuse_qkv=True,$TRITON_BLOCKS,b16:train.batch_size=16"
+part 90 profile_llama $PY experiments/profile_step.py $LLAMA --workdir="$OUT/profile_llama" --top=30
 # cuDNN attention against the XLA reference (bf16, packed documents): the one test the CPU suite skips.
 JAX_PLATFORMS=cuda part 90 test_cudnn $PY -m pytest -q -p no:cacheprovider tests/test_perf_options.py -k cudnn
-rm -rf "$OUT/profile_gpt2/trace"  # the raw trace is too deep and large to come back
+rm -rf "$OUT/profile_gpt2/trace" "$OUT/profile_llama/trace"  # the raw traces are too deep and large to come back
 grep -h -B1 -A12 "ms/step (min" "$OUT/log.txt" | grep -v "^WARNING\|^I0\|^W0" >"$OUT/summary.txt"
 grep -h -A45 "ms wall; ops" "$OUT/log.txt" >>"$OUT/summary.txt"
 grep -h "passed\|failed\|error" "$OUT/log.txt" | tail -3 >>"$OUT/summary.txt"
