@@ -221,8 +221,6 @@ def einsum(subscripts: str, x: jax.Array, w: jax.Array) -> jax.Array:
   return matmul(a, b, trans_a, trans_b).reshape(tuple(shape_of[c] for c in out))
 
 
-
-
 def attention_forward(q_BTHK: jax.Array, k_BTGK: jax.Array, v_BTGK: jax.Array, mask_BTT: jax.Array,
                       block: int) -> tuple[jax.Array, jax.Array]:
   """(softmax(q k^T + mask) v [B, T, H, K], log-sum-exp per query [B, H, T] f32) for causal self-attention, q

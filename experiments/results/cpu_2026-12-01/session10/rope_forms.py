@@ -1,6 +1,6 @@
 """Session 10 (2026-12-01): one RoPE rotation in three forms (pair-swap with reverse, HF concatenate, stack),
 cos/sin precomputed, and the HF form with the angles computed inside; forward and forward+backward times on the CPU, and the HLO ops each compiles to.
-  JAX_PLATFORMS=cpu python experiments/results/cpu_2026-12-01/rope_forms_microbench.py
+  JAX_PLATFORMS=cpu python experiments/results/cpu_2026-12-01/session10/rope_forms.py
 """
 import time, statistics, jax, jax.numpy as jnp
 x = jax.random.normal(jax.random.key(0), (8,256,8,64), jnp.float32); pos = jnp.broadcast_to(jnp.arange(256), (8,256))
