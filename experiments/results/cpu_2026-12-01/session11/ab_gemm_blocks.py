@@ -1,5 +1,6 @@
 """Session 11, in-process A/B: the bench_cpu step with each blas gemm split into 1, 2 or 4 blocks per XLA pool
-thread (taken dynamically by jaxlm::ParallelFor), rounds interleaved, a warm-up step per setting per round.
+thread (taken dynamically by jaxlm::ParallelFor, which then also schedules blocks - 1 pool tasks on the 2-thread
+pool), rounds interleaved, a warm-up step per setting per round.
 Needs a temporary patch of jaxlm/blas_gemm.cc that reads the setting per call (not kept; GemmImpl's g.blocks line):
   const char* env = std::getenv("JAXLM_GEMM_BLOCKS_PER_THREAD"); const int64_t per = env ? std::atoi(env) : 1;
   g.blocks = int(std::min<int64_t>({per * std::max<int64_t>(pool.num_threads(), 1), by_size, parts}));
@@ -29,4 +30,5 @@ for r in range(int(sys.argv[1])):
 base = statistics.median(times[settings[0]])
 for s, v in times.items():
   paired = statistics.median(a / b for a, b in zip(times[settings[0]], v))
-  print(f"blocks/thread {s}: median {statistics.median(v)*1e3:.0f} ms, speedup {base/statistics.median(v):.3f}, paired {paired:.3f}")
+  print(f"blocks/thread {s}: median {statistics.median(v) * 1e3:.0f} ms, speedup {base / statistics.median(v):.3f}, "
+        f"paired {paired:.3f}")

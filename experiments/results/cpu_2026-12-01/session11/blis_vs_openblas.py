@@ -1,6 +1,6 @@
 """Session 11: single-thread sgemm rate of scipy's OpenBLAS (what jaxlm.blas calls) vs BLIS (the library inside
 PyPI's `blis` 1.3.4 wheel, explosion's build) on per-thread halves of the bench_cpu step's gemm shapes (row-major).
-  pip download --no-deps blis -d /tmp/blis && (cd /tmp/blis && unzip -q -o blis-*.whl)
+  pip download --no-deps blis==1.3.4 -d /tmp/blis && (cd /tmp/blis && unzip -q -o blis-*.whl)
   python experiments/results/cpu_2026-12-01/session11/blis_vs_openblas.py /tmp/blis
 """
 import ctypes, glob, os, sys, time
@@ -14,7 +14,9 @@ print("blis arch", blis.bli_arch_string(blis.bli_arch_query_id()))
 cap = cb.__pyx_capi__["sgemm"]
 ctypes.pythonapi.PyCapsule_GetPointer.restype = ctypes.c_void_p
 ctypes.pythonapi.PyCapsule_GetPointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
-ptr = ctypes.pythonapi.PyCapsule_GetPointer(cap, b"void (char *, char *, int *, int *, int *, __pyx_t_5scipy_6linalg_11cython_blas_s *, __pyx_t_5scipy_6linalg_11cython_blas_s *, int *, __pyx_t_5scipy_6linalg_11cython_blas_s *, int *, __pyx_t_5scipy_6linalg_11cython_blas_s *, __pyx_t_5scipy_6linalg_11cython_blas_s *, int *)")
+ctypes.pythonapi.PyCapsule_GetName.restype = ctypes.c_char_p
+ctypes.pythonapi.PyCapsule_GetName.argtypes = [ctypes.py_object]
+ptr = ctypes.pythonapi.PyCapsule_GetPointer(cap, ctypes.pythonapi.PyCapsule_GetName(cap))  # the capsule's own name
 P = ctypes.POINTER
 fp = ctypes.CFUNCTYPE(None, ctypes.c_char_p, ctypes.c_char_p, P(ctypes.c_int), P(ctypes.c_int), P(ctypes.c_int),
                       P(ctypes.c_float), ctypes.c_void_p, P(ctypes.c_int), ctypes.c_void_p, P(ctypes.c_int),
@@ -51,4 +53,5 @@ for m, k, n, ta, tb in shapes:
     for _ in range(7):
       t = time.perf_counter(); f(a, b, c, ta, tb); f(a, b, c, ta, tb); best = min(best, (time.perf_counter() - t) / 2)
     res[name] = 2 * m * n * k / best / 1e9
-  print(f"{m}x{k}x{n} tA{ta} tB{tb}: openblas {res['openblas']:.1f}  blis {res['blis']:.1f} GFLOP/s  ratio {res['blis']/res['openblas']:.3f}")
+  print(f"{m}x{k}x{n} tA{ta} tB{tb}: openblas {res['openblas']:.1f}  blis {res['blis']:.1f} GFLOP/s  "
+        f"ratio {res['blis'] / res['openblas']:.3f}")

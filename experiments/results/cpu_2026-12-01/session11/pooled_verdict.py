@@ -16,7 +16,8 @@ for run in RUNS:
   ratios = [t / j for j, t in zip(data["jaxlm_step_sec_rounds"], data["torch_compile_step_sec_rounds"])]
   pooled += ratios
   low, high, coverage = measure.median_interval(ratios)
-  print(f"{run}: jaxlm_vs_torch_compile {data['jaxlm_vs_torch_compile']:.4f}, median round {statistics.median(ratios):.3f}"
-        f" [{low:.3f}, {high:.3f}] ({coverage:.1%}), {len(ratios)} rounds")
+  print(f"{run}: jaxlm_vs_torch_compile {data['jaxlm_vs_torch_compile']:.4f}, "
+        f"median round {statistics.median(ratios):.3f} [{low:.3f}, {high:.3f}] ({coverage:.1%}), {len(ratios)} rounds")
 low, high, coverage = measure.median_interval(pooled)
-print(f"pooled {len(pooled)} rounds: median {statistics.median(pooled):.3f}, {coverage:.1%} interval [{low:.3f}, {high:.3f}]")
+print(f"pooled {len(pooled)} rounds: median {statistics.median(pooled):.3f}, "
+      f"{coverage:.1%} interval [{low:.3f}, {high:.3f}]")

@@ -1,5 +1,6 @@
 """Session 11: one-thread OpenBLAS sgemm rate (numpy, [1024,384]x[384,1536]) with the other core idle vs running
-the same gemm in a second process: how much two busy cores cost each other.
+the same gemm in a second process: how much two busy cores cost each other. numpy's OpenBLAS (0.3.31, 64-bit
+ints) times it, not the scipy 0.3.30 build jaxlm.blas calls; one shape only.
   python experiments/results/cpu_2026-12-01/session11/two_core_rate.py
 """
 import os, sys, time, multiprocessing as mp
