@@ -37,9 +37,9 @@ _TOP = flags.DEFINE_integer("top", 25, "ops listed by time")
 flags.mark_flags_as_required(["config", "workdir"])
 
 def op_events(trace_dir: str, kinds: dict[str, str]) -> tuple[collections.Counter, list[tuple], list[dict]]:
-  """(nanoseconds per HLO instruction over the trace, (start, end, kind) of each event of the first plane, what the
-  trace holds): the device's kernel events on a GPU/TPU, XLA's thunks on the CPU (host threads named XLA/Eigen),
-  matched by their `hlo_op` stat or their name. Device kernels that match no instruction (library kernels) are
+  """(nanoseconds per HLO instruction over the trace, (start, end, instruction) of each event of the first plane,
+  what the trace holds): the device's kernel events on a GPU/TPU, XLA's thunks on the CPU (host threads named
+  XLA/Eigen), matched by their `hlo_op` stat or their name. Device kernels that match no instruction (library kernels) are
   counted under their kernel name, which is added to `kinds`. The intervals come from one plane (the first device,
   or the host's threads), so that devices running side by side do not read as ops running at once. The third
   value lists each plane's lines with a few sample events, for when nothing matches."""
@@ -72,7 +72,7 @@ def op_events(trace_dir: str, kinds: dict[str, str]) -> tuple[collections.Counte
         if name is not None and kinds[name] != "control":
           per_op[name] += event.duration_ns
           if plane_index == 0:
-            intervals.append((event.start_ns, event.start_ns + event.duration_ns, kinds[name]))
+            intervals.append((event.start_ns, event.start_ns + event.duration_ns, name))
   if not contents:
     contents = [{"plane": p.name, "lines": [_line_sample(line) for line in list(p.lines)[:4]]} for p in profile.planes]
   return per_op, intervals, contents
@@ -126,7 +126,7 @@ def main(argv):
       "backend": jax.default_backend(), "device_kind": jax.devices()[0].device_kind, "steps": steps,
       "step_ms": step_ms, "op_ms_total": ms(sum(per_op.values())),
       "kinds_ms": {k: ms(v) for k, v in by_kind.most_common()},
-      "wall_time_shares": measure.wall_time_shares(intervals),
+      "wall_time_shares": measure.wall_time_shares([(start, end, kinds[name]) for start, end, name in intervals]),
       "top_ops": [{"op": name, "kind": kinds[name], "ms": ms(ns), **summaries.get(name, {})} for name, ns in top],
   }
   files.write_json(os.path.join(workdir, "profile.json"), result)

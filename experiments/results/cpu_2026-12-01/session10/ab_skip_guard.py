@@ -10,6 +10,10 @@ from jaxlm import measure, train, config as config_lib
 spec = importlib.util.spec_from_file_location("c", "experiments/configs/bench_cpu.py"); m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)
 config = config_lib.from_config_dict(m.get_config())
 orig = train.make_train_step
+def _metrics(loss, count, aux, grad_norm, update_norm, params, learning_rate, finite):  # train.make_train_step's
+  return {"loss": loss, "token_accuracy": aux["correct"] / jnp.maximum(count, 1.0), "tokens": count,
+          "grad_norm": grad_norm, "update_norm": update_norm, "param_norm": train.global_norm(params),
+          "learning_rate": learning_rate, "skipped_steps": 1.0 - finite.astype(jnp.float32)}
 def guard_pre(graphdef, optimizer, grad_accum, schedule, mesh=None, gradient_sync="auto", loss_fn=None):
   gradient_fn = train.make_gradient_fn(loss_fn or train.make_loss_fn(graphdef), grad_accum, mesh, gradient_sync)
   def train_step(state, batch):
@@ -20,9 +24,7 @@ def guard_pre(graphdef, optimizer, grad_accum, schedule, mesh=None, gradient_syn
     params = optax.apply_updates(state["params"], updates)
     params, opt_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), (params, opt_state), (state["params"], state["opt_state"]))
     update_norm = train.global_norm(updates)
-    metrics = {"loss": loss, "token_accuracy": aux["correct"] / jnp.maximum(count, 1.0), "tokens": count, "grad_norm": grad_norm,
-               "update_norm": update_norm, "param_norm": train.global_norm(params), "learning_rate": schedule(state["step"]),
-               "skipped_steps": 1.0 - finite.astype(jnp.float32)}
+    metrics = _metrics(loss, count, aux, grad_norm, update_norm, params, schedule(state["step"]), finite)
     return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
   return train_step
 def cond(graphdef, optimizer, grad_accum, schedule, mesh=None, gradient_sync="auto", loss_fn=None):
@@ -39,9 +41,7 @@ def cond(graphdef, optimizer, grad_accum, schedule, mesh=None, gradient_sync="au
       params, opt_state, grads = args
       return params, opt_state, jnp.full((), jnp.nan, jnp.float32)
     params, opt_state, update_norm = jax.lax.cond(finite, apply, skip, (state["params"], state["opt_state"], grads))
-    metrics = {"loss": loss, "token_accuracy": aux["correct"] / jnp.maximum(count, 1.0), "tokens": count, "grad_norm": grad_norm,
-               "update_norm": update_norm, "param_norm": train.global_norm(params), "learning_rate": schedule(state["step"]),
-               "skipped_steps": 1.0 - finite.astype(jnp.float32)}
+    metrics = _metrics(loss, count, aux, grad_norm, update_norm, params, schedule(state["step"]), finite)
     return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
   return train_step
 VARIANTS = {"guard_pre": guard_pre, "cond": cond}
