@@ -2,8 +2,9 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-# 4 simulated CPU devices, so the tests and the demo exercise real meshes without an accelerator.
-CPU_DEVICES := XLA_FLAGS=--xla_force_host_platform_device_count=4 JAX_PLATFORMS=cpu
+# 4 simulated CPU devices, so the tests and the demo exercise real meshes without an accelerator; huge pages for
+# malloc as the scripts would set themselves (jaxlm.cli), so their subprocesses need not re-execute.
+CPU_DEVICES := XLA_FLAGS=--xla_force_host_platform_device_count=4 JAX_PLATFORMS=cpu GLIBC_TUNABLES=glibc.malloc.hugetlb=1
 
 .PHONY: demo test soak install install-test clean
 

@@ -20,8 +20,9 @@ from absl import flags, logging
 
 from jaxlm import config as config_lib
 from jaxlm import data as data_lib
-from jaxlm import cli, generate, optim, sharding, train
+from jaxlm import cli, generate, optim, sharding
 from jaxlm.checkpoint import Checkpointer, abstract_with_shardings
+from jaxlm import steps as steps_lib
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "training run folder (config.json, tokenizer.json, checkpoints/)")
 _PROMPT = flags.DEFINE_multi_string("prompt", ["def "], "prompt text; repeat the flag for a batch of prompts")
@@ -49,7 +50,7 @@ def load_run(workdir: str, mesh_tensor: int = 1):
   built = {}
 
   def init():  # traced only (eval_shape): shapes and shardings of the train state, nothing allocated
-    graphdef, state, state_shardings = train.init_train_state(config, mesh, optimizer)
+    graphdef, state, state_shardings = steps_lib.init_train_state(config, mesh, optimizer)
     built.update(graphdef=graphdef, shardings=state_shardings)
     return state
 

@@ -60,13 +60,14 @@ def load_lm(workdir: str, config) -> Task:
   import jax  # noqa: PLC0415
   from flax import nnx  # noqa: PLC0415
 
-  from jaxlm import data as data_lib, optim, sharding, train  # noqa: PLC0415
+  from jaxlm import data as data_lib, optim, sharding  # noqa: PLC0415
+  from jaxlm import steps as steps_lib  # noqa: PLC0415
   from jaxlm.checkpoint import Checkpointer, abstract_with_shardings  # noqa: PLC0415
   from jaxlm.models.gpt import GPT  # noqa: PLC0415
 
   mesh = sharding.make_mesh(config.mesh)
   optimizer = optim.make_optimizer(config.train)
-  graphdef, state, shardings = train.init_train_state(config, mesh, optimizer)
+  graphdef, state, shardings = steps_lib.init_train_state(config, mesh, optimizer)
   checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), 0, 1)
   restored = checkpointer.restore_latest(abstract_with_shardings(state, shardings), config.model)
   checkpointer.close()
@@ -85,14 +86,14 @@ def load_lm(workdir: str, config) -> Task:
 
   def evaluate(m):
     g, p = nnx.split(m)
-    result = train.evaluate(jax.jit(train.make_eval_step(g)), p, eval_batches, mesh)
+    result = steps_lib.evaluate(jax.jit(steps_lib.make_eval_step(g)), p, eval_batches, mesh)
     return {"perplexity": result["eval_perplexity"], "loss": result["eval_loss"],
             "token_accuracy": result["eval_token_accuracy"], "eval_tokens": len(eval_batches) * batch * config.data.seq_len}
 
   print(f"LM run {workdir}: step {step}, {len(eval_batches)} eval batches of {batch} x {config.data.seq_len}")
   return Task("lm", config.model, lambda c: GPT(c, rngs=nnx.Rngs(0)), model, mesh, evaluate,
               lambda m, b: m(b["inputs"], b["positions"], b["segment_ids"]), eval_batches[0],
-              batch * config.data.seq_len, "tokens", train_batches[:_CALIBRATION.value], train.make_loss_fn,
+              batch * config.data.seq_len, "tokens", train_batches[:_CALIBRATION.value], steps_lib.make_loss_fn,
               train_batches[:_PRUNE_STEPS.value])
 
 

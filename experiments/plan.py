@@ -6,9 +6,11 @@
 For every mesh of 1, 2, 4 and 8 devices (data x fsdp x tensor) on every --hardware profile (jaxlm/hardware.json, or
 --hardware_file), it predicts the per-device memory of each accumulation split (jaxlm.plan.predict_memory, no
 compile), picks the fewest micro-batches that fit, and predicts step time, MFU, wall time and cost for the token
-budget. It then compiles the train step on simulated CPU devices for each profile's recommended mesh and the
-one-device mesh, and reports the compiled memory and the collective bytes read from the HLO beside the prediction.
-Writes <workdir>/plan.json, plan.md (the table) and plan.png. Needs no accelerator.
+budget, with the kernels the run would use on that profile's platform (config.kernels, `auto` resolved there; the
+plan prints them). It then compiles the train step on simulated CPU devices for each profile's recommended mesh and
+the one-device mesh (kernels that cannot run on a CPU as their stand-ins), and reports the compiled memory and the
+collective bytes read from the HLO beside the prediction. Writes <workdir>/plan.json, plan.md (the table) and
+plan.png. Needs no accelerator.
 
 --measure also runs the train step here (as configured, on this machine's devices) and compares the predicted step
 time and memory with the measured ones: with a CPU "hardware profile" measured in the same run, or on a GPU with
@@ -46,17 +48,20 @@ _MEASURE_HARDWARE = flags.DEFINE_string("measure_hardware", "", "profile to pred
 flags.mark_flags_as_required(["config", "workdir"])
 
 
-def compile_row(config, row: dict, compiled_cache: dict) -> None:
-  """Adds the compiled (CPU) memory and HLO collective bytes to a row, and re-times it with those bytes."""
-  key = (row["mesh"], row["grad_accum"])
+def compile_row(config, row: dict, hardware: plan.Hardware, compiled_cache: dict) -> None:
+  """Adds the compiled (CPU) memory and HLO collective bytes to a row of `hardware`, for `retime`."""
   sizes = (row["data"], row["fsdp"], row["tensor"])
+  platform = hardware.platform or None
+  here = jax.devices()[0].platform
+  # Profiles whose kernels compile to the same program here (the same stand-ins) share one compile.
+  key = (row["mesh"], row["grad_accum"], plan.runnable_on(plan.planned_kernels(config, sizes, platform), here))
   if key not in compiled_cache:
     run_config = plan.with_mesh(config, sizes, row["grad_accum"])
-    compiled = plan.compile_train_step(run_config, jax.devices()[:row["devices"]])
+    compiled = plan.compile_train_step(run_config, jax.devices()[:row["devices"]], platform)
+    as_compiled = plan.as_compiled_on(run_config, here, sizes, platform)
     compiled_cache[key] = (plan.compiled_memory_bytes(compiled),
                            plan.compiled_collective_bytes(compiled, row["devices"])["total"],
-                           plan.predict_memory(plan.as_compiled_on(run_config, "cpu"), sizes,
-                                               row["grad_accum"])["total"])
+                           plan.predict_memory(as_compiled, sizes, row["grad_accum"], here)["total"])
   memory, collective, predicted_as_cpu = compiled_cache[key]
   row.update({"compiled_memory_gib": memory / plan.GIB, "predicted_memory_as_compiled_gib": predicted_as_cpu / plan.GIB,
               "memory_prediction_error": predicted_as_cpu / memory - 1,
@@ -65,9 +70,10 @@ def compile_row(config, row: dict, compiled_cache: dict) -> None:
 
 def retime(config, row: dict, hardware: plan.Hardware) -> None:
   sizes = (row["data"], row["fsdp"], row["tensor"])
+  platform = hardware.platform or None
   timing = plan.predict_step_time(config, sizes, row["grad_accum"], hardware,
-                                  plan.activation_model(config, row["tensor"]),
-                                  plan.state_bytes(config, sizes).params_f32, row["collective_bytes"])
+                                  plan.activation_model(config, sizes, platform),
+                                  plan.state_bytes(config, sizes, platform).params_f32, row["collective_bytes"])
   row.update(timing)
 
 
@@ -81,7 +87,8 @@ def format_table(rows: list[dict]) -> str:
     lines.append(
         f"| {r['hardware']} | {r['devices']} | {r['mesh']} | {'yes' if r['fits'] else 'NO'} | "
         f"{r['grad_accum']} x {r['micro_batch']} | {r['largest_local_micro_batch']} | "
-        f"{r['predicted_memory_gib']:.2f} | {compiled} | {r['headroom_gib']:.2f} | {r['step_time_sec']:.3f} | {100 * r['mfu']:.1f}% | "
+        f"{r['predicted_memory_gib']:.2f} | {compiled} | {r['headroom_gib']:.2f} | {r['step_time_sec']:.3f} | "
+        f"{100 * r['mfu']:.1f}% | "
         f"{r['on_demand_hours']:.2f} | {r['on_demand_usd']:.2f} | {r['spot_usd']:.2f} |")
   return "\n".join(lines)
 
@@ -134,9 +141,13 @@ def main(argv):
       restart_sec=_RESTART_SEC.value)
   os.makedirs(_WORKDIR.value, exist_ok=True)
   rows = plan.plan(config, hardware, counts, assumptions)
+  for profile in hardware:
+    if not any(r["hardware"] == profile.name for r in rows):
+      print(f"{profile.name}: no mesh can run this config; on one device: "
+            f"{plan.mesh_problem(config, (1, 1, 1), profile.platform or None) or 'see --devices'}")
   if not rows:
-    raise ValueError("no mesh can run this config on the given devices (heads or batch not divisible); "
-                     "try other --devices or train.batch_size")
+    raise ValueError("no mesh can run this config on the given devices (heads or batch not divisible, or a kernel "
+                     "in config.kernels the devices cannot run); try other --devices, train.batch_size or kernels")
 
   compiled_cache: dict = {}
   for profile in hardware:
@@ -148,7 +159,7 @@ def main(argv):
       chosen = []
     for row in chosen:
       if row["devices"] <= jax.device_count():
-        compile_row(config, row, compiled_cache)
+        compile_row(config, row, profile, compiled_cache)
         retime(config, row, profile)
 
   summary = {"config": _CONFIG.value.to_json(), "tokens": assumptions.tokens,
@@ -157,6 +168,8 @@ def main(argv):
     best = plan.recommend(rows, profile.name)
     summary[f"{profile.name}/recommended_mesh"] = best["mesh"] if best else "none fits"
     if best:
+      summary[f"{profile.name}/kernels"] = best["kernels"]
+      print(f"{profile.name}: kernels {best['kernels']}")
       summary[f"{profile.name}/recommended_grad_accum"] = best["grad_accum"]
       summary[f"{profile.name}/recommended_on_demand_usd"] = best["on_demand_usd"]
     message = plan.does_not_fit_message(rows, profile.name)
@@ -182,10 +195,13 @@ def main(argv):
     flat_rows.append(flat)
   files.write_json(os.path.join(_WORKDIR.value, "plan.json"), {**summary, "rows": flat_rows})
   table = format_table(rows)
+  kernels = "".join(f"\n- {name}: {summary[f'{name}/kernels']}" for name in (p.name for p in hardware)
+                    if f"{name}/kernels" in summary)
   files.write_text(os.path.join(_WORKDIR.value, "plan.md"),
                    f"# Plan for {config.model.flavour} d{config.model.d_model} x {config.model.num_layers} layers, "
                    f"batch {config.train.batch_size} x {config.data.seq_len}, {assumptions.tokens:.3g} tokens\n\n"
-                   f"{table}\n")
+                   f"{table}\n\nKernels of each recommended mesh (config.kernels resolved for the hardware):"
+                   f"{kernels}\n")
   plot(rows, os.path.join(_WORKDIR.value, "plan.png"))
   print(table)
   print(f"wrote {_WORKDIR.value}/plan.json, plan.md, plan.png")

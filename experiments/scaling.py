@@ -21,8 +21,9 @@ from ml_collections import config_flags
 
 from jaxlm import cli
 from jaxlm import config as config_lib
-from jaxlm import hlo, optim, plan, sharding, train
+from jaxlm import hlo, optim, plan, sharding
 from jaxlm import measure as measure_lib
+from jaxlm import steps as steps_lib
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "where scaling.json and scaling.png go")
@@ -62,8 +63,8 @@ def measure(config, strategy: str, num_devices: int) -> dict:
       *sizes, sequence_parallel=strategy in SEQUENCE_PARALLEL))
   mesh = sharding.make_mesh(config.mesh, jax.devices()[:num_devices])
   optimizer = optim.make_optimizer(config.train)
-  graphdef, state, shardings = train.init_train_state(config, mesh, optimizer)
-  train_step, _ = train.jit_steps(graphdef, optimizer, config, mesh, shardings)
+  graphdef, state, shardings = steps_lib.init_train_state(config, mesh, optimizer)
+  train_step, _ = steps_lib.jit_steps(graphdef, optimizer, config, mesh, shardings)
   b, t = config.train.batch_size, config.data.seq_len
   batch = measure_lib.synthetic_batch(b, t, config.model.vocab_size, mesh)
   compiled = train_step.lower(state, batch).compile()

@@ -2,7 +2,8 @@
 
 ml_collections parses `--config.section.key=value` overrides inside absl's flag parsing, and a key the config does
 not have surfaces there as a bare `AttributeError: "'foo'"` with a traceback. `run` checks every override against
-the config file first and stops with one line that names the key and what the section does have.
+the config file first and stops with one line that names the key and what the section does have. It also starts the
+process with transparent huge pages for glibc's malloc (`use_huge_page_malloc`), part of the CPU's fast path.
 """
 
 from __future__ import annotations
@@ -16,6 +17,20 @@ from typing import Callable, Sequence
 from absl import app
 
 _PREFIX = "--config."
+HUGE_PAGE_TUNABLE = "glibc.malloc.hugetlb=1"
+
+
+def use_huge_page_malloc() -> None:
+  """Re-executes this process with GLIBC_TUNABLES asking malloc for transparent huge pages (glibc >= 2.35 reads it;
+  older ones ignore it). XLA:CPU allocates each step's large temporaries afresh, and with 4 KiB pages every step
+  paid page faults and TLB misses for them. glibc reads the variable only at start-up, hence the exec (same PID, so
+  launchers and signals are unaffected). JAXLM_NO_HUGE_PAGES=1 opts out."""
+  tunables = os.environ.get("GLIBC_TUNABLES", "")
+  if (not sys.platform.startswith("linux") or HUGE_PAGE_TUNABLE in tunables
+      or os.environ.get("JAXLM_NO_HUGE_PAGES")):
+    return
+  os.environ["GLIBC_TUNABLES"] = ":".join(filter(None, [tunables, HUGE_PAGE_TUNABLE]))
+  os.execv(sys.executable, sys.orig_argv)
 
 
 def unknown_override(argv: Sequence[str]) -> str | None:
@@ -46,6 +61,8 @@ def run(main: Callable[[list[str]], None], argv: Sequence[str] | None = None) ->
   """absl's app.run, plus: unknown `--config.*` keys are refused before parsing, so are positional arguments (the
   scripts take flags only), and the input errors jaxlm raises (ValueError, missing files) end the script with
   their one-line message instead of a traceback (JAXLM_TRACEBACK=1 keeps the traceback, for debugging)."""
+  if argv is None:  # the process's own command line: safe to run again
+    use_huge_page_malloc()
   argv = list(sys.argv if argv is None else argv)
   if error := unknown_override(argv):
     sys.exit(f"error: {error}")

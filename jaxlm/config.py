@@ -12,9 +12,6 @@ from typing import Any
 
 import ml_collections
 
-ATTENTION_IMPLEMENTATIONS = ("xla", "causal_blocks", "cpu_fused", "recompute", "jax", "cudnn")
-
-
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
   vocab_size: int = 8192  # tokens; the BPE tokenizer is trained to this size when none is given
@@ -26,32 +23,9 @@ class ModelConfig:
   layer_norm_eps: float = 1e-5  # LayerNorm epsilon (GPT-2 uses 1e-5)
   init_std: float = 0.02  # normal init std; residual projections are scaled by 1/sqrt(2 * num_layers)
   param_dtype: str = "float32"  # master weights (kept in f32 for stable updates)
-  compute_dtype: str = "bfloat16"  # matmul inputs; use float32 on the CPU where bf16 matmuls are slow
-  remat: str = "none"  # activation recomputation per block: none | full | dots (save matmul outputs only)
-  attention: str = "xla"  # attention implementation: xla (einsum + f32 softmax, the reference) | causal_blocks
-                          # (the same in query blocks that skip the masked upper triangle; decoders) | cpu_fused
-                          # (causal_blocks as one C++ call per layer and direction: CPU, f32, jaxlm/cpu_attention.cc,
-                          # built on first use like matmul=blas; decoders; one device: on a mesh XLA runs the call
-                          # whole on every device) | recompute
-                          # (saves only q, k, v, output and log-sum-exp, as flash kernels do) | jax
-                          # (jax.nn.dot_product_attention's XLA path) | cudnn (its cuDNN flash path; GPUs only)
-  attention_block: int = 32  # causal_blocks and cpu_fused: queries per block (T=256 on the 2-core CPU:
-                             # causal_blocks 1.05-1.09x faster at 32 than 64; cpu_fused within 2% either way)
-  scan_layers: bool = True  # False: a Python loop over the layers (compile time grows with depth; no stacked
-                            # [L, ...] activation buffers). On an H200 the loop ran 1.16-1.32x faster (and GPT-2
-                            # took 15.6 GB vs 26.5 GB scanned with the mask), so the GPU configs loop; the CPU
-                            # bench's loop ran 0.82-1.03x
-  scan_unroll: int = 1  # blocks per iteration of the layer scan: >1 trades compile time for less per-layer copying
+  compute_dtype: str = "bfloat16"  # matmul inputs; use float32 on the CPU, where bf16 matmuls are slow
   document_mask: bool = True  # decoders: packed documents attend only within themselves; False: plain causal
-                              # attention across the documents of a row (as GPT-2, nanoGPT and llm.c train), which
-                              # lets cuDNN run its causal kernel with no mask tensor (a mask becomes a bias whose
-                              # gradient jax's cuDNN path always computes)
-  fuse_qkv: bool = False  # compute q, k, v with one matmul over the concatenated weights (params stay separate)
-  cross_entropy_chunk: int = 0  # 0: [B, T, V] logits, then the loss (reference) | N: fused loss + gradient over
-                                # N-token chunks, no [B, T, V] array (jaxlm/cross_entropy.py)
-  matmul: str = "xla"  # the weight matmuls: xla (XLA's dot, every platform) | blas (the CPU's OpenBLAS sgemm as a
-                       # custom call, f32 only, built on first use: jaxlm/blas.py; on a mesh of several devices XLA
-                       # runs each call whole on every device, so use it on one)
+                              # attention across the documents of a row (as GPT-2, nanoGPT and llm.c train)
   flavour: str = "gpt2"  # gpt2 | llama (decoders, see jaxlm/models/gpt.py) | bert (encoder, jaxlm/models/bert.py)
   num_kv_heads: int = 0  # key/value heads: 0 = num_heads; fewer = grouped-query, 1 = multi-query attention
   rope_theta: float = 10000.0  # rotary position base of the llama flavour
@@ -65,6 +39,24 @@ class ModelConfig:
   @property
   def head_dim(self) -> int:
     return self.d_model // self.num_heads
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelsConfig:
+  """How the model is executed: none of these change the function it computes (each implementation is tested equal
+  to the reference). `auto` picks the fastest tested implementation for the platform, compute dtype and mesh
+  (jaxlm/kernels/registry.py); the resolved choice is printed at start-up and written to config.json."""
+  attention: str = "auto"  # auto | xla (reference) | causal_blocks | cpu_fused | recompute | jax | cudnn | tokamax
+  attention_block: int = 32  # queries per block of causal_blocks and cpu_fused
+  matmul: str = "auto"  # the weight matmuls: auto | xla | blas (OpenBLAS custom call, CPU)
+  cross_entropy: str = "auto"  # auto | logits (the reference) | chunked (no [B, T, V] logits) | tokamax
+  cross_entropy_chunk: int = 0  # tokens per chunk of the chunked cross-entropy; 0 = auto
+  norm: str = "auto"  # LayerNorm / RMSNorm: auto | xla | tokamax
+  glu: str = "auto"  # Llama's gated MLP projection: auto | xla | tokamax
+  fuse_qkv: str = "auto"  # q, k, v from one matmul: auto | fused | separate
+  layers: str = "auto"  # auto | scan (compile time flat in depth) | loop (a Python loop over the layers)
+  scan_unroll: int = 1  # layers per iteration of the scan
+  remat: str = "auto"  # activation recomputation per block: auto | none | full | dots (save matmul outputs only)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,6 +133,7 @@ class LogConfig:
 @dataclasses.dataclass(frozen=True)
 class Config:
   model: ModelConfig = ModelConfig()
+  kernels: KernelsConfig = KernelsConfig()
   mesh: MeshConfig = MeshConfig()
   data: DataConfig = DataConfig()
   train: TrainConfig = TrainConfig()
@@ -202,31 +195,16 @@ def validate(config: Config) -> None:
     raise ValueError(f"data.seq_len={d.seq_len} exceeds model.max_seq_len={m.max_seq_len}; raise model.max_seq_len")
   if t.grad_accum < 1 or t.batch_size % t.grad_accum:
     raise ValueError(f"train.batch_size={t.batch_size} is not divisible by train.grad_accum={t.grad_accum}")
-  if m.remat not in ("none", "full", "dots"):
-    raise ValueError(f"model.remat={m.remat!r} is not one of none, full, dots")
   if m.flavour not in ("gpt2", "llama", "bert"):
     raise ValueError(f"model.flavour={m.flavour!r} is not one of gpt2, llama, bert")
   if m.num_kv_heads < 0 or m.num_heads % (m.num_kv_heads or m.num_heads):
     raise ValueError(f"model.num_heads={m.num_heads} is not divisible by model.num_kv_heads={m.num_kv_heads}")
   if m.flavour == "llama" and m.head_dim % 2:
     raise ValueError(f"model.d_model/num_heads={m.head_dim} must be even for rotary positions (llama)")
-  if m.attention not in ATTENTION_IMPLEMENTATIONS:
-    raise ValueError(f"model.attention={m.attention!r} is not one of: {', '.join(ATTENTION_IMPLEMENTATIONS)}")
-  if m.attention_block < 1 or m.scan_unroll < 1:
-    raise ValueError(f"model.attention_block={m.attention_block} and model.scan_unroll={m.scan_unroll} must be >= 1")
-  if m.cross_entropy_chunk < 0:
-    raise ValueError(f"model.cross_entropy_chunk={m.cross_entropy_chunk} must be >= 0 (0 = full logits)")
-  if m.matmul not in ("xla", "blas"):
-    raise ValueError(f"model.matmul={m.matmul!r} is not one of xla, blas")
-  if m.attention == "cpu_fused" and m.compute_dtype != "float32":
-    raise ValueError(f"model.attention=cpu_fused computes in float32, not model.compute_dtype={m.compute_dtype}: "
-                     "set model.compute_dtype=float32 or model.attention=causal_blocks")
-  if m.matmul == "blas" and m.compute_dtype != "float32":
-    raise ValueError(f"model.matmul=blas computes in float32, not model.compute_dtype={m.compute_dtype}: set "
-                     "model.compute_dtype=float32 or model.matmul=xla")
   for name in ("param_dtype", "compute_dtype"):
     if getattr(m, name) not in ("float32", "bfloat16", "float16"):
       raise ValueError(f"model.{name}={getattr(m, name)!r} is not one of float32, bfloat16, float16")
+  validate_kernels(config.kernels)
   if d.source not in ("demo", "files", "hf"):
     raise ValueError(f"data.source={d.source!r} is not one of demo, files, hf")
   if d.batching not in ("dynamic", "bucket", "max"):
@@ -241,3 +219,27 @@ def validate(config: Config) -> None:
     raise ValueError(f"train.steps={t.steps} must be >= 1")
   if t.max_consecutive_nonfinite < 1:
     raise ValueError(f"train.max_consecutive_nonfinite={t.max_consecutive_nonfinite} must be >= 1")
+
+
+KERNEL_CHOICES = {
+    "attention": ("auto", "xla", "causal_blocks", "cpu_fused", "recompute", "jax", "cudnn", "tokamax"),
+    "matmul": ("auto", "xla", "blas"),
+    "cross_entropy": ("auto", "logits", "chunked", "tokamax"),
+    "norm": ("auto", "xla", "tokamax"),
+    "glu": ("auto", "xla", "tokamax"),
+    "fuse_qkv": ("auto", "fused", "separate"),
+    "layers": ("auto", "scan", "loop"),
+    "remat": ("auto", "none", "full", "dots"),
+}
+
+
+def validate_kernels(k: KernelsConfig) -> None:
+  """Names that exist at all; whether one fits this platform, dtype and mesh is jaxlm.kernels.resolve's check."""
+  for key, choices in KERNEL_CHOICES.items():
+    if getattr(k, key) not in choices:
+      raise ValueError(f"kernels.{key}={getattr(k, key)!r} is not one of {', '.join(choices)}")
+  for key in ("attention_block", "scan_unroll"):
+    if getattr(k, key) < 1:
+      raise ValueError(f"kernels.{key}={getattr(k, key)} must be >= 1")
+  if k.cross_entropy_chunk < 0:
+    raise ValueError(f"kernels.cross_entropy_chunk={k.cross_entropy_chunk} must be >= 0 (0 = auto)")

@@ -1,13 +1,14 @@
 """Fine-tuning a BERT encoder for sequence classification (single texts or text pairs).
 
-The run reuses pre-training's pieces: the mesh and sharded init (`train.init_train_state`), the optimizer and exact
-gradient accumulation (`train.make_train_step` with a classification loss), orbax checkpoints with the loader
-position (`Checkpointer`), NaN skipping and stop signals (`reliability`) and the metrics writer. What it adds:
+The run goes through pretraining's loop, `train.run_loop` (resume, stop signals, non-finite skipping, metric windows,
+eval cadence, checkpoints with the loader position, report.md), and its pieces: the sharded init
+(`steps_lib.init_train_state`) and the jitted steps (`steps_lib.jit_steps` with a classification loss). This module keeps
+what is specific to classification (its `train.Task`):
 
   init_from   (jaxlm/pretrained.py) an HF checkpoint folder (config.json + safetensors, e.g. all-MiniLM-L6-v2)
               or a jaxlm run workdir (its latest orbax checkpoint); the encoder (and a classification head for the
               same classes) is loaded, anything missing (the head, a pooler) starts from the seeded random init. The
-              model's shape comes from the checkpoint; `model.compute_dtype`, `model.param_dtype` and `model.remat`
+              model's shape comes from the checkpoint; `model.compute_dtype`, `model.param_dtype` and `kernels`
               from the config.
   tokenizer   the checkpoint's own (tokenizer.json or vocab.txt); `data.tokenizer` when init_from is empty.
   eval        every `train.eval_every_steps` and at the end, on every held-out example: accuracy, precision,
@@ -39,13 +40,14 @@ import tokenizers
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxlm import evaluate, files, hf, optim, reliability, sharding, telemetry, train
+from jaxlm import evaluate, files, hf, optim, reliability, telemetry, train
 from jaxlm import pretrained as pretrained_lib
-from jaxlm.checkpoint import Checkpointer, abstract_with_shardings
 from jaxlm.config import Config
+from jaxlm.kernels import Kernels
 from jaxlm.data import classification as cls_data
 from jaxlm.models.bert import BertForSequenceClassification
 from jaxlm.pretrained import LABELS_FILE, TOKENIZER_FILE
+from jaxlm import steps as steps_lib
 
 BEST_MODEL = "best_model"
 
@@ -75,18 +77,12 @@ def make_eval_step(graphdef: nnx.GraphDef):
   return eval_step
 
 
-def _batch_shardings(mesh: Mesh) -> dict:
-  two_d = sharding.batch_sharding(mesh, 2)
-  one_d = sharding.batch_sharding(mesh, 1)
-  return {"input_ids": two_d, "attention_mask": two_d, "token_type_ids": two_d, "labels": one_d, "weights": one_d}
-
-
 def run_eval(eval_step, params, batches: list[dict], examples: cls_data.Examples, class_names: list[str],
              mesh: Mesh) -> dict[str, float]:
   """Classification metrics over every held-out example (the filler rows of the last batch are dropped)."""
   predictions, loss_sum = [], 0.0
   for batch in batches:
-    out = jax.device_get(eval_step(params, train.to_global_batch(batch, mesh)))
+    out = jax.device_get(eval_step(params, steps_lib.to_global_batch(batch, mesh)))
     predictions.append(out["predictions"])
     loss_sum += float(out["loss_sum"])
   order = cls_data.eval_order(examples)
@@ -96,23 +92,25 @@ def run_eval(eval_step, params, batches: list[dict], examples: cls_data.Examples
   return metrics
 
 
-# ----------------------------------------------------------------------------------------------- the loop
+# ----------------------------------------------------------------------------------------------- the run
 
 
 def finetune(config: Config, workdir: str, stop_at_step: int | None = None) -> dict:
   """Fine-tunes (or resumes) a classifier into `workdir`; returns the final evaluation (also in eval.json).
 
-  As in `train.train`: SIGTERM/SIGINT or `stop_at_step` checkpoint and return early (`preempted_at_step`), and
-  re-running with the same workdir resumes."""
+  The run goes through `train.run_loop`, as pretraining does: SIGTERM/SIGINT or `stop_at_step` checkpoint and return
+  early (`preempted_at_step`), and re-running with the same workdir resumes."""
   with reliability.StopSignals() as stop:
-    return _finetune(config, workdir, stop_at_step, stop)
+    started = time.time()
+    config, mesh, kernels = train.prepare_run(config, workdir, causal=False)
+    config, task = classification_task(config, workdir, mesh, kernels)
+    return train.run_loop(config, workdir, mesh, task, stop, stop_at_step, started)
 
 
-def _finetune(config: Config, workdir: str, stop_at_step: int | None, stop: reliability.StopSignals) -> dict:
-  started = time.time()
-  mesh = train.prepare_run(config, workdir)
+def classification_task(config: Config, workdir: str, mesh: Mesh, kernels: Kernels) -> tuple[Config, train.Task]:
+  """The run's config (its model from init_from) and its `train.Task`: labelled data, the classification loss,
+  classification metrics on every eval, the best model kept, eval.json and the per-class report."""
   t, d = config.train, config.data
-
   pretrained = pretrained_lib.load_pretrained(config, mesh)
   model_config = pretrained.model_config
   if d.seq_len > model_config.max_seq_len:
@@ -131,178 +129,83 @@ def _finetune(config: Config, workdir: str, stop_at_step: int | None, stop: reli
   stats_line = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in data.stats.items())
   if jax.process_index() == 0:
     print(f"data: {stats_line}", flush=True)
-
-  num_labels = len(class_names)
-  optimizer = optim.make_optimizer(t)
-  make_model = lambda rngs: BertForSequenceClassification(model_config, num_labels, rngs=rngs)
-  graphdef, state, state_shardings = train.init_train_state(config, mesh, optimizer, make_model)
-  batch_shardings = _batch_shardings(mesh)
-  schedule = optim.learning_rate_schedule(t)
-  # Traced under the mesh (and its rule overrides) like train.jit_steps, so the models' constraints and FSDP
-  # weight gathering apply.
-  overrides = sharding.rule_overrides(config.mesh)
-  train_step = jax.jit(
-      sharding.traced_on(mesh, train.make_train_step(graphdef, optimizer, t.grad_accum, schedule, mesh,
-                                                     config.mesh.gradient_sync,
-                                                     loss_fn=make_classification_loss_fn(graphdef)), overrides),
-      in_shardings=(state_shardings, batch_shardings),
-      out_shardings=(state_shardings, sharding.replicated(mesh)), donate_argnums=0)
-  eval_step = jax.jit(sharding.traced_on(mesh, make_eval_step(graphdef), overrides),
-                      in_shardings=(state_shardings["params"], batch_shardings),
-                      out_shardings=sharding.replicated(mesh))
-
-  loader = cls_data.ClassificationLoader(data.train, t.batch_size, t.seed, d.batching, d.seq_len, d.shuffle)
-  eval_batches = cls_data.eval_batches(data.eval, t.batch_size, d.seq_len, d.batching)
-
-  checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), config.checkpoint.every_steps,
-                              config.checkpoint.keep)
-  restored = checkpointer.restore_latest(abstract_with_shardings(state, state_shardings), model_config)
-  start_step = 0
-  if restored is not None:
-    start_step, state, data_state = restored
-    loader.set_state(data_state)
-  elif pretrained.params is not None:
-    # The checkpoint's head is kept only for the same classes in the same order (or HF's anonymous LABEL_i names).
-    saved_names = pretrained.class_names
-    head_fits = saved_names is not None and (saved_names == class_names or (
-        len(saved_names) == num_labels and saved_names == [f"LABEL_{i}" for i in range(num_labels)]))
-    params = pretrained.params if head_fits else {"bert": pretrained.params["bert"]}
-    state["params"], kept_random = pretrained_lib.merge_pretrained(state["params"], params,
-                                                                   state_shardings["params"], config.init_from)
-    if jax.process_index() == 0:
-      fresh = sorted({"/".join(p.split("/")[:2]) for p in kept_random}) or ["nothing"]
-      print(f"init_from {config.init_from}: loaded; random init for {', '.join(fresh)}", flush=True)
-  pretrained.params = None
-  _write_json(os.path.join(workdir, "config.json"), dataclasses.asdict(config))
-  if jax.process_index() == 0:
     path = os.path.join(workdir, TOKENIZER_FILE)  # init_from=<this workdir> needs it whole
     pretrained.tokenizer.save(path + ".tmp")
     os.replace(path + ".tmp", path)
 
-  peak_per_device, peak_source = telemetry.peak_flops_per_device(dtype=model_config.compute_dtype)
+  num_labels = len(class_names)
+  optimizer = optim.make_optimizer(t)
+  make_model = lambda rngs: BertForSequenceClassification(model_config, num_labels, kernels=kernels, rngs=rngs)
+  graphdef, state, state_shardings = steps_lib.init_train_state(config, mesh, optimizer, make_model)
+  train_step, eval_step = steps_lib.jit_steps(graphdef, optimizer, config, mesh, state_shardings,
+                                          loss_fn=make_classification_loss_fn(graphdef),
+                                          eval_fn=make_eval_step(graphdef))
+  eval_batches = cls_data.eval_batches(data.eval, t.batch_size, d.seq_len, d.batching)
   # A classifier has no vocabulary matmul: the embedding is a lookup, so vocab_size is left out of the FLOPs.
   flops_model = dataclasses.replace(model_config, vocab_size=0)
-  writer = telemetry.MetricsWriter(workdir, start_step=start_step)
-  bar = telemetry.ProgressBar(t.steps, initial_step=start_step, enable=config.log.progress_bar)
-  nonfinite = reliability.NonFiniteCounter(t.max_consecutive_nonfinite)
-  best = _read_best(workdir, t.best_metric)
-  window: list[tuple[dict, dict]] = []
-  totals = {"tokens": 0, "padded": 0, "examples": 0, "seconds": 0.0}
-  last: dict[str, Any] = {}
-  eval_metrics: dict[str, float] = {}
-  failure = None
-  clock = [time.time()]
+  best = _read_best(workdir, t.best_metric)  # (step, value) of best_model/, kept across resumes
+  latest: dict[str, float] = {}  # the latest evaluation, every metric
 
-  def finish_step(step: int, device_metrics: dict, host: dict, evaluated: dict | None) -> None:
-    nonlocal last, failure
-    jax.block_until_ready(device_metrics)
-    now = time.time()
-    seconds, clock[0] = now - clock[0], now
-    failure = failure or nonfinite.update(step, bool(device_metrics["skipped_steps"]))
-    if step > start_step + 1:  # the first step of a run holds the compile
-      for key in ("tokens", "padded", "examples"):
-        totals[key] += host[key]
-      totals["seconds"] += seconds
-    window.append((device_metrics, {**host, "seconds": seconds}))
-    if step == start_step + 1 or step % config.log.every_steps == 0 or evaluated or step == t.steps:
-      fetched = [(jax.device_get(m), h) for m, h in window]
-      applied = [(m, h) for m, h in fetched if not m["skipped_steps"]] or fetched
-      last = {k: float(np.mean([m[k] for m, _ in applied])) for k in fetched[-1][0]}
-      last["train_accuracy"] = last.pop("token_accuracy")
-      last["examples"] = last.pop("tokens")
-      last["skipped_steps"] = float(sum(m["skipped_steps"] for m, _ in fetched))
-      last["skipped_steps_total"] = nonfinite.total
-      last.update({k: float(fetched[-1][0][k]) for k in ("learning_rate", "param_norm")})
-      seconds = sum(h["seconds"] for _, h in fetched)
-      if step > start_step + 1 and seconds > 0:
-        padded = sum(h["padded"] for _, h in fetched)
-        last["tokens_per_sec"] = sum(h["tokens"] for _, h in fetched) / seconds
-        last["padded_tokens_per_sec"] = padded / seconds
-        last["examples_per_sec"] = sum(h["examples"] for _, h in fetched) / seconds
-        length = max(h["length"] for _, h in fetched)
-        flops = padded * telemetry.flops_per_token(flops_model, length)
-        last["mfu"] = flops / seconds / (peak_per_device * jax.device_count())
-      if evaluated:
-        last.update({f"eval_{k}": v for k, v in evaluated.items() if not k.startswith(("confusion/", "support/"))
-                     and not k.startswith(("precision/", "recall/"))})
-      writer.write(step, last)
-      window.clear()
-      bar.update(step, loss=last["loss"], acc=last.get("eval_accuracy", last["train_accuracy"]),
-                 tokens_per_sec=last.get("tokens_per_sec"))
-    else:
-      bar.update(step)
+  def start(state: steps_lib.TrainState, start_step: int) -> steps_lib.TrainState:
+    if start_step == 0 and pretrained.params is not None:
+      # The checkpoint's head is kept only for the same classes in the same order (or HF's anonymous LABEL_i names).
+      saved_names = pretrained.class_names
+      head_fits = saved_names is not None and (saved_names == class_names or (
+          len(saved_names) == num_labels and saved_names == [f"LABEL_{i}" for i in range(num_labels)]))
+      params = pretrained.params if head_fits else {"bert": pretrained.params["bert"]}
+      state["params"], kept_random = pretrained_lib.merge_pretrained(state["params"], params,
+                                                                     state_shardings["params"], config.init_from)
+      if jax.process_index() == 0:
+        fresh = sorted({"/".join(p.split("/")[:2]) for p in kept_random}) or ["nothing"]
+        print(f"init_from {config.init_from}: loaded; random init for {', '.join(fresh)}", flush=True)
+    pretrained.params = None  # a resumed run never needs them
+    return state
 
-  stopped_at = start_step if reliability.should_stop(stop.requested, start_step) else None
-  pending = None
-  for step in range(start_step + 1, t.steps + 1):
-    if stopped_at is not None:
-      break
-    local = next(loader)
-    host = {"tokens": int(local["attention_mask"].sum()) * jax.process_count(),
-            "padded": local["attention_mask"].size * jax.process_count(), "examples": t.batch_size,
-            "length": local["input_ids"].shape[1]}
-    state, metrics = train_step(state, train.to_global_batch(local, mesh))
-    if pending is not None:
-      finish_step(*pending)
-      pending = None
-    if failure:
-      break
-    evaluated = None
-    if step == t.steps or (t.eval_every_steps and step % t.eval_every_steps == 0):
-      evaluated = run_eval(eval_step, state["params"], eval_batches, data.eval, class_names, mesh)
-      eval_metrics = evaluated
-      value = evaluated[t.best_metric]
-      if evaluate.is_better(t.best_metric, value, best[1]):
-        best = (step, value)
-        _save_best(workdir, graphdef, state["params"], class_names, pretrained.tokenizer,
-                   {"step": step, t.best_metric: value, **evaluated})
-      clock[0] = time.time()  # eval time is not train time
-    pending = (step, metrics, host, evaluated)
-    if reliability.should_stop(stop.requested, step) or step == stop_at_step:
-      stopped_at = step
-    if step == t.steps or stopped_at is not None or checkpointer.should_save(step):
-      checkpointer.save(step, state, loader.get_state(), model_config)
-  if pending is not None:
-    finish_step(*pending)
-  bar.close()
-  checkpointer.close()
-  writer.close()
-  if failure:
-    raise reliability.NonFiniteError(failure)
-  if stopped_at is not None and stopped_at < t.steps:
-    if stop.requested:
-      last["preempted_at_step"] = stopped_at
-    return last
-  if not eval_metrics:  # resumed at the last step: evaluate the restored state
-    eval_metrics = run_eval(eval_step, state["params"], eval_batches, data.eval, class_names, mesh)
+  def count(local: dict) -> dict[str, float]:
+    """Real (unpadded) and padded tokens of the global batch, its examples, and the FLOPs of the padded tokens."""
+    mask, processes = local["attention_mask"], jax.process_count()
+    flops_per_token = telemetry.flops_per_token(flops_model, mask.shape[1])
+    return {"tokens": int(mask.sum()) * processes, "padded_tokens": mask.size * processes, "examples": t.batch_size,
+            "flops": mask.size * processes * flops_per_token}
 
-  result: dict[str, Any] = {k: v for k, v in eval_metrics.items()}
-  result["eval_loss"] = result.pop("loss")
-  result.update({
-      "step": t.steps, "best_metric": t.best_metric, f"best_{t.best_metric}": best[1], "best_step": best[0],
-      "train_examples": len(data.train), "eval_examples": len(data.eval), "num_classes": num_labels,
-      "labels": ",".join(class_names), "final_train_loss": last.get("loss"),
-      "wall_time_sec": round(time.time() - started, 1), "devices": jax.device_count(),
-      "init_from": config.init_from,
-  })
-  if totals["seconds"] > 0:  # steps after the first of this run (the first holds the compile)
-    result["tokens_per_sec"] = totals["tokens"] / totals["seconds"]
-    result["padded_tokens_per_sec"] = totals["padded"] / totals["seconds"]
-    result["examples_per_sec"] = totals["examples"] / totals["seconds"]
-  _write_json(os.path.join(workdir, "eval.json"), result)
-  summary = {k: v for k, v in result.items() if "/" not in k}
-  summary.update({"peak_flops_per_device": peak_per_device, "peak_flops_source": peak_source})
-  confusion = np.array([[eval_metrics[f"confusion/{a}/{b}"] for b in class_names] for a in class_names])
-  per_class = "\n".join(["| class | precision | recall | f1 | support |", "| --- | --- | --- | --- | --- |"] + [
-      f"| {c} | {eval_metrics[f'precision/{c}']:.4f} | {eval_metrics[f'recall/{c}']:.4f} | "
-      f"{eval_metrics[f'f1/{c}']:.4f} | {int(eval_metrics[f'support/{c}'])} |" for c in class_names])
-  telemetry.write_report(workdir, title=f"Fine-tuning run {os.path.basename(os.path.abspath(workdir))}",
-                         summary=summary, config_text=json.dumps(dataclasses.asdict(config), indent=2),
-                         data_stats=data.stats, extra_sections=[
-                             ("Per class (final eval)", per_class),
-                             ("Confusion matrix (final eval; rows: true class)",
-                              evaluate.confusion_table(confusion, class_names))])
-  return result
+  def evaluate_step(step: int, params) -> dict[str, float]:
+    nonlocal best
+    latest.clear()
+    latest.update(run_eval(eval_step, params, eval_batches, data.eval, class_names, mesh))
+    value = latest[t.best_metric]
+    if evaluate.is_better(t.best_metric, value, best[1]):
+      best = (step, value)
+      _save_best(workdir, graphdef, params, class_names, pretrained.tokenizer,
+                 {"step": step, t.best_metric: value, **latest})
+    return {f"eval_{k}": v for k, v in latest.items()
+            if not k.startswith(("confusion/", "support/", "precision/", "recall/"))}
+
+  def finish(end: train.RunEnd) -> train.Report:
+    result: dict[str, Any] = dict(latest)
+    result["eval_loss"] = result.pop("loss")
+    result.update({
+        "step": t.steps, "best_metric": t.best_metric, f"best_{t.best_metric}": best[1], "best_step": best[0],
+        "train_examples": len(data.train), "eval_examples": len(data.eval), "num_classes": num_labels,
+        "labels": ",".join(class_names), "final_train_loss": end.last.get("loss"),
+        "wall_time_sec": end.facts["wall_time_sec"], "devices": jax.device_count(), "init_from": config.init_from,
+    })
+    result.update({k: v for k, v in end.rates.items() if k.endswith("_per_sec")})  # real, padded tokens; examples
+    _write_json(os.path.join(workdir, "eval.json"), result)
+    summary = {k: v for k, v in result.items() if "/" not in k}
+    summary.update({k: end.facts[k] for k in ("peak_flops_per_device", "peak_flops_source")})
+    confusion = np.array([[latest[f"confusion/{a}/{b}"] for b in class_names] for a in class_names])
+    per_class = "\n".join(["| class | precision | recall | f1 | support |", "| --- | --- | --- | --- | --- |"] + [
+        f"| {c} | {latest[f'precision/{c}']:.4f} | {latest[f'recall/{c}']:.4f} | {latest[f'f1/{c}']:.4f} | "
+        f"{int(latest[f'support/{c}'])} |" for c in class_names])
+    return train.Report(summary, result=result, data_stats=data.stats, sections=[
+        ("Per class (final eval)", per_class),
+        ("Confusion matrix (final eval; rows: true class)", evaluate.confusion_table(confusion, class_names))])
+
+  return config, train.Task(
+      title="Fine-tuning run", state=state, state_shardings=state_shardings, train_step=train_step,
+      batches=cls_data.ClassificationLoader(data.train, t.batch_size, t.seed, d.batching, d.seq_len, d.shuffle),
+      count=count, evaluate=evaluate_step, finish=finish, start=start,
+      renames={"token_accuracy": "train_accuracy", "tokens": "examples"})
 
 
 # ----------------------------------------------------------------------------------------------- workdir files

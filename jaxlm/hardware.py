@@ -10,6 +10,7 @@ from typing import Sequence
 
 PROFILES_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hardware.json")
 GIB = 2**30
+PLATFORMS = ("gpu", "tpu", "cpu")  # jax.default_backend() names: the kernels are resolved for the profile's platform
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,6 +29,7 @@ class Hardware:
   max_devices: int = 8
   spot_preemptions_per_hour: float = 0.1
   description: str = ""
+  platform: str = ""  # the jax platform its devices are: gpu | tpu | cpu; "" = this host's (a measured profile)
 
   @property
   def usable_bytes(self) -> float:
@@ -55,5 +57,9 @@ def load_hardware(names: Sequence[str] | None = None, path: str = PROFILES_PATH)
     extra = sorted(set(profiles[name]) - fields)
     if extra:
       raise ValueError(f"hardware profile {name!r} in {path} has unknown field {extra[0]!r}; known: {sorted(fields)}")
-    result.append(Hardware(name=name, **profiles[name]))
+    profile = Hardware(name=name, **profiles[name])
+    if profile.platform not in PLATFORMS:
+      raise ValueError(f"hardware profile {name!r} in {path} has platform={profile.platform!r}; give one of "
+                       f"{', '.join(PLATFORMS)} (the kernels are planned for it)")
+    result.append(profile)
   return result

@@ -103,7 +103,7 @@ def collective_bytes(hlo_text: str, num_devices: int) -> dict[str, float]:
 
 
 # ----------------------------------------------------------------------------------------------- op kinds
-# What each instruction of a compiled module is, for profiles (experiments/profile_step.py) that report time by kind.
+# What each instruction of a compiled module is, for profiles (benchmarks/profile_step.py) that report time by kind.
 
 _FUSION_BODY = re.compile(r"^%?([\w.\-]+) .*?\{\n(.*?)\n\}", re.M | re.S)
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.*)$", re.M)

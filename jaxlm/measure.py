@@ -16,14 +16,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxlm import optim, plan, sharding, telemetry, train
+from jaxlm import optim, plan, sharding, telemetry
 from jaxlm.config import Config
+from jaxlm import steps as steps_lib
 
 
 def synthetic_batch(batch_size: int, seq_len: int, vocab_size: int, mesh: Mesh, seed: int = 0) -> dict:
   """A random global batch laid out over the mesh, with the keys and dtypes of the data loader's batches."""
   tokens = np.random.default_rng(seed).integers(0, vocab_size, (batch_size, seq_len + 1)).astype(np.int32)
-  return train.to_global_batch({
+  return steps_lib.to_global_batch({
       "inputs": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": np.ones((batch_size, seq_len), np.int32),
       "positions": np.tile(np.arange(seq_len, dtype=np.int32), (batch_size, 1)),
       "loss_mask": np.ones((batch_size, seq_len), np.float32)}, mesh)
@@ -31,13 +32,13 @@ def synthetic_batch(batch_size: int, seq_len: int, vocab_size: int, mesh: Mesh, 
 
 def compiled_train_step(config: Config, devices: Sequence[jax.Device] | None = None,
                         compiler_options: dict[str, Any] | None = None):
-  """The real train step of `config` (train.jit_steps), compiled once for a random global batch on `devices`
+  """The real train step of `config` (steps_lib.jit_steps), compiled once for a random global batch on `devices`
   (`compiler_options`: XLA debug options for this compile alone, e.g. {"xla_gpu_enable_triton_gemm": False}):
   returns (compiled step, initial train state, that batch, mesh)."""
   mesh = sharding.make_mesh(config.mesh, devices)
   optimizer = optim.make_optimizer(config.train)
-  graphdef, state, shardings = train.init_train_state(config, mesh, optimizer)
-  train_step, _ = train.jit_steps(graphdef, optimizer, config, mesh, shardings)
+  graphdef, state, shardings = steps_lib.init_train_state(config, mesh, optimizer)
+  train_step, _ = steps_lib.jit_steps(graphdef, optimizer, config, mesh, shardings)
   batch = synthetic_batch(config.train.batch_size, config.data.seq_len, config.model.vocab_size, mesh)
   return train_step.lower(state, batch).compile(compiler_options), state, batch, mesh
 
@@ -71,15 +72,16 @@ def check_step_prediction(config: Config, devices: Sequence[jax.Device] | None =
   hardware = hardware or host_hardware(max(flops) / num, max(bandwidths) / num, num)
   collective = plan.compiled_collective_bytes(compiled, num)["total"]
   predicted = plan.predict_step_time(config, sizes, config.train.grad_accum, hardware,
-                                     plan.activation_model(config, sizes[2]),
+                                     plan.activation_model(config, sizes, devices[0].platform),
                                      plan.state_bytes(config, sizes).params_f32, collective)
   return {"mesh": "x".join(map(str, sizes)), "grad_accum": config.train.grad_accum,
           "measured_step_time_sec": min(step_times), "median_step_time_sec": float(np.median(step_times)),
           "predicted_step_time_sec": predicted["step_time_sec"], "predicted": predicted,
           "step_time_error": predicted["step_time_sec"] / min(step_times) - 1,
           "compiled_memory_bytes": plan.compiled_memory_bytes(compiled),
-          "predicted_memory_bytes": plan.predict_memory(plan.as_compiled_on(config, devices[0].platform), sizes,
-                                                        config.train.grad_accum)["total"],
+          "predicted_memory_bytes": plan.predict_memory(plan.as_compiled_on(config, devices[0].platform, sizes),
+                                                        sizes, config.train.grad_accum,
+                                                        devices[0].platform)["total"],
           "collective_bytes": collective, "hardware": dataclasses.asdict(hardware)}
 
 
@@ -135,8 +137,7 @@ def wall_time_shares(intervals: list[tuple]) -> dict[str, float]:
   cuDNN; one or several) with no XLA op beside them, library calls beside XLA ops, one XLA op alone (a fusion, a
   copy, a collective...), several XLA ops, or nothing. On the CPU this says what thread time cannot: which kind
   of op holds the step's wall time. It does not say how many cores are busy: XLA:CPU splits a large fusion over
-  its threads without a trace event per thread (a tanh-GELU over f32[2048, 1536]: 3.4 ms on two cores, 4.8 on one,
-  experiments/results/cpu_2026-12-01/session11/fusion_threads.py)."""
+  its threads without a trace event per thread."""
   edges = sorted([(start, +1, kind in LIBRARY_KINDS) for start, _, kind in intervals]
                  + [(end, -1, kind in LIBRARY_KINDS) for _, end, kind in intervals])
   running = {True: 0, False: 0}

@@ -2,12 +2,13 @@
 
 For every mesh of every device count on every hardware profile (jaxlm/hardware.py), the planner takes the fewest
 micro-batches whose predicted memory fits (jaxlm/predict.py: state, gradients, saved activations; no compiling),
-the roofline step time and MFU, and the run's wall time and cost on on-demand and spot devices (`run_cost`, with
-checkpoint writes and the work lost to preemptions). `compile_train_step` + `compiled_memory_bytes` check a
-prediction against the real train step compiled by XLA for simulated CPU devices
-(XLA_FLAGS=--xla_force_host_platform_device_count=N): its buffer assignment from `memory_analysis()`, its collective
-bytes from the HLO (jaxlm/hlo.py). Tens of seconds per program on a CPU, so experiments/plan.py compiles the chosen
-candidates only and reports both numbers.
+the roofline step time and MFU, all for the kernels the run would use there (`planned_kernels`: config.kernels with
+`auto` resolved for the profile's platform, the compute dtype and the mesh), and the run's wall time and cost on
+on-demand and spot devices (`run_cost`, with checkpoint writes and the work lost to preemptions).
+`compile_train_step` + `compiled_memory_bytes` check a prediction against the real train step compiled by XLA for
+simulated CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=N): its buffer assignment from
+`memory_analysis()`, its collective bytes from the HLO (jaxlm/hlo.py). Tens of seconds per program on a CPU, so
+experiments/plan.py compiles the chosen candidates only and reports both numbers.
 """
 
 from __future__ import annotations
@@ -21,13 +22,15 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
-from jaxlm import hlo, optim, sharding, train
+from jaxlm import hlo, optim, sharding
+from jaxlm import steps as steps_lib
 from jaxlm.config import Config
+from jaxlm.kernels import Kernels, runnable_on
 # The planner is the public face of the three modules: callers use plan.Hardware, plan.predict_memory, ...
 from jaxlm.hardware import GIB, PROFILES_PATH, Hardware, load_hardware  # noqa: F401
-from jaxlm.predict import (ActivationModel, abstract_batch, activation_model, analytic_collective_bytes,  # noqa: F401
-                           as_compiled_on, largest_local_micro_batch, predict_memory, predict_step_time,
-                           runnable_on, saved_activation_bytes, state_bytes)
+from jaxlm.predict import (ActivationModel, abstract_batch, abstract_model, activation_model,  # noqa: F401
+                           analytic_collective_bytes, as_compiled_on, largest_local_micro_batch, planned_kernels,
+                           predict_memory, predict_step_time, saved_activation_bytes, state_bytes)
 
 
 # ----------------------------------------------------------------------------------------------- candidates
@@ -39,8 +42,9 @@ def mesh_shapes(num_devices: int) -> list[tuple[int, int, int]]:
   return [(d, f, num_devices // (d * f)) for d in powers for f in powers if num_devices % (d * f) == 0]
 
 
-def mesh_problem(config: Config, sizes: tuple[int, int, int]) -> str | None:
-  """Why a mesh cannot run this model and batch (None when it can): the same checks as training."""
+def mesh_problem(config: Config, sizes: tuple[int, int, int], platform: str | None = None) -> str | None:
+  """Why a mesh of `platform` devices (None: this host's) cannot run this model, batch and kernels (None when it
+  can): the same checks as training."""
   data, fsdp, tensor = sizes
   m = config.model
   if m.num_heads % tensor:
@@ -49,6 +53,10 @@ def mesh_problem(config: Config, sizes: tuple[int, int, int]) -> str | None:
     return f"model MLP width {m.mlp_width} is not divisible by mesh.tensor={tensor}"
   if config.train.batch_size % (data * fsdp):
     return f"train.batch_size={config.train.batch_size} is not divisible by mesh.data*mesh.fsdp={data * fsdp}"
+  try:
+    planned_kernels(config, sizes, platform)
+  except ValueError as e:  # an explicit kernel these devices cannot run (e.g. a one-device CPU kernel on a mesh)
+    return str(e)
   return None
 
 
@@ -67,9 +75,10 @@ def with_mesh(config: Config, sizes: tuple[int, int, int], grad_accum: int | Non
   return dataclasses.replace(config, mesh=mesh, train=train_config)
 
 
-def abstract_train_state(config: Config, mesh: Mesh, optimizer: optax.GradientTransformation):
-  """(graphdef, state of ShapeDtypeStructs, state shardings): what `train.init_train_state` builds, unallocated."""
-  graphdef, abstract_params = train.abstract_model(config.model)
+def abstract_train_state(config: Config, mesh: Mesh, optimizer: optax.GradientTransformation, kernels: Kernels):
+  """(graphdef, state of ShapeDtypeStructs, state shardings): what `steps_lib.init_train_state` builds with `kernels`,
+  unallocated."""
+  graphdef, abstract_params = abstract_model(config.model, kernels)
   param_shardings = sharding.param_shardings(abstract_params, mesh)
   params = abstract_params.to_pure_dict()
   state = {"step": jax.ShapeDtypeStruct((), jnp.int32), "params": params,
@@ -84,16 +93,21 @@ def abstract_train_state(config: Config, mesh: Mesh, optimizer: optax.GradientTr
   return graphdef, state, shardings
 
 
-def compile_train_step(config: Config, devices: Sequence[jax.Device] | None = None):
-  """The train step `train.jit_steps` builds, compiled for `config.mesh` over `devices` (simulated CPU devices are
-  fine: nothing is allocated or run; cuDNN attention is compiled as its stand-in there, see
-  `predict.runnable_on`). Returns the compiled executable."""
+def compile_train_step(config: Config, devices: Sequence[jax.Device] | None = None, platform: str | None = None):
+  """The train step `steps_lib.jit_steps` builds, compiled for `config.mesh` over `devices` (simulated CPU devices are
+  fine: nothing is allocated or run) with the kernels planned for `platform` devices (None: those of `devices`);
+  kernels that cannot run on `devices` are compiled as their stand-ins (jaxlm.kernels.runnable_on). Returns the
+  compiled executable; `as_compiled_on(config, <devices' platform>, sizes, platform)` is its predicted twin."""
   mesh = sharding.make_mesh(config.mesh, devices)
-  config = dataclasses.replace(config, model=runnable_on(config.model, mesh.devices.flat[0].platform))
-  train.check_mesh_fits_model(config.model, mesh)
+  here = mesh.devices.flat[0].platform
+  sizes = tuple(mesh.shape[a] for a in sharding.MESH_AXES)
+  kernels = runnable_on(planned_kernels(config, sizes, platform or here), here)
+  # Written out, so that whatever reads config.kernels on the way sees the kernels compiled, not `auto`.
+  config = dataclasses.replace(config, kernels=kernels.as_config())
+  steps_lib.check_mesh_fits_model(config.model, mesh)
   optimizer = optim.make_optimizer(config.train)
-  graphdef, state, shardings = abstract_train_state(config, mesh, optimizer)
-  train_step, _ = train.jit_steps(graphdef, optimizer, config, mesh, shardings)
+  graphdef, state, shardings = abstract_train_state(config, mesh, optimizer, kernels)
+  train_step, _ = steps_lib.jit_steps(graphdef, optimizer, config, mesh, shardings)
   return train_step.lower(state, abstract_batch(config.train.batch_size, config.data.seq_len)).compile()
 
 
@@ -151,24 +165,27 @@ def plan_mesh(config: Config, sizes: tuple[int, int, int], hardware: Hardware, a
   memory, step time, MFU and cost; when none fits, the row says so and what the smallest split needs."""
   data, fsdp, tensor = sizes
   usable = hardware.usable_bytes
+  platform = hardware.platform or None
   row: dict[str, Any] = {"hardware": hardware.name, "devices": data * fsdp * tensor, "mesh": "x".join(map(str, sizes)),
-                         "data": data, "fsdp": fsdp, "tensor": tensor, "usable_memory_gib": usable / GIB}
+                         "data": data, "fsdp": fsdp, "tensor": tensor, "usable_memory_gib": usable / GIB,
+                         "kernels": planned_kernels(config, sizes, platform).describe()}
   splits = accumulation_splits(config.train.batch_size, data * fsdp)
   chosen = None
   for grad_accum in splits:  # fewest micro-batches first: the fastest step that fits
-    memory = predict_memory(config, sizes, grad_accum)
+    memory = predict_memory(config, sizes, grad_accum, platform)
     if memory["total"] <= usable:
       chosen = grad_accum, memory
       break
-  grad_accum, memory = chosen or (splits[-1], predict_memory(config, sizes, splits[-1]))
-  static = state_bytes(config, sizes)
-  collective = analytic_collective_bytes(config, sizes, grad_accum, state_bytes(config, (1, 1, 1)).params_f32)
-  timing = predict_step_time(config, sizes, grad_accum, hardware, activation_model(config, tensor),
+  grad_accum, memory = chosen or (splits[-1], predict_memory(config, sizes, splits[-1], platform))
+  static = state_bytes(config, sizes, platform)
+  collective = analytic_collective_bytes(config, sizes, grad_accum,
+                                         state_bytes(config, (1, 1, 1), platform).params_f32)
+  timing = predict_step_time(config, sizes, grad_accum, hardware, activation_model(config, sizes, platform),
                              static.params_f32, collective)
   tokens_per_step = config.train.batch_size * config.data.seq_len
   row.update({
       "fits": chosen is not None, "grad_accum": grad_accum, "micro_batch": config.train.batch_size // grad_accum,
-      "largest_local_micro_batch": largest_local_micro_batch(config, sizes, usable),
+      "largest_local_micro_batch": largest_local_micro_batch(config, sizes, usable, platform),
       "predicted_memory_gib": memory["total"] / GIB, "headroom_gib": (usable - memory["total"]) / GIB,
       "memory_parts_gib": {k: v / GIB for k, v in memory.items() if k != "total"},
       "collective_bytes": collective, "collective_source": "analytic",
@@ -181,8 +198,8 @@ def plan_mesh(config: Config, sizes: tuple[int, int, int], hardware: Hardware, a
 def plan(config: Config, hardware: Sequence[Hardware], device_counts: Iterable[int] = (1, 2, 4, 8),
          assumptions: RunAssumptions | None = None) -> list[dict[str, Any]]:
   """Every valid mesh of every device count on every hardware profile, one row each (see `plan_mesh`); meshes that
-  cannot run the model (heads or batch not divisible) are left out, and so are device counts over a profile's
-  `max_devices`."""
+  cannot run the model (heads or batch not divisible, or a kernel the profile's devices cannot run: `mesh_problem`)
+  are left out, and so are device counts over a profile's `max_devices`."""
   assumptions = assumptions or RunAssumptions(
       tokens=config.train.steps * config.train.batch_size * config.data.seq_len,
       checkpoint_every_steps=config.checkpoint.every_steps)
@@ -192,7 +209,7 @@ def plan(config: Config, hardware: Sequence[Hardware], device_counts: Iterable[i
       if n > profile.max_devices:
         continue
       for sizes in mesh_shapes(n):
-        if mesh_problem(config, sizes) is None:
+        if mesh_problem(config, sizes, profile.platform or None) is None:
           rows.append(plan_mesh(config, sizes, profile, assumptions))
   return rows
 

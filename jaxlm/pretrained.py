@@ -5,7 +5,8 @@
 
 HF folders are read with `jaxlm.hf.from_pretrained` (safetensors only), each tensor straight onto its sharding. A
 jaxlm workdir's latest orbax checkpoint is opened read-only and only its parameters are kept; its `labels.json` and
-`tokenizer.json` come along. The model's shape comes from the checkpoint, its precision and remat from the config.
+`tokenizer.json` come along. The model's shape comes from the checkpoint, its precision from the config (how it
+runs, `kernels`, is not part of the model).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ class Pretrained:
 
 def load_pretrained(config: Config, mesh: Mesh) -> Pretrained:
   source, m = config.init_from, config.model
-  precision = dict(compute_dtype=m.compute_dtype, param_dtype=m.param_dtype, remat=m.remat)
+  precision = dict(compute_dtype=m.compute_dtype, param_dtype=m.param_dtype)  # the rest is the checkpoint's
   if not source:
     if m.flavour != "bert":
       raise ValueError(f"model.flavour={m.flavour!r}: fine-tuning from scratch needs model.flavour=bert (or set "
@@ -92,7 +93,7 @@ def _load_jaxlm_workdir(workdir: str, mesh: Mesh, precision: dict) -> Pretrained
     model_config = dataclasses.replace(ModelConfig(**{k: v for k, v in saved_model.items() if k in known}), **precision)
     if model_config.flavour != "bert":
       raise ValueError(f"init_from={workdir!r} holds a {model_config.flavour} model; fine-tuning needs a BERT encoder")
-    # Replicated: the fine-tuning state is laid out on the mesh later (train.init_train_state + merge_pretrained).
+    # Replicated: the fine-tuning state is laid out on the mesh later (steps.init_train_state + merge_pretrained).
     params_metadata = manager.item_metadata(step)["state"]["params"]
     replicated = sharding.replicated(mesh)
     abstract = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=replicated), params_metadata)

@@ -155,7 +155,7 @@ def finetune(graphdef: nnx.GraphDef, params: Any, masks: Masks,
              learning_rate: float = 1e-4, weight_decay: float = 0.0) -> Any:
   """A short AdamW fine-tune of pruned `params` (a pure dict) that keeps the masks; returns the new params.
 
-  `loss_fn(params, batch) -> (loss sum, (count, aux))` as `jaxlm.train.make_loss_fn` builds; the loss is the sum
+  `loss_fn(params, batch) -> (loss sum, (count, aux))` as `jaxlm.steps.make_loss_fn` builds; the loss is the sum
   divided by the count."""
   del graphdef  # the loss function closes over it; kept in the signature so calls read like the train step
   params = apply_masks(params, masks)

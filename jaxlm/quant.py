@@ -17,7 +17,7 @@ The attention score and value einsums (activation x activation), norms, biases a
 What is qwix and what is ours. From qwix (0.1.8): the quantized array (`qwix.QArray`), `qwix.quantize` (per-channel
 absmax), `qwix.dequantize`, `qwix.einsum` (weight-only on accelerators: XLA fuses the dequantize into the dot),
 qwix's einsum parser for the per-token axes, and qwix's interception (which swaps `jnp.einsum` while a model runs).
-Ours, for speed on the CPU (measured in `_int8_dot` and `_einsum`): the int8 x int8 -> int32 dot of our plain
+Ours, for speed on the CPU (see `_int8_dot` and `_einsum`): the int8 x int8 -> int32 dot of our plain
 contractions, and materialising a weight-only layer's float weight before its dot.
 Ours, because qwix's model-level PTQ (`quantize_model` + `PtqProvider`) can not serve these models: (1) it replaces
 each weight inside the module that uses it during a first call, but our blocks run under `jax.lax.scan` on modules
@@ -149,8 +149,8 @@ def _int8_dot(x: qwix.QArray, w: qwix.QArray, dims, result_dtype) -> jax.Array:
   """int8 x int8 -> int32 `dot_general`, then one f32 rescale by the input's and the weight's scales.
 
   Ours rather than `qwix.einsum` for the plain contractions of our layers: qwix's lowering put the weight first and
-  transposed the result, and XLA:CPU ran that s8 dot 7x slower than this layout (56 vs 7.6 ms for [256, 384] x
-  [384, 1536]; WORKSPACE.md). The arithmetic is the same: int32 accumulation, scales applied to the output."""
+  transposed the result, which XLA:CPU runs far slower than this layout (docs/optimization.md). The arithmetic is
+  the same: int32 accumulation, scales applied to the output."""
   lhs_c, rhs_c = dims
   acc = jax.lax.dot_general(x.qvalue, w.qvalue, ((lhs_c, rhs_c), ((), ())), preferred_element_type=jnp.int32)
   lhs_free = [a for a in range(x.ndim) if a not in lhs_c]
@@ -170,7 +170,7 @@ def _einsum(*args, **kwargs):
       if dims is not None:
         return _int8_dot(lhs, w.q, dims, kwargs.get("preferred_element_type") or x.dtype)
     elif jax.default_backend() == "cpu":
-      # Weight-only on the CPU: XLA fuses the dequantize into the dot and then runs a loop 2x slower than its f32
+      # Weight-only on the CPU: XLA fuses the dequantize into the dot and then runs a loop slower than its f32
       # GEMM; the barrier materialises this layer's float weight first. Accelerators keep qwix's fused path.
       return jnp.einsum(eq, x, jax.lax.optimization_barrier(qwix.dequantize(w.q)), **kwargs)
     return qwix.einsum(eq, lhs, w.q, **kwargs)
@@ -195,7 +195,7 @@ def _take(a, indices, axis=None, **kwargs):
 
 
 _INTERCEPTOR_ID = 0x6A61786C6D  # a stable id: jit caches compiled functions of the intercepted methods by it
-_METHODS = ("__call__", "decode", "encode", "pool")
+_METHODS = ("__call__", "decode", "encode", "pool", "loss_sums")
 _INTERCEPTED_CLASSES: dict[type, type] = {}
 
 

@@ -143,7 +143,7 @@ def gather_fsdp(params: Any) -> Any:
 
   Called on one layer's parameters inside the layer scan, so a device holds one gathered layer at a time. Without
   it, GSPMD follows the weights' `embed` sharding into the activations and shards the matmuls along D, all-reducing
-  [B, T, ...] activations and gathering the batch (measured 9.7x the FSDP minimum in collective bytes); with it the
+  [B, T, ...] activations and gathering the batch (many times the FSDP minimum in collective bytes); with it the
   forward all-gathers weights and the backward reduce-scatters their gradients, as FSDP should.
   """
   mesh = jax.sharding.get_abstract_mesh()

@@ -4,7 +4,7 @@ Nothing here touches device arrays inside the hot loop: the loop fetches its met
 already finished that step) and hands this module plain Python floats. The one exception is `measure_matmul_flops`,
 which runs once per process, before training, when the device kind is not in `PEAK_FLOPS_BF16`.
 
-Conventions shared with `metrics.jsonl` readers (DESIGN.md contracts): `mfu` is a fraction in [0, 1], not a
+Conventions shared with `metrics.jsonl` readers (documented in README.md): `mfu` is a fraction in [0, 1], not a
 percentage; `tokens_per_sec` counts every token of the global batch (all devices, all processes).
 The end-of-run report lives in `jaxlm/report.py` and is re-exported here as `write_report`.
 """
@@ -154,46 +154,33 @@ def peak_flops_per_device(device=None, dtype: Any = "bfloat16") -> tuple[float, 
   return flops, f"measured: 8192^3 {dtype_name} matmul (device kind {device.device_kind!r} not in PEAK_FLOPS_BF16)"
 
 
-class Throughput:
-  """Tokens/s and MFU from host wall-clock times, excluding the first (compile) step from every average.
+class StepTimes:
+  """Wall-clock seconds and host-side counts of timed steps (what jaxlm.train.Task.count says a step processed:
+  tokens, examples, flops, ...), summed, and the rates they make. The training loop keeps one for the steps since
+  the last metrics line and one for the run; it leaves out each run's first step, which holds the compile."""
 
-  Call `update(step)` right after the host has fetched that step's metrics (so the device has finished it), every
-  step or every log step. The first call only sets the clock's baseline: everything up to it, compilation included,
-  is left out. Later calls return the rate over the interval since the previous call.
-  """
+  def __init__(self):
+    self.clear()
 
-  def __init__(self, tokens_per_step: int, flops_per_token: float, peak_flops_per_device: float, num_devices: int = 1):
-    self.tokens_per_step = tokens_per_step  # global batch in tokens: batch_size * seq_len
-    self.flops_per_token = flops_per_token
-    self.peak_flops_total = peak_flops_per_device * num_devices
-    self._first_step = self._first_time = None
-    self._last_step = self._last_time = None
+  def clear(self) -> None:
+    self.steps, self.seconds, self.counts = 0, 0.0, {}
 
-  def mfu(self, tokens_per_sec: float) -> float:
-    return tokens_per_sec * self.flops_per_token / self.peak_flops_total
+  def add(self, counts: dict[str, float], seconds: float) -> None:
+    self.steps += 1
+    self.seconds += seconds
+    for key, value in counts.items():
+      self.counts[key] = self.counts.get(key, 0) + value
 
-  def update(self, step: int, wall_time: float | None = None) -> dict[str, float | None]:
-    """{'tokens_per_sec', 'mfu', 'step_time_sec'} since the previous call; None values on the first (baseline) call."""
-    now = time.perf_counter() if wall_time is None else wall_time
-    rates: dict[str, float | None] = {"tokens_per_sec": None, "mfu": None, "step_time_sec": None}
-    if self._last_step is None:
-      self._first_step, self._first_time = step, now
-    elif step > self._last_step and now > self._last_time:
-      steps, seconds = step - self._last_step, now - self._last_time
-      tokens_per_sec = steps * self.tokens_per_step / seconds
-      rates = {"tokens_per_sec": tokens_per_sec, "mfu": self.mfu(tokens_per_sec), "step_time_sec": seconds / steps}
-    self._last_step, self._last_time = step, now
+  def rates(self, peak_flops: float) -> dict[str, float]:
+    """`<count>_per_sec` for every count, `mfu` (counted flops over the peak of all devices) and `step_time_sec`;
+    empty when no step was timed."""
+    if not self.steps or self.seconds <= 0:
+      return {}
+    rates = {f"{k}_per_sec": v / self.seconds for k, v in self.counts.items() if k != "flops"}
+    if "flops" in self.counts:
+      rates["mfu"] = self.counts["flops"] / self.seconds / peak_flops
+    rates["step_time_sec"] = self.seconds / self.steps
     return rates
-
-  def summary(self) -> dict[str, float | None]:
-    """Averages over every step after the first call: {'tokens_per_sec', 'mfu', 'step_time_sec', 'timed_steps'}."""
-    timed_steps = 0 if self._last_step is None else self._last_step - self._first_step
-    if timed_steps <= 0 or self._last_time <= self._first_time:
-      return {"tokens_per_sec": None, "mfu": None, "step_time_sec": None, "timed_steps": 0}
-    seconds = self._last_time - self._first_time
-    tokens_per_sec = timed_steps * self.tokens_per_step / seconds
-    return {"tokens_per_sec": tokens_per_sec, "mfu": self.mfu(tokens_per_sec), "step_time_sec": seconds / timed_steps,
-            "timed_steps": timed_steps}
 
 
 def device_memory_stats(devices=None) -> dict[str, int]:

@@ -1,23 +1,21 @@
-"""model.attention=cpu_fused (jaxlm/cpu_attention.cc through jaxlm.blas): output and q/k/v gradients against the
-einsum reference for multi-head, grouped and multi-query heads, packed documents, query blocks that do or do not
-divide T, large scores; a query that sees no key; the refusals; remat=dots keeping its forward. Whole models:
-tests/test_perf_options.py."""
+"""kernels.attention=cpu_fused (jaxlm/kernels/cpu_attention.cc): output and q/k/v gradients against the einsum
+reference for multi-head, grouped and multi-query heads, packed documents, query blocks that do or do not divide T,
+large scores; a query that sees no key; the refusals; remat=dots keeping its forward. Whole models:
+tests/test_kernels.py."""
 
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
-from jaxlm import blas, config as config_lib
-from jaxlm.models.attention import causal_mask, dot_product_attention, fused_cpu_attention
-from jaxlm.models.layers import REMAT_POLICIES, Attention
-from jaxlm.precision import Policy
+from jaxlm.kernels import cpu as blas
+from jaxlm.kernels.attention import dot_product_attention
+from jaxlm.kernels.registry import REMAT_POLICIES
+from jaxlm.models.masks import causal_mask
 
-pytestmark = pytest.mark.skipif(blas.compiler() is None, reason="model.attention=cpu_fused needs a C++ compiler")
+pytestmark = pytest.mark.skipif(blas.compiler() is None, reason="kernels.attention=cpu_fused needs a C++ compiler")
 
-F32 = Policy(compute_dtype=jnp.float32)
 
 
 def _inputs(b, t, h, g, k, documents, scale=1.0, seed=0):
@@ -44,8 +42,8 @@ def test_fused_attention_and_gradients_equal_einsum_attention(b, t, h, g, k, blo
     out, vjp = jax.vjp(attend, q, keys, values)
     return out, vjp(dout)
 
-  reference = jax.jit(lambda *a: value_and_grads(lambda q, k, v: dot_product_attention(q, k, v, mask, F32)))()
-  got = jax.jit(lambda *a: value_and_grads(lambda q, k, v: fused_cpu_attention(q, k, v, mask, block)))()
+  reference = jax.jit(lambda *a: value_and_grads(lambda q, k, v: dot_product_attention(q, k, v, mask)))()
+  got = jax.jit(lambda *a: value_and_grads(lambda q, k, v: blas.fused_attention(q, k, v, mask, block)))()
   # Scores near 100 (scale 6): rounding them to f32 alone moves outputs by ~2e-5, on both paths (each is within
   # 2.5e-5 of a float64 computation there).
   chex.assert_trees_all_close(got, reference, rtol=1e-5, atol=2e-5 if scale == 1 else 1e-4)
@@ -61,7 +59,7 @@ def test_a_query_that_sees_no_key_gets_zeros():
   grads = jax.jit(blas.attention_backward, static_argnums=7)(q, keys, values, mask, out, lse, dout, 4)
   assert np.all(np.asarray(grads[0][:, 3]) == 0) and all(np.isfinite(np.asarray(g)).all() for g in grads)
   # Everything else is the reference's, where query 3 (uniform over every key there) gets no output gradient.
-  attend = lambda q, k, v: dot_product_attention(q * 2.0, k, v, mask, F32)  # the kernel's function of its q
+  attend = lambda q, k, v: dot_product_attention(q * 2.0, k, v, mask)  # the kernel's function of its q
   reference, vjp = jax.vjp(attend, q, keys, values)
   dq, dk, dv = vjp(dout.at[:, 3].set(0.0))
   for got, expected in ((out, reference), (grads[0], dq)):
@@ -73,24 +71,19 @@ def test_a_query_that_sees_no_key_gets_zeros():
 def test_refusals_are_one_line_errors():
   q, keys, values, mask = _inputs(1, 8, 2, 2, 4, documents=False)
   with pytest.raises(ValueError, match="float32"):
-    fused_cpu_attention(q.astype(jnp.bfloat16), keys, values, mask, 4)
+    blas.fused_attention(q.astype(jnp.bfloat16), keys, values, mask, 4)
   with pytest.raises(ValueError, match="as many keys as queries"):
-    fused_cpu_attention(q, keys[:, :4], values[:, :4], mask[:, :, :4], 4)
-  with pytest.raises(ValueError, match="not causal"):
-    Attention(32, 4, 4, F32, 0.02, 0.02, implementation="cpu_fused", rngs=nnx.Rngs(0))
-  config = config_lib.default_config()
-  config.model.attention = "cpu_fused"
-  with pytest.raises(ValueError, match="model.attention=cpu_fused computes in float32"):
-    config_lib.validate(config)
+    blas.fused_attention(q, keys[:, :4], values[:, :4], mask[:, :, :4], 4)
+
 
 
 def test_remat_dots_keeps_the_forward_kernels_outputs():
   """Under remat=dots the backward pass uses the saved output and log-sum-exp: one forward kernel call per
-  layer, not a second one to rebuild them (that cost ~90 ms of a 1.9 s CPU bench step)."""
+  layer, not a second one to rebuild them."""
   q, keys, values, mask = _inputs(1, 8, 2, 2, 4, documents=False)
 
   def hlo(remat):
-    layer = lambda q: jnp.sum(jnp.sin(fused_cpu_attention(q, keys, values, mask, 4)))
+    layer = lambda q: jnp.sum(jnp.sin(blas.fused_attention(q, keys, values, mask, 4)))
     return jax.jit(jax.value_and_grad(jax.checkpoint(layer, policy=REMAT_POLICIES[remat]))).lower(q).as_text()
 
   assert hlo("dots").count(f"{blas.ATTENTION_TARGETS[0]}") == 1

@@ -17,6 +17,7 @@ from jaxlm import config as config_lib
 from jaxlm import finetune, hf
 from jaxlm.config import ModelConfig
 from jaxlm.models.bert import Bert, BertForSequenceClassification
+from jaxlm import steps as steps_lib
 from conftest import xla_flags_without_device_count
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -153,7 +154,7 @@ def test_config_errors_before_anything_compiles(tmp_path, tiny_hf_folder):
 
 def test_classification_loss_accumulates_exactly_with_padding_and_zero_weights():
   """Two micro-batches give the update of one batch: the loss is a weighted sum over the global weight count."""
-  from jaxlm import optim, train
+  from jaxlm import optim
   from jaxlm.config import TrainConfig
 
   config = ModelConfig(flavour="bert", vocab_size=50, num_layers=1, d_model=16, num_heads=2, d_ff=32,
@@ -170,7 +171,7 @@ def test_classification_loss_accumulates_exactly_with_padding_and_zero_weights()
   state = {"step": np.int32(0), "params": params.to_pure_dict(), "opt_state": optimizer.init(params.to_pure_dict())}
   results = []
   for accum in (1, 2):
-    step = jax.jit(train.make_train_step(graphdef, optimizer, accum, optim.learning_rate_schedule(train_config),
+    step = jax.jit(steps_lib.make_train_step(graphdef, optimizer, accum, optim.learning_rate_schedule(train_config),
                                          loss_fn=finetune.make_classification_loss_fn(graphdef)))
     new_state, metrics = step(state, batch)
     results.append((new_state["params"], metrics))

@@ -2,7 +2,9 @@
 
 The reference count walks the jaxpr of the loss gradient (forward and backward, scanned layers multiplied by their
 trip count) and adds 2 * (output size) * (contracted size) for every dot_general: nothing about the model's shapes
-is assumed, so a wrong kv-head, MLP or head term in flops_per_token shows up as a mismatch.
+is assumed, so a wrong kv-head, MLP or head term in flops_per_token shows up as a mismatch. The models run the
+reference kernels (`Kernels()`: XLA's dots everywhere), whose matmuls the jaxpr shows; the other implementations
+compute the same function.
 """
 
 import math
@@ -15,6 +17,7 @@ from flax import nnx
 
 from jaxlm import telemetry
 from jaxlm.config import ModelConfig
+from jaxlm.kernels import Kernels
 from jaxlm.models import bert, gpt
 
 B, T = 2, 16
@@ -73,15 +76,16 @@ BASE = dict(vocab_size=96, num_layers=2, d_model=32, num_heads=4, max_seq_len=T,
 ])
 def test_decoder_flops_match_the_gradient_jaxpr(name, overrides):
   config = ModelConfig(**{**BASE, **overrides})
-  counted = gradient_matmul_flops(gpt.GPT(config, rngs=nnx.Rngs(0)), lm_loss)
+  counted = gradient_matmul_flops(gpt.GPT(config, kernels=Kernels(), rngs=nnx.Rngs(0)), lm_loss)
   assert telemetry.flops_per_token(config, T) * B * T == pytest.approx(counted, rel=1e-9), name
 
 
 def test_bert_masked_lm_and_classifier_flops_match_the_gradient_jaxpr():
   config = ModelConfig(**{**BASE, "flavour": "bert"})
-  counted = gradient_matmul_flops(bert.BertForMaskedLM(config, rngs=nnx.Rngs(0)), lm_loss)
+  counted = gradient_matmul_flops(bert.BertForMaskedLM(config, kernels=Kernels(), rngs=nnx.Rngs(0)), lm_loss)
   assert telemetry.flops_per_token(config, T) * B * T == pytest.approx(counted, rel=1e-9)
-  counted = gradient_matmul_flops(bert.BertForSequenceClassification(config, 3, rngs=nnx.Rngs(0)), classifier_loss)
+  counted = gradient_matmul_flops(bert.BertForSequenceClassification(config, 3, kernels=Kernels(), rngs=nnx.Rngs(0)),
+                                  classifier_loss)
   assert telemetry.flops_per_token(config, T, num_labels=3) * B * T == pytest.approx(counted, rel=1e-9)
 
 

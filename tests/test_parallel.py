@@ -7,22 +7,24 @@ import numpy as np
 import pytest
 
 from jaxlm import optim, sharding, train
-from jaxlm.config import Config, DataConfig, MeshConfig, TrainConfig
+from jaxlm.config import Config, DataConfig, KernelsConfig, MeshConfig, TrainConfig
+from jaxlm import steps as steps_lib
 from test_train import MODEL, _batch
 
 # 4 heads and an MLP width of 256 divide every tensor size used here.
 
 
-def _run(mesh_config, gradient_sync="auto", grad_accum=1, steps=2, devices=None, model=MODEL):
+def _run(mesh_config, gradient_sync="auto", grad_accum=1, steps=2, devices=None, model=MODEL,
+         kernels=KernelsConfig()):
   mesh_config = dataclasses.replace(mesh_config, gradient_sync=gradient_sync)
-  config = Config(model=model, mesh=mesh_config, data=DataConfig(seq_len=16),
+  config = Config(model=model, kernels=kernels, mesh=mesh_config, data=DataConfig(seq_len=16),
                   train=TrainConfig(steps=10, batch_size=8, grad_accum=grad_accum, warmup_steps=2,
                                     learning_rate=3e-3))
   mesh = sharding.make_mesh(config.mesh, devices)
   optimizer = optim.make_optimizer(config.train)
-  graphdef, state, shardings = train.init_train_state(config, mesh, optimizer)
-  train_step, _ = train.jit_steps(graphdef, optimizer, config, mesh, shardings)
-  batch = train.to_global_batch(_batch(8, pad_rows={1: 6, 5: 2}), mesh)
+  graphdef, state, shardings = steps_lib.init_train_state(config, mesh, optimizer)
+  train_step, _ = steps_lib.jit_steps(graphdef, optimizer, config, mesh, shardings)
+  batch = steps_lib.to_global_batch(_batch(8, pad_rows={1: 6, 5: 2}), mesh)
   losses = []
   for _ in range(steps):
     state, metrics = train_step(state, batch)
@@ -50,11 +52,12 @@ def test_layouts_and_shard_map_match_one_device(single_device, preset, gradient_
 
 
 def test_cpu_speed_options_on_a_sharded_mesh_match_the_reference_on_one_device(single_device):
-  """Block-causal attention with its hand-written backward, fused q/k/v and remat=dots (the CPU bench's options)
-  with heads split over 2 tensor devices and parameters over 2 FSDP devices: the reference path's losses."""
+  """Block-causal attention with its hand-written backward, fused q/k/v and remat=dots with heads split over 2
+  tensor devices and parameters over 2 FSDP devices: the single device's losses (where `auto` runs the CPU
+  kernels)."""
   ref_losses, ref_metrics, _ = single_device
-  fast = dataclasses.replace(MODEL, attention="causal_blocks", attention_block=4, fuse_qkv=True, remat="dots")
-  losses, metrics, _ = _run(MeshConfig(preset="fsdp_tp"), model=fast)
+  fast = KernelsConfig(attention="causal_blocks", attention_block=4, fuse_qkv="fused", remat="dots")
+  losses, metrics, _ = _run(MeshConfig(preset="fsdp_tp"), kernels=fast)
   np.testing.assert_allclose(losses, ref_losses, rtol=2e-5)
   np.testing.assert_allclose(metrics["grad_norm"], ref_metrics["grad_norm"], rtol=1e-4)
 
@@ -117,9 +120,9 @@ def test_hlo_collective_bytes_of_data_parallel_and_fsdp_steps_are_near_the_ring_
                     train=TrainConfig(steps=10, batch_size=8))
     mesh = sharding.make_mesh(config.mesh, jax.devices()[:devices])
     optimizer = optim.make_optimizer(config.train)
-    graphdef, state, shardings = train.init_train_state(config, mesh, optimizer)
-    train_step, _ = train.jit_steps(graphdef, optimizer, config, mesh, shardings)
-    compiled = train_step.lower(state, train.to_global_batch(_batch(8), mesh)).compile()
+    graphdef, state, shardings = steps_lib.init_train_state(config, mesh, optimizer)
+    train_step, _ = steps_lib.jit_steps(graphdef, optimizer, config, mesh, shardings)
+    compiled = train_step.lower(state, steps_lib.to_global_batch(_batch(8), mesh)).compile()
     moved = hlo.collective_bytes(compiled.as_text(), devices)["total"]
     param_bytes = sum(x.size * 4 for x in jax.tree.leaves(state["params"]))
     minimum = 2 * (devices - 1) / devices * param_bytes
@@ -144,5 +147,5 @@ def test_data_parallel_accumulation_reduces_the_gradients_once_per_step():
   minimum = 2 * 3 / 4 * param_bytes
   assert minimum <= auto <= 1.1 * minimum, (auto, minimum)
   assert gspmd > 3 * minimum, (gspmd, minimum)
-  assert train.resolve_gradient_sync("auto", {"data": 2, "fsdp": 2, "tensor": 1}, 4) == "gspmd"
-  assert train.resolve_gradient_sync("auto", {"data": 4, "fsdp": 1, "tensor": 1}, 1) == "gspmd"
+  assert steps_lib.resolve_gradient_sync("auto", {"data": 2, "fsdp": 2, "tensor": 1}, 4) == "gspmd"
+  assert steps_lib.resolve_gradient_sync("auto", {"data": 4, "fsdp": 1, "tensor": 1}, 1) == "gspmd"

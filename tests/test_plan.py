@@ -15,6 +15,7 @@ import pytest
 
 from jaxlm import config as config_lib
 from jaxlm import plan
+from jaxlm.kernels import Kernels
 from conftest import xla_flags_without_device_count
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -26,7 +27,8 @@ TINY = config_lib.Config(
 
 
 def load_config(name):
-  spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "experiments", "configs", f"{name}.py"))
+  folder = "benchmarks" if name.startswith("bench_") else "experiments"
+  spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, folder, "configs", f"{name}.py"))
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return config_lib.from_config_dict(module.get_config())
@@ -55,14 +57,17 @@ def test_candidate_meshes_cover_dp_fsdp_tp_mixes_and_respect_the_model():
 
 def test_predicted_memory_is_within_10_percent_of_the_compiled_program():
   sizes = (2, 1, 2)  # data and tensor parallel on the 4 test devices
-  config = plan.with_mesh(TINY, sizes, grad_accum=2)
+  # The kernels `auto` picks on this CPU, with cross-entropy chunks of the 128 tokens a device has per micro-batch:
+  # a longer chunk is zero-padded, a transient the memory model leaves out.
+  config = plan.with_mesh(dataclasses.replace(TINY, kernels=config_lib.KernelsConfig(cross_entropy_chunk=128)), sizes,
+                          grad_accum=2)
   compiled = plan.compile_train_step(config, jax.devices()[:4])
   predicted = plan.predict_memory(config, sizes, grad_accum=2)
   assert predicted["total"] == pytest.approx(plan.compiled_memory_bytes(compiled), rel=0.10)
   # The state part is exact: the compiled arguments are the state plus the batch.
   arguments = compiled.memory_analysis().argument_size_in_bytes
   assert predicted["state"] + predicted["batch"] == pytest.approx(arguments, rel=0.01)
-  # The collective bytes read from the HLO are about those the analytic DP + TP model counts (1.27x measured: the
+  # The collective bytes read from the HLO are about those the analytic DP + TP model counts (a little more: the
   # HLO also reduces scalars and replicated pieces the model leaves out).
   hlo_bytes = plan.compiled_collective_bytes(compiled, 4)["total"]
   analytic = plan.analytic_collective_bytes(config, sizes, 2, plan.state_bytes(config, (1, 1, 1)).params_f32)
@@ -70,43 +75,55 @@ def test_predicted_memory_is_within_10_percent_of_the_compiled_program():
 
 
 def test_saved_activations_are_affine_in_the_batch_and_shrink_with_remat_and_tensor_parallelism():
-  saved = lambda model, tensor, batch: plan.saved_activation_bytes(model, 64, tensor, batch)
-  one, two, three = (saved(TINY.model, 1, b) for b in (1, 2, 3))
+  saved = lambda kernels, tensor, batch: plan.saved_activation_bytes(TINY.model, kernels, 64, tensor, batch)
+  one, two, three = (saved(Kernels(), 1, b) for b in (1, 2, 3))
   assert three - two == two - one > 0  # affine: what the largest-micro-batch solve relies on
-  assert saved(dataclasses.replace(TINY.model, remat="full"), 1, 2) < 0.3 * two
-  assert saved(TINY.model, 2, 2) < 0.8 * two  # heads, MLP width and vocabulary split over 2 tensor devices
+  assert saved(Kernels(remat="full"), 1, 2) < 0.3 * two
+  assert saved(Kernels(), 2, 2) < 0.8 * two  # heads, MLP width and vocabulary split over 2 tensor devices
+
+
+BF16 = dataclasses.replace(TINY, model=dataclasses.replace(TINY.model, compute_dtype="bfloat16"))
+
+
+def test_the_plan_resolves_the_kernels_for_the_target_hardware():
+  """`auto` is resolved for the platform, dtype and mesh planned for, not for this host; an explicit kernel the
+  target cannot run is the registry's one-line error, and leaves that mesh out of the plan."""
+  from jaxlm.kernels import cpu  # noqa: PLC0415
+  gpu = plan.planned_kernels(BF16, (1, 1, 1), "gpu")
+  assert (gpu.attention, gpu.layers, gpu.remat, gpu.cross_entropy, gpu.fuse_qkv) == ("cudnn", "loop", "none",
+                                                                                     "chunked", "fused")
+  assert plan.planned_kernels(BF16, (1, 1, 2), "gpu").fuse_qkv == "separate"  # q, k, v weights split by heads
+  assert plan.planned_kernels(TINY, (1, 1, 1), "gpu").attention == "xla"  # cuDNN computes in bf16/f16 only
+  assert plan.planned_kernels(BF16, (1, 1, 1), "tpu").attention == "xla"
+  on_cpu = plan.planned_kernels(TINY, (1, 1, 1), "cpu")
+  assert (on_cpu.attention, on_cpu.matmul, on_cpu.remat) == (
+      ("cpu_fused", "blas", "dots") if cpu.compiler() else ("causal_blocks", "xla", "dots"))
+  on_cpu_mesh = plan.planned_kernels(TINY, (2, 1, 1), "cpu")  # the CPU custom calls are one device's
+  assert (on_cpu_mesh.attention, on_cpu_mesh.matmul) == ("causal_blocks", "xla")
+  fused = dataclasses.replace(TINY, kernels=dataclasses.replace(TINY.kernels, attention="cpu_fused"))
+  with pytest.raises(ValueError, match=r"kernels.attention=cpu_fused .*gpu.*; here use one of: auto, xla"):
+    plan.predict_memory(fused, (1, 1, 1), 1, platform="gpu")
+  assert (plan.mesh_problem(fused, (1, 1, 1), "cpu") is None) == bool(cpu.compiler())
+  assert plan.mesh_problem(fused, (2, 1, 1), "cpu").startswith("kernels.attention=cpu_fused ")
+  h100 = plan.load_hardware(["h100_80gb"])[0]
+  assert plan.plan(fused, [h100], (1,)) == []
 
 
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks the stand-in used where there is no cuDNN")
 def test_cudnn_configs_plan_and_compile_where_there_is_no_cudnn():
-  """A GPU config (attention=cudnn) is planned and compiled on this CPU through `recompute` attention (before, the
-  trace failed: 'cuDNN is not detected'); a CPU run of it is a one-line error naming the alternatives."""
-  config = dataclasses.replace(TINY, model=dataclasses.replace(TINY.model, attention="cudnn"))
-  stand_in = dataclasses.replace(TINY, model=dataclasses.replace(TINY.model, attention="recompute"))
-  assert plan.saved_activation_bytes(config.model, 64, 1, 2) == plan.saved_activation_bytes(stand_in.model, 64, 1, 2)
-  assert plan.saved_activation_bytes(config.model, 64, 1, 2) < plan.saved_activation_bytes(TINY.model, 64, 1, 2)
-  compiled = plan.compile_train_step(config, jax.devices()[:1])
+  """A run planned for a GPU (cuDNN attention) is traced and compiled on this CPU through `recompute` attention,
+  which keeps the same residuals (no [T, S] probabilities); a CPU run of it is a one-line error."""
+  gpu = plan.planned_kernels(BF16, (1, 1, 1), "gpu")
+  saved = lambda kernels: plan.saved_activation_bytes(BF16.model, kernels, 64, 1, 2)
+  assert saved(gpu) == saved(dataclasses.replace(gpu, attention="recompute"))
+  assert saved(gpu) < saved(dataclasses.replace(gpu, attention="xla"))
+  compiled = plan.compile_train_step(BF16, jax.devices()[:1], platform="gpu")
   assert plan.compiled_memory_bytes(compiled) > 0
-  import numpy as np  # noqa: PLC0415
-  from flax import nnx  # noqa: PLC0415
-
-  from jaxlm.models.gpt import GPT  # noqa: PLC0415
-  model = GPT(config.model, rngs=nnx.Rngs(0))
-  with pytest.raises(ValueError, match="model.attention=cudnn needs an NVIDIA GPU with cuDNN, not cpu: use "
-                                       "model.attention=recompute"):
-    model(np.zeros((1, 8), np.int32))
-
-
-def test_cpu_kernel_options_are_planned_through_their_stand_ins_off_the_cpu():
-  """A CPU config (attention=cpu_fused, matmul=blas) planned for a GPU is traced with `recompute` attention (the
-  same residuals: q, k, v, output, log-sum-exp) and XLA's dots; on the CPU it stays as it is; cudnn the reverse."""
-  from jaxlm.predict import runnable_on  # noqa: PLC0415
-  cpu_model = dataclasses.replace(TINY.model, attention="cpu_fused", matmul="blas")
-  assert runnable_on(cpu_model, "cpu") == cpu_model
-  assert runnable_on(cpu_model, "gpu") == dataclasses.replace(cpu_model, attention="recompute", matmul="xla")
-  gpu_model = dataclasses.replace(TINY.model, attention="cudnn")
-  assert runnable_on(gpu_model, "gpu") == gpu_model
-  assert runnable_on(gpu_model, "cpu") == dataclasses.replace(gpu_model, attention="recompute")
+  as_compiled = plan.as_compiled_on(BF16, "cpu", (1, 1, 1), "gpu")
+  assert as_compiled.kernels.attention == "recompute" and as_compiled.model.compute_dtype == "float32"
+  cudnn = dataclasses.replace(BF16, kernels=dataclasses.replace(BF16.kernels, attention="cudnn"))
+  with pytest.raises(ValueError, match=r"kernels.attention=cudnn .*cpu.*; here use one of: auto, xla"):
+    plan.predict_memory(cudnn, (1, 1, 1), 1, platform="cpu")
 
 
 def test_roofline_and_cost_arithmetic():
@@ -143,35 +160,38 @@ def test_gpt2_small_fits_one_h100():
   assert 0 < row["mfu"] < 1 and row["on_demand_usd"] > row["spot_usd"] > 0
 
 
-# Measured on one H200 (jax 0.11.2, cuDNN attention, bf16; WORKSPACE.md 2026-11-29/30). Memory: the first runs,
-# which scanned the layers with the document mask on: config, batch, cross-entropy chunk -> bytes per device from
-# the compiled executable. (The layer loop the GPU configs now use needed far less on the H200 -- GPT-2 B32 chunked
-# 15.6 GB, Llama 38.4 GB -- which the planner, calibrated on scanned CPU compiles, does not see: it over-predicts
-# those by ~1.85x, on the safe side.)
+# Measured on one H200 (cuDNN attention, bf16; docs/planning.md): bytes per device of the compiled executable of the
+# first runs, which scanned the layers with the document mask on: config, batch, cross-entropy chunk (0: logits) ->
+# bytes. The layer loop that `auto` picks on a GPU needs less, which the planner, calibrated on scanned CPU compiles,
+# does not see: it over-predicts those, on the safe side.
 H200_MEMORY = {
     ("bench_gpu", 16, 0): 19.91e9,
     ("bench_gpu", 32, 0): 38.09e9,
     ("bench_gpu", 32, 4096): 26.49e9,
     ("bench_llama_1b", 8, 0): 71.22e9,
 }
-# Step seconds of the configs as committed (layer loop, chunked cross-entropy, plain causal), 2026-11-30,
-# experiments/results/h200_2026-11-30/ab_*_loop_options.json: config, batch -> seconds.
+# Step seconds of the bench configs (what `auto` picks on a GPU: layer loop, chunked cross-entropy, cuDNN; plain
+# causal), benchmarks/results/h200_*_ab_loop_options.json: config, batch -> seconds.
 H200_STEP = {("bench_gpu", 16): 0.0375, ("bench_gpu", 32): 0.0700, ("bench_gpu", 64): 0.1337,
              ("bench_llama_1b", 8): 0.2322}
 
 
-def _with(config, batch, **model):
+def _with(config, batch, kernels=None, **model):
   return dataclasses.replace(config, train=dataclasses.replace(config.train, batch_size=batch, grad_accum=1),
-                             model=dataclasses.replace(config.model, **model))
+                             model=dataclasses.replace(config.model, **model),
+                             kernels=dataclasses.replace(config.kernels, **(kernels or {})))
 
 
 @pytest.mark.parametrize("name,batch,chunk", list(H200_MEMORY), ids=lambda v: str(v))
 def test_h200_memory_prediction_against_measured_steps(name, batch, chunk):
   """The planner on this CPU (cuDNN attention traced through its `recompute` stand-in) against real H200 runs:
   memory within 12%."""
-  config = _with(load_config(name), batch, cross_entropy_chunk=chunk, scan_layers=True, document_mask=True)
-  assert plan.predict_memory(config, (1, 1, 1), 1)["total"] == pytest.approx(H200_MEMORY[(name, batch, chunk)],
-                                                                          rel=0.12)
+  # As those runs had them; the rest is what `auto` picks on a GPU.
+  kernels = {"cross_entropy": "chunked" if chunk else "logits", "cross_entropy_chunk": chunk, "layers": "scan",
+             "fuse_qkv": "separate"}
+  config = _with(load_config(name), batch, kernels, document_mask=True)
+  predicted = plan.predict_memory(config, (1, 1, 1), 1, platform="gpu")["total"]
+  assert predicted == pytest.approx(H200_MEMORY[(name, batch, chunk)], rel=0.12)
 
 
 @pytest.mark.parametrize("name,batch", list(H200_STEP), ids=lambda v: str(v))
@@ -181,8 +201,8 @@ def test_h200_step_time_prediction_against_measured_steps(name, batch):
   is the one real prediction."""
   config = _with(load_config(name), batch)
   h200 = plan.load_hardware(["h200_141gb"])[0]
-  timing = plan.predict_step_time(config, (1, 1, 1), 1, h200, plan.activation_model(config, 1),
-                                  plan.state_bytes(config, (1, 1, 1)).params_f32, 0.0)
+  timing = plan.predict_step_time(config, (1, 1, 1), 1, h200, plan.activation_model(config, (1, 1, 1), "gpu"),
+                                  plan.state_bytes(config, (1, 1, 1), "gpu").params_f32, 0.0)
   assert timing["step_time_sec"] == pytest.approx(H200_STEP[(name, batch)], rel=0.15)
 
 

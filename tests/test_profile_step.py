@@ -1,4 +1,4 @@
-"""experiments/profile_step.py: HLO instructions get the right kinds (jaxlm.hlo.instruction_kinds), and a profiled
+"""benchmarks/profile_step.py: HLO instructions get the right kinds (jaxlm.hlo.instruction_kinds), and a profiled
 tiny step is written with its time by kind."""
 
 import json
@@ -40,7 +40,7 @@ def test_profile_of_a_tiny_step_is_written(tmp_path):
   env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
   # One device (as a user's laptop); the suite's cheaper compile settings stay (conftest.py).
   env["XLA_FLAGS"] = xla_flags_without_device_count()
-  result = subprocess.run([sys.executable, os.path.join(ROOT, "experiments/profile_step.py"), f"--config={config}",
+  result = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks/profile_step.py"), f"--config={config}",
                            f"--workdir={tmp_path}/profile", "--steps=1"],
                           env=env, capture_output=True, text=True, timeout=300)
   assert result.returncode == 0, result.stderr[-2000:]

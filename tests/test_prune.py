@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 from flax import nnx, traverse_util
 
-from jaxlm import prune, quant, train
+from jaxlm import prune, quant
 from jaxlm.config import ModelConfig
 from jaxlm.models.gpt import GPT
+from jaxlm import steps as steps_lib
 
 CONFIG = ModelConfig(vocab_size=64, num_layers=2, d_model=32, num_heads=4, max_seq_len=16, compute_dtype="float32",
                      init_std=0.1)
@@ -87,7 +88,7 @@ def test_masks_survive_fine_tuning_and_int8_keeps_the_zeros():
   tokens = rng.integers(0, CONFIG.vocab_size, (3, 4, 17)).astype(np.int32)
   batches = [{"inputs": t[:, :-1], "targets": t[:, 1:], "positions": np.broadcast_to(np.arange(16), (4, 16)),
               "segment_ids": np.ones((4, 16), np.int32), "loss_mask": np.ones((4, 16), np.float32)} for t in tokens]
-  loss_fn = train.make_loss_fn(graphdef)
+  loss_fn = steps_lib.make_loss_fn(graphdef)
   tuned = prune.finetune(graphdef, params, masks, loss_fn, batches, learning_rate=1e-2, weight_decay=0.1)
   before = prune.apply_masks(params, masks)
   for path, m in traverse_util.flatten_dict(masks).items():

@@ -19,6 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxlm import data as data_lib
 from jaxlm import optim, reliability, sharding, train
+from jaxlm import steps as steps_lib
 from jaxlm.checkpoint import CheckpointMismatchError, Checkpointer, abstract_with_shardings
 from jaxlm.config import (CheckpointConfig, Config, DataConfig, LogConfig, MeshConfig, ModelConfig,
                           TrainConfig)
@@ -212,7 +213,7 @@ def test_restore_onto_fewer_devices_is_bit_identical(tmp_path):
   """Saved from a 2x2 (data x fsdp) mesh of 4 devices, restored onto 2 devices and onto 1."""
   config = Config(model=MODEL, mesh=MeshConfig(data=2, fsdp=2, tensor=1), train=TrainConfig(batch_size=8))
   optimizer = optim.make_optimizer(config.train)
-  _, state, shardings = train.init_train_state(config, sharding.make_mesh(config.mesh), optimizer)
+  _, state, shardings = steps_lib.init_train_state(config, sharding.make_mesh(config.mesh), optimizer)
   saved = jax.device_get(state)
   checkpointer = Checkpointer(str(tmp_path / "ckpt"), every_steps=1, keep=2)
   checkpointer.save(1, state, {"next_index": 1}, MODEL)

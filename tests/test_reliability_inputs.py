@@ -235,7 +235,7 @@ _FORBIDDEN = [
 
 def test_weights_never_come_through_pickle_and_remote_code_is_never_trusted():  # row 39
   offenders = []
-  for top in ("jaxlm", "experiments", "launch"):
+  for top in ("jaxlm", "experiments", "benchmarks", "launch"):
     for folder, _, files in os.walk(os.path.join(REPO, top)):
       for name in files:
         if name.endswith(".py"):
@@ -247,41 +247,41 @@ def test_weights_never_come_through_pickle_and_remote_code_is_never_trusted():  
 
 
 def test_ab_step_refuses_a_variant_key_the_config_lacks():
-  """experiments/ab_step.py: a mistyped variant key is a one-line error before anything compiles."""
+  """benchmarks/ab_step.py: a mistyped variant key is a one-line error before anything compiles."""
   import subprocess  # noqa: PLC0415
   import sys  # noqa: PLC0415
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  result = subprocess.run([sys.executable, os.path.join(root, "experiments", "ab_step.py"),
-                           "--variants=base:,typo:model.remmat=dots"], cwd=root, capture_output=True, text=True,
+  result = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "ab_step.py"),
+                           "--variants=base:,typo:kernels.remmat=dots"], cwd=root, capture_output=True, text=True,
                           timeout=120)
   assert result.returncode != 0
-  assert "variant assignment 'model.remmat=dots' is not <section>.<key>=<value> of the config" in result.stderr
+  assert "variant assignment 'kernels.remmat=dots' is not <section>.<key>=<value> of the config" in result.stderr
 
 
 def test_ab_step_variants_take_xla_options_apart_from_config_keys():
-  """experiments/ab_step.py: `xla.<option>=v` becomes a compiler option of that variant alone (typed), config keys
+  """benchmarks/ab_step.py: `xla.<option>=v` becomes a compiler option of that variant alone (typed), config keys
   keep the type of the key they replace."""
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  code = ("import sys; sys.path.insert(0, 'experiments'); import ab_step; "
+  code = ("import sys; sys.path.insert(0, 'benchmarks'); import ab_step; "
           "from experiments.configs.demo import get_config; "
           "c, o = ab_step.variant_config(get_config(), 'train.batch_size=4;xla.xla_gpu_enable_triton_gemm=False;"
-          "xla.xla_gpu_autotune_level=0;model.fuse_qkv=True'); "
-          "print(c.train.batch_size, c.model.fuse_qkv, sorted(o.items()))")
+          "xla.xla_gpu_autotune_level=0;kernels.fuse_qkv=fused'); "
+          "print(c.train.batch_size, c.kernels.fuse_qkv, sorted(o.items()))")
   result = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120,
                           env=dict(os.environ, PYTHONPATH=root))
   assert result.returncode == 0, result.stderr[-2000:]
   assert result.stdout.strip().splitlines()[-1] == (
-      "4 True [('xla_gpu_autotune_level', 0), ('xla_gpu_enable_triton_gemm', False)]")
+      "4 fused [('xla_gpu_autotune_level', 0), ('xla_gpu_enable_triton_gemm', False)]")
 
 
 def test_ab_step_skips_a_variant_that_fails_to_compile_and_keeps_the_rest(tmp_path):
-  """experiments/ab_step.py end to end on a tiny model: an XLA option this XLA lacks skips that variant (recorded
+  """benchmarks/ab_step.py end to end on a tiny model: an XLA option this XLA lacks skips that variant (recorded
   in ab.json's `failed`), the others are timed with tokens/s and MFU."""
   from conftest import xla_flags_without_device_count  # noqa: PLC0415
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   env = dict(os.environ, PYTHONPATH=root, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags_without_device_count())
   result = subprocess.run(
-      [sys.executable, os.path.join(root, "experiments", "ab_step.py"), "--config=experiments/configs/demo.py",
+      [sys.executable, os.path.join(root, "benchmarks", "ab_step.py"), "--config=experiments/configs/demo.py",
        "--config.train.batch_size=2", "--config.data.seq_len=32", "--config.model.num_layers=1",
        "--variants=base:,bad:xla.xla_no_such_option=1", "--rounds=1", "--steps_per_round=1",
        f"--workdir={tmp_path}"], cwd=root, env=env, capture_output=True, text=True, timeout=300)

@@ -101,18 +101,15 @@ def test_resume_keeps_exactly_one_line_per_step(tmp_path):
   assert records[-1]["loss"] == 3.0 / 120 and records[5]["loss"] == 2.0 / 60
 
 
-def test_throughput_excludes_the_first_step():
-  meter = telemetry.Throughput(tokens_per_step=1000, flops_per_token=6.0, peak_flops_per_device=1000.0, num_devices=2)
-  first = meter.update(1, wall_time=100.0)  # step 1 took 100 s of compilation: only the baseline
-  assert first["tokens_per_sec"] is None and first["mfu"] is None
-  rates = meter.update(2, wall_time=101.0)
-  assert rates["tokens_per_sec"] == 1000.0
-  assert rates["mfu"] == pytest.approx(1000.0 * 6.0 / 2000.0)
-  meter.update(4, wall_time=102.0)  # 2 steps in 1 s
-  summary = meter.summary()
-  assert summary["timed_steps"] == 3
-  assert summary["tokens_per_sec"] == pytest.approx(3000.0 / 2.0)
-  assert summary["step_time_sec"] == pytest.approx(2.0 / 3.0)
+def test_step_times_give_rates_and_mfu_of_the_timed_steps():
+  times = telemetry.StepTimes()
+  assert times.rates(peak_flops=1.0) == {}  # nothing timed yet (a run's first step holds the compile)
+  times.add({"tokens": 1000, "flops": 6000.0}, seconds=1.0)
+  times.add({"tokens": 2000, "flops": 12000.0}, seconds=1.0)
+  rates = times.rates(peak_flops=2000.0)
+  assert rates == {"tokens_per_sec": 1500.0, "mfu": pytest.approx(9000.0 / 2000.0), "step_time_sec": 1.0}
+  times.clear()
+  assert times.rates(peak_flops=2000.0) == {}
 
 
 def test_report_has_plot_final_loss_and_sample(tmp_path):

@@ -1,15 +1,21 @@
-"""Train steps: loss goes down, accumulation is exact, meshes agree, resume is bit-exact."""
+"""Train steps: loss goes down, accumulation is exact, meshes agree; the loop's resume is bit-exact for pretraining
+and fine-tuning alike."""
 
+import csv
 import dataclasses
 import json
+import os
+import signal
 
 import chex
 import jax
 import numpy as np
 import pytest
+import tokenizers
 
-from jaxlm import optim, sharding, train
+from jaxlm import finetune, optim, sharding, train
 from jaxlm.config import Config, DataConfig, LogConfig, MeshConfig, ModelConfig, TrainConfig, CheckpointConfig
+from jaxlm import steps as steps_lib
 
 MODEL = ModelConfig(vocab_size=512, num_layers=2, d_model=64, num_heads=4, max_seq_len=32, compute_dtype="float32")
 SEQ = 16
@@ -40,22 +46,22 @@ def _batch(batch_size, seed=0, pad_rows=None):
 def _setup(config, devices=None):
   mesh = sharding.make_mesh(config.mesh, devices)
   optimizer = optim.make_optimizer(config.train)
-  graphdef, state, shardings = train.init_train_state(config, mesh, optimizer)
-  train_step, eval_step = train.jit_steps(graphdef, optimizer, config, mesh, shardings)
+  graphdef, state, shardings = steps_lib.init_train_state(config, mesh, optimizer)
+  train_step, eval_step = steps_lib.jit_steps(graphdef, optimizer, config, mesh, shardings)
   _setup.graphdef = graphdef
   return mesh, state, train_step
 
 
 def _gradients(state, batch):
   """Gradient of the mean token loss, computed on whatever mesh `state` and `batch` live on."""
-  loss_fn = train.make_loss_fn(_setup.graphdef)
+  loss_fn = steps_lib.make_loss_fn(_setup.graphdef)
   return jax.device_get(jax.jit(lambda p, b: optim.accumulate_gradients(loss_fn, p, b, 1)[2])(state["params"], batch))
 
 
 def test_a_few_steps_reduce_the_loss_on_a_fixed_batch():
   config = _config(steps=100)
   mesh, state, train_step = _setup(config, jax.devices()[:1])
-  batch = train.to_global_batch(_batch(8), mesh)
+  batch = steps_lib.to_global_batch(_batch(8), mesh)
   losses = []
   for _ in range(15):
     state, metrics = train_step(state, batch)
@@ -71,7 +77,7 @@ def test_accumulation_equals_one_large_batch_with_uneven_padding():
   for accum in (1, 4):
     config = _config(grad_accum=accum)
     mesh, state, train_step = _setup(config, jax.devices()[:1])
-    new_state, metrics = train_step(state, train.to_global_batch(batch, mesh))
+    new_state, metrics = train_step(state, steps_lib.to_global_batch(batch, mesh))
     results.append((jax.device_get(new_state["params"]), jax.device_get(metrics)))
   (params_1, metrics_1), (params_4, metrics_4) = results
   assert float(metrics_1["tokens"]) == float(metrics_4["tokens"])
@@ -93,7 +99,7 @@ def test_meshes_give_the_same_loss_and_update(mesh):
   config = _config(mesh=MeshConfig(*mesh))
   devices = jax.devices()[:int(np.prod(mesh))]
   mesh_obj, state, train_step = _setup(config, devices)
-  batch = train.to_global_batch(_batch(8, pad_rows={2: 5}), mesh_obj)
+  batch = steps_lib.to_global_batch(_batch(8, pad_rows={2: 5}), mesh_obj)
   grads = _gradients(state, batch)
   for _ in range(2):
     state, metrics = train_step(state, batch)
@@ -111,7 +117,7 @@ def _reference_run():
   if not _REFERENCE:
     config = _config()
     mesh, state, train_step = _setup(config, jax.devices()[:1])
-    batch = train.to_global_batch(_batch(8, pad_rows={2: 5}), mesh)
+    batch = steps_lib.to_global_batch(_batch(8, pad_rows={2: 5}), mesh)
     grads = _gradients(state, batch)
     for _ in range(2):
       state, metrics = train_step(state, batch)
@@ -125,7 +131,7 @@ def test_mesh_errors_are_one_line_and_actionable():
     sharding.make_mesh(MeshConfig(data=3, fsdp=1, tensor=1))
   with pytest.raises(ValueError, match="model.num_heads=2 is not divisible by mesh.tensor=4"):
     config = _config(mesh=MeshConfig(data=1, fsdp=1, tensor=4))
-    train.check_mesh_fits_model(dataclasses.replace(MODEL, num_heads=2, d_model=64), sharding.make_mesh(config.mesh))
+    steps_lib.check_mesh_fits_model(dataclasses.replace(MODEL, num_heads=2, d_model=64), sharding.make_mesh(config.mesh))
   chex.assert_equal(sharding.mesh_shape(MeshConfig(data=-1, fsdp=2, tensor=1), 4), (2, 2, 1))
 
 
@@ -156,15 +162,81 @@ def _losses(workdir):
     return {r["step"]: r["loss"] for r in map(json.loads, f)}
 
 
-def test_save_restore_continue_equals_uninterrupted_training_bit_for_bit(tmp_path):
-  config = _file_config(tmp_path, steps=8)
+def _classifier_config(tmp_path, steps):
+  """A 1-layer BERT from scratch on labelled CSV rows, with a word-level tokenizer of the rows' words."""
+  rng = np.random.default_rng(0)
+  words = ["alpha", "beta", "gamma", "delta", "return", "def", "value", "one", "two"]
+  for split, rows in (("train", 48), ("eval", 12)):
+    with open(tmp_path / f"{split}.csv", "w", newline="") as f:
+      writer = csv.writer(f)
+      writer.writerow(["text", "label"])
+      for _ in range(rows):
+        text = list(rng.choice(words, size=rng.integers(3, 12)))
+        writer.writerow([" ".join(text), "many" if text.count("alpha") > 1 else "few"])
+  vocab = {w: i for i, w in enumerate(["[PAD]", "[UNK]", *words])}
+  tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+  tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+  tokenizer.save(str(tmp_path / "tokenizer.json"))
+  return Config(
+      model=ModelConfig(flavour="bert", vocab_size=len(vocab), num_layers=1, d_model=32, num_heads=2, d_ff=64,
+                        max_seq_len=16, compute_dtype="float32"),
+      mesh=MeshConfig(data=4, fsdp=1, tensor=1),  # FSDP is the pretraining case's; here it only slows the CPU
+      data=DataConfig(source="files", train_files=(str(tmp_path / "train.csv"),),
+                      eval_files=(str(tmp_path / "eval.csv"),), tokenizer=str(tmp_path / "tokenizer.json"),
+                      seq_len=16, batching="max"),
+      train=TrainConfig(steps=steps, batch_size=8, warmup_steps=2, learning_rate=3e-3, eval_every_steps=4,
+                        best_metric="accuracy"),
+      checkpoint=CheckpointConfig(every_steps=3, keep=2), log=LogConfig(every_steps=1, progress_bar=False))
+
+
+class _SigtermAt:
+  """The loop's batches; a SIGTERM (what a preempted machine gets) arrives while the batch of `step` is fetched."""
+
+  def __init__(self, batches, step):
+    self.batches, self.step, self.served = batches, step, 0
+
+  def __next__(self):
+    self.served += 1
+    if self.served == self.step:
+      os.kill(os.getpid(), signal.SIGTERM)
+    return next(self.batches)
+
+  def get_state(self):
+    return self.batches.get_state()
+
+  def set_state(self, state):
+    self.batches.set_state(state)
+
+
+@pytest.mark.parametrize("kind", ["pretraining", "finetuning"])
+def test_sigterm_then_resume_equals_uninterrupted_training_bit_for_bit(tmp_path, monkeypatch, kind):
+  """Pretraining and fine-tuning share train.run_loop: the kill (through the loop's batches) and the resume are the
+  same code, so the same check holds for both."""
+  run, config = {"pretraining": (train.train, _file_config(tmp_path, steps=8)),
+                 "finetuning": (finetune.finetune, _classifier_config(tmp_path, steps=8))}[kind]
   straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-  train.train(config, str(straight))
-  train.train(config, str(resumed), stop_at_step=5)
-  assert max(_losses(resumed)) == 5
-  summary = train.train(config, str(resumed))
-  assert summary["resumed_from_step"] == 5
+  run(config, str(straight))
+
+  real_loop = train.run_loop
+
+  def sigterm_at_step_5(config, workdir, mesh, task, *args, **kwargs):
+    task.batches = _SigtermAt(task.batches, step=5)
+    return real_loop(config, workdir, mesh, task, *args, **kwargs)
+
+  with monkeypatch.context() as patch:
+    patch.setattr(train, "run_loop", sigterm_at_step_5)
+    stopped = run(config, str(resumed))
+  assert stopped["preempted_at_step"] == 5 and max(_losses(resumed)) == 5
+  assert sorted(os.listdir(resumed / "checkpoints")) == ["3", "5"]  # the stop saved its step
+  summary = run(config, str(resumed))
   expected, got = _losses(straight), _losses(resumed)
   assert sorted(got) == list(range(1, 9))
   assert got == expected  # exact float equality, step by step
   assert (resumed / "report.md").exists() and (resumed / "loss.png").exists()
+  assert "auto" not in json.loads((resumed / "config.json").read_text())["kernels"].values()  # what ran
+  if kind == "pretraining":
+    assert summary["resumed_from_step"] == 5
+  else:  # the best model and the final evaluation are those of the uninterrupted run
+    again = json.loads((straight / "eval.json").read_text())
+    assert summary["best_step"] == again["best_step"] and summary["eval_loss"] == again["eval_loss"]
+    assert (resumed / "best_model" / "model.safetensors").exists()

@@ -6,12 +6,11 @@ Command:  python experiments/topics.py --out=runs/topics
           (own data: --config.data.train_files=train.csv --config.data.eval_files=test.csv
            --config.data.text_column=sentence --config.data.label_column=label [--config.data.text_pair_column=...];
            another model: --config.init_from=path/to/hf_folder)
-Runtime:  7.7 minutes measured on a 2-core CPU shared with other jobs (load ~12; WORKSPACE.md), an estimated 2 on an
-          idle one; seconds on a GPU.
+Runtime:  a few minutes on a 2-core CPU (longer when it is shared with other jobs); seconds on a GPU.
 Expected: >= 95% accuracy and macro-F1 on the 80 held-out topic sentences (unseen slot words); runs/finetune/eval.json,
           report.md (data statistics, per-class scores, confusion matrix) and best_model/ (an HF folder).
 
-The model's shape and tokenizer come from init_from; model.compute_dtype/param_dtype/remat from here.
+The model's shape and tokenizer come from init_from; model.compute_dtype/param_dtype and kernels.* from here.
 """
 
 import os

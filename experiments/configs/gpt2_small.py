@@ -2,11 +2,11 @@
 
 Command:  python experiments/train_lm.py --config=experiments/configs/gpt2_small.py --workdir=runs/gpt2_small \
             --config.data.source=hf --config.data.hf_name=<dataset> --config.train.steps=2000
-Runtime:  the same model at batch 32 ran 70-74 ms per step on one H200 (440-470k tokens/s, MFU 38-40%, WORKSPACE.md,
-          2026-11-30; 74 ms with the document mask this config keeps for packed documents);
-          the planner predicts 0.14 s per step of 64 x 1024 tokens there (MFU 0.41), so 2000 steps in about 5 minutes.
+Runtime:  about 5 minutes for 2000 steps of 64 x 1024 tokens on one H200 (experiments/plan.py predicts the step).
 Expected: on web text, loss below 4.5 after 2000 steps (131M tokens); the demo corpus (the default source) is far too
           small for this model and only serves to check throughput and MFU.
+
+The kernels stay `auto`: on a GPU in bf16 that is cuDNN attention, a layer loop and the chunked cross-entropy.
 """
 
 from jaxlm.config import default_config
@@ -20,10 +20,6 @@ def get_config():
   config.model.num_heads = 12
   config.model.max_seq_len = 1024
   config.model.compute_dtype = "bfloat16"
-  config.model.remat = "none"
-  config.model.scan_layers = False  # a Python loop over the layers: 1.28-1.32x the scanned step on an H200
-  config.model.attention = "cudnn"  # flash attention: no [B, H, T, T] probabilities kept (off GPUs: recompute)
-  config.model.cross_entropy_chunk = 4096  # no f32 [B, T, V] logits: -32% memory, +11% tokens/s on an H200
   config.data.seq_len = 1024
   config.data.max_bytes = 0
   config.train.steps = 2000

@@ -102,7 +102,7 @@ def pack(tokenizer: tokenizers.Tokenizer, documents: Sequence[str], seq_len: int
   if seq_len < 1:
     raise ValueError(f"data.seq_len={seq_len} must be >= 1")
   token_chunks, segment_chunks = [], []
-  # encode_batch_fast skips offset tracking (about 1.5x faster); older tokenizers only have encode_batch.
+  # encode_batch_fast skips offset tracking; older tokenizers only have encode_batch.
   encode = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
   for start in range(0, len(documents), _DOCS_PER_ENCODE):
     encodings = encode(list(documents[start:start + _DOCS_PER_ENCODE]), add_special_tokens=False)

@@ -16,8 +16,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxlm import kernels as kernels_lib
 from jaxlm.config import ModelConfig
-from jaxlm.models.attention import padding_mask
+from jaxlm.kernels import Kernels
+from jaxlm.models.masks import padding_mask
 from jaxlm.models.layers import MLP, Attention, Dense, Embed, LayerNorm, scan_blocks, stacked
 from jaxlm.precision import Policy
 from jaxlm.sharding import constrain
@@ -25,21 +27,23 @@ from jaxlm.sharding import constrain
 RESIDUAL_AXES = ("act_batch", "act_residual_seq", "act_embed")
 
 
-def _check(config: ModelConfig) -> None:
+def _check(config: ModelConfig, kernels: Kernels | None) -> Kernels:
+  """Refuses a decoder config; returns the kernels (None: `auto` resolved for a bidirectional model)."""
   if config.flavour != "bert":
     raise ValueError(f"model.flavour={config.flavour!r}: BERT models need flavour='bert'")
+  return kernels or kernels_lib.resolve(compute_dtype=config.compute_dtype, causal=False)
 
 
 class BertBlock(nnx.Module):
   """Post-LayerNorm block: x = norm(x + attn(x)), then x = norm(x + mlp(x))."""
 
-  def __init__(self, config: ModelConfig, policy: Policy, *, rngs: nnx.Rngs):
+  def __init__(self, config: ModelConfig, policy: Policy, kernels: Kernels, *, rngs: nnx.Rngs):
     d, std = config.d_model, config.init_std
-    self.attn = Attention(d, config.num_heads, config.num_kv_heads or config.num_heads, policy, std, std,
+    self.attn = Attention(d, config.num_heads, config.num_kv_heads or config.num_heads, policy, kernels, std, std,
                           use_bias=True, rngs=rngs)
-    self.attn_norm = LayerNorm(d, config.layer_norm_eps, policy)
-    self.mlp = MLP(d, config.mlp_width, policy, std, std, approximate_gelu=False, rngs=rngs)
-    self.mlp_norm = LayerNorm(d, config.layer_norm_eps, policy)
+    self.attn_norm = LayerNorm(d, config.layer_norm_eps, policy, kernels)
+    self.mlp = MLP(d, config.mlp_width, policy, kernels, std, std, approximate_gelu=False, rngs=rngs)
+    self.mlp_norm = LayerNorm(d, config.layer_norm_eps, policy, kernels)
 
   def __call__(self, x_BTD: jax.Array, mask_BTS: jax.Array) -> jax.Array:
     x_BTD = self.attn_norm(x_BTD + self.attn(x_BTD, mask_BTS))
@@ -50,18 +54,20 @@ class BertBlock(nnx.Module):
 class Bert(nnx.Module):
   """The encoder (HF `BertModel`); `with_pooler=False` drops the pooler, as HF's masked-LM model does."""
 
-  def __init__(self, config: ModelConfig, *, with_pooler: bool = True, rngs: nnx.Rngs):
-    _check(config)
+  def __init__(self, config: ModelConfig, kernels: Kernels | None = None, *, with_pooler: bool = True,
+               rngs: nnx.Rngs):
+    kernels = _check(config, kernels)
     self.config = config
     policy = Policy.from_model_config(config)
     self.policy = policy
+    self.kernels = kernels
     d, std = config.d_model, config.init_std
-    self.token_embed = Embed(config.vocab_size, d, ("vocab", "embed"), policy, std, rngs=rngs)
-    self.position_embed = Embed(config.max_seq_len, d, ("positions", "embed"), policy, std, rngs=rngs)
-    self.type_embed = Embed(config.type_vocab_size, d, (None, "embed"), policy, std, rngs=rngs)
-    self.embed_norm = LayerNorm(d, config.layer_norm_eps, policy)
-    self.blocks = stacked(config.num_layers, lambda r: BertBlock(config, policy, rngs=r), rngs)
-    self.pooler = Dense(d, d, ("embed", None), policy, std, rngs=rngs) if with_pooler else None
+    self.token_embed = Embed(config.vocab_size, d, ("vocab", "embed"), policy, kernels, std, rngs=rngs)
+    self.position_embed = Embed(config.max_seq_len, d, ("positions", "embed"), policy, kernels, std, rngs=rngs)
+    self.type_embed = Embed(config.type_vocab_size, d, (None, "embed"), policy, kernels, std, rngs=rngs)
+    self.embed_norm = LayerNorm(d, config.layer_norm_eps, policy, kernels)
+    self.blocks = stacked(config.num_layers, lambda r: BertBlock(config, policy, kernels, rngs=r), rngs)
+    self.pooler = Dense(d, d, ("embed", None), policy, kernels, std, rngs=rngs) if with_pooler else None
 
   def encode(self, input_ids_BT: jax.Array, attention_mask: jax.Array | None = None,
              token_type_ids: jax.Array | None = None) -> jax.Array:
@@ -80,8 +86,7 @@ class Bert(nnx.Module):
     def body(block, x_BTD, _):
       return block(x_BTD, mask_BTS), None
 
-    x_BTD, _ = scan_blocks(self.blocks, body, x_BTD, remat=self.config.remat, unroll=self.config.scan_unroll,
-                           scan=self.config.scan_layers)
+    x_BTD, _ = scan_blocks(self.blocks, body, x_BTD, self.kernels)
     return self.policy.cast_to_output(x_BTD)
 
   def __call__(self, input_ids_BT, attention_mask=None, token_type_ids=None) -> jax.Array:
@@ -97,13 +102,14 @@ class Bert(nnx.Module):
 class BertForMaskedLM(nnx.Module):
   """Masked-LM head: dense + GELU + LayerNorm, then the (tied) word embedding plus a vocabulary bias."""
 
-  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
-    _check(config)
+  def __init__(self, config: ModelConfig, kernels: Kernels | None = None, *, rngs: nnx.Rngs):
+    kernels = _check(config, kernels)
     self.config = config
     policy = Policy.from_model_config(config)
-    self.bert = Bert(config, with_pooler=False, rngs=rngs)
-    self.transform = Dense(config.d_model, config.d_model, ("embed", None), policy, config.init_std, rngs=rngs)
-    self.transform_norm = LayerNorm(config.d_model, config.layer_norm_eps, policy)
+    self.bert = Bert(config, kernels, with_pooler=False, rngs=rngs)
+    self.transform = Dense(config.d_model, config.d_model, ("embed", None), policy, kernels, config.init_std,
+                           rngs=rngs)
+    self.transform_norm = LayerNorm(config.d_model, config.layer_norm_eps, policy, kernels)
     self.vocab_bias = nnx.Param(jnp.zeros((config.vocab_size,), policy.param_dtype), axes=("vocab",))
 
   def encode(self, input_ids_BT, attention_mask=None, token_type_ids=None) -> jax.Array:
@@ -120,15 +126,16 @@ class BertForMaskedLM(nnx.Module):
 class BertForSequenceClassification(nnx.Module):
   """Classifier on the pooled [CLS] output: logits [B, num_labels]."""
 
-  def __init__(self, config: ModelConfig, num_labels: int, *, rngs: nnx.Rngs):
-    _check(config)
+  def __init__(self, config: ModelConfig, num_labels: int, kernels: Kernels | None = None, *, rngs: nnx.Rngs):
+    kernels = _check(config, kernels)
     if num_labels < 1:
       raise ValueError(f"num_labels={num_labels} must be >= 1")
     self.config = config
     self.num_labels = num_labels
     policy = Policy.from_model_config(config)
-    self.bert = Bert(config, with_pooler=True, rngs=rngs)
-    self.classifier = Dense(config.d_model, num_labels, ("embed", None), policy, config.init_std, rngs=rngs)
+    self.bert = Bert(config, kernels, with_pooler=True, rngs=rngs)
+    self.classifier = Dense(config.d_model, num_labels, ("embed", None), policy, kernels, config.init_std,
+                            rngs=rngs)
 
   def encode(self, input_ids_BT, attention_mask=None, token_type_ids=None) -> jax.Array:
     return self.bert.encode(input_ids_BT, attention_mask, token_type_ids)

@@ -4,9 +4,10 @@
   llama  rotary positions (`rope_theta`), pre-RMSNorm, SwiGLU MLP, no biases, tied or untied embeddings
 Both support grouped-query / multi-query attention (`num_kv_heads`).
 
-Blocks are created once with a leading layer axis (`nnx.vmap`) and run with `jax.lax.scan`, so compile time does not
-grow with depth. `model(input_ids) -> logits [B, T, V]` in f32; `model.decode(input_ids, cache, ...)` is the
-incremental (KV-cache) form of the same function, used by `jaxlm.generate`.
+Blocks are created once with a leading layer axis (`nnx.vmap`) and run with `jax.lax.scan` (or a loop, as
+`kernels.layers` says). `model(input_ids) -> logits [B, T, V]` in f32; `model.decode(input_ids, cache, ...)` is the
+incremental (KV-cache) form of the same function, used by `jaxlm.generate`. `GPT(config, kernels=...)` takes a
+resolved `jaxlm.kernels.Kernels`; None resolves `auto` for the default backend.
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxlm import kernels as kernels_lib
 from jaxlm.config import ModelConfig
-from jaxlm.models.attention import cache_mask, causal_mask
+from jaxlm.kernels import Kernels
+from jaxlm.models.masks import cache_mask, causal_mask
 from jaxlm.models.layers import (MLP, Attention, Embed, GatedMLP, KVCache, LayerNorm, RMSNorm, Rotary, rotary_tables,
                                  scan_blocks, stacked)
 from jaxlm.precision import Policy
@@ -31,21 +34,18 @@ FLAVOURS = ("gpt2", "llama")
 class Block(nnx.Module):
   """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
-  def __init__(self, config: ModelConfig, policy: Policy, *, rngs: nnx.Rngs):
+  def __init__(self, config: ModelConfig, policy: Policy, kernels: Kernels, *, rngs: nnx.Rngs):
     std = config.init_std
     out_std = std / math.sqrt(2 * config.num_layers)  # GPT-2: scale residual projections by depth
     llama = config.flavour == "llama"
     norm = RMSNorm if llama else LayerNorm
-    self.attn_norm = norm(config.d_model, config.layer_norm_eps, policy)
-    self.attn = Attention(config.d_model, config.num_heads, config.num_kv_heads or config.num_heads, policy, std,
-                          out_std, use_bias=not llama, implementation=config.attention, fuse_qkv=config.fuse_qkv,
-                          block=config.attention_block, causal=True, document_mask=config.document_mask,
+    self.attn_norm = norm(config.d_model, config.layer_norm_eps, policy, kernels)
+    self.attn = Attention(config.d_model, config.num_heads, config.num_kv_heads or config.num_heads, policy, kernels,
+                          std, out_std, use_bias=not llama, causal=True, document_mask=config.document_mask,
                           rngs=rngs)
-    self.mlp_norm = norm(config.d_model, config.layer_norm_eps, policy)
-    if llama:
-      self.mlp = GatedMLP(config.d_model, config.mlp_width, policy, std, out_std, rngs=rngs)
-    else:
-      self.mlp = MLP(config.d_model, config.mlp_width, policy, std, out_std, rngs=rngs)
+    self.mlp_norm = norm(config.d_model, config.layer_norm_eps, policy, kernels)
+    mlp = GatedMLP if llama else MLP
+    self.mlp = mlp(config.d_model, config.mlp_width, policy, kernels, std, out_std, rngs=rngs)
 
   def __call__(self, x_BTD: jax.Array, mask_BTS: jax.Array, rotary: Rotary | None) -> jax.Array:
     # Constraining after each residual add makes a row-parallel output's all-reduce a reduce-scatter under
@@ -63,23 +63,26 @@ class Block(nnx.Module):
 
 class GPT(nnx.Module):
 
-  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+  def __init__(self, config: ModelConfig, kernels: Kernels | None = None, *, rngs: nnx.Rngs):
     if config.flavour not in FLAVOURS:
       raise ValueError(f"model.flavour={config.flavour!r} is not a decoder flavour ({', '.join(FLAVOURS)}); "
                        "use jaxlm.models.bert for bert")
     self.config = config
     policy = Policy.from_model_config(config)
+    kernels = kernels or kernels_lib.resolve(compute_dtype=config.compute_dtype, causal=True)
     self.policy = policy
-    self.token_embed = Embed(config.vocab_size, config.d_model, ("vocab", "embed"), policy, config.init_std,
-                             rngs=rngs)
-    self.position_embed = (Embed(config.max_seq_len, config.d_model, ("positions", "embed"), policy,
+    self.kernels = kernels
+    self.token_embed = Embed(config.vocab_size, config.d_model, ("vocab", "embed"), policy, kernels,
+                             config.init_std, rngs=rngs)
+    self.position_embed = (Embed(config.max_seq_len, config.d_model, ("positions", "embed"), policy, kernels,
                                  config.init_std / 2, rngs=rngs) if config.flavour == "gpt2" else None)
-    self.blocks = stacked(config.num_layers, lambda r: Block(config, policy, rngs=r), rngs)
+    self.blocks = stacked(config.num_layers, lambda r: Block(config, policy, kernels, rngs=r), rngs)
     norm = RMSNorm if config.flavour == "llama" else LayerNorm
-    self.final_norm = norm(config.d_model, config.layer_norm_eps, policy)
+    self.final_norm = norm(config.d_model, config.layer_norm_eps, policy, kernels)
     # Untied embeddings: a separate [V, D] output table.
     self.lm_head = (None if config.tie_embeddings else
-                    Embed(config.vocab_size, config.d_model, ("vocab", "embed"), policy, config.init_std, rngs=rngs))
+                    Embed(config.vocab_size, config.d_model, ("vocab", "embed"), policy, kernels, config.init_std,
+                          rngs=rngs))
 
   def _embed(self, input_ids_BT: jax.Array, positions_BT: jax.Array) -> jax.Array:
     x_BTD = self.token_embed(input_ids_BT)
@@ -112,10 +115,20 @@ class GPT(nnx.Module):
     document per row."""
     return self._vocab_logits(self.features(input_ids_BT, positions_BT, segment_ids_BT))
 
+  def loss_sums(self, input_ids_BT: jax.Array, targets_BT: jax.Array, weights_BT: jax.Array,
+                positions_BT: jax.Array | None = None,
+                segment_ids_BT: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """(sum of w * cross-entropy, sum of w * [argmax == target]) over every token: the training loss, computed by
+    `kernels.cross_entropy_sums` from the final hidden states (without [B, T, V] logits where the kernel allows)."""
+    features_BTD = self.features(input_ids_BT, positions_BT, segment_ids_BT)
+    b, t, d = features_BTD.shape
+    return self.kernels.cross_entropy_sums(features_BTD.reshape(b * t, d), self.output_table(),
+                                           targets_BT.reshape(b * t), weights_BT.reshape(b * t))
+
   def features(self, input_ids_BT: jax.Array, positions_BT: jax.Array | None = None,
                segment_ids_BT: jax.Array | None = None) -> jax.Array:
-    """The final-normed hidden states [B, T, D] in the compute dtype, before the vocabulary projection (the fused
-    cross-entropy of jaxlm.cross_entropy consumes these instead of [B, T, V] logits)."""
+    """The final-normed hidden states [B, T, D] in the compute dtype, before the vocabulary projection (the training
+    loss, `kernels.cross_entropy_sums`, takes these and `output_table()` rather than [B, T, V] logits)."""
     if positions_BT is None:
       positions_BT = jnp.broadcast_to(jnp.arange(input_ids_BT.shape[1]), input_ids_BT.shape)
     if segment_ids_BT is None:
@@ -128,8 +141,7 @@ class GPT(nnx.Module):
     def body(block, x_BTD, _):
       return block(x_BTD, mask_BTS, rotary), None
 
-    x_BTD, _ = scan_blocks(self.blocks, body, self._embed(input_ids_BT, positions_BT), remat=self.config.remat,
-                           unroll=self.config.scan_unroll, scan=self.config.scan_layers)
+    x_BTD, _ = scan_blocks(self.blocks, body, self._embed(input_ids_BT, positions_BT), self.kernels)
     return self.final_norm(x_BTD)
 
   def init_cache(self, batch: int, slots: int) -> KVCache:
@@ -160,5 +172,5 @@ class GPT(nnx.Module):
       return x_BTD, (k_BSGK, v_BSGK)
 
     x_BTD, (k_LBSGK, v_LBSGK) = scan_blocks(self.blocks, body, self._embed(input_ids_BT, positions_BT),
-                                             (cache.k_LBSGK, cache.v_LBSGK))
+                                             self.kernels, (cache.k_LBSGK, cache.v_LBSGK), remat=False)
     return self._logits(x_BTD), KVCache(k_LBSGK, v_LBSGK, cache_segments_BS, cache.end + t)

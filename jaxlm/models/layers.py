@@ -7,8 +7,9 @@ Dimension alphabet used in names and comments:
   V vocab   L layers
 
 We write these few layers ourselves instead of using `nnx.Linear` & co. because each parameter must carry its
-logical axis names (`axes=` metadata, read by `jaxlm.sharding`) and each matmul must follow the precision policy
-(f32 params cast to the compute dtype; softmax, norms and logits in f32). Parameters are read with `p[...]`.
+logical axis names (`axes=` metadata, read by `jaxlm.sharding`), each matmul must follow the precision policy
+(f32 params cast to the compute dtype; softmax, norms and logits in f32), and every op goes through the kernel
+registry (`kernels`, a resolved `jaxlm.kernels.Kernels`). Parameters are read with `p[...]`.
 """
 
 from __future__ import annotations
@@ -20,9 +21,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxlm import blas
-from jaxlm.models.attention import (causal_block_attention, dot_product_attention, fused_cpu_attention,
-                                    library_attention, recompute_attention)
+from jaxlm.kernels import Kernels
+from jaxlm.kernels.registry import REMAT_POLICIES
 from jaxlm.precision import Policy
 from jaxlm.sharding import constrain, gather_fsdp
 
@@ -34,16 +34,17 @@ def _lead(v: jax.Array, ndim: int) -> jax.Array:
 
 def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], std: float, dtype) -> jax.Array:
   # Drawn flat and reshaped: the same values (threefry is partitionable, so bits follow the linear index), but XLA
-  # on the CPU compiles a 3-D normal sampler about 10x slower than a 1-D one (7 s vs 0.7 s).
+  # on the CPU compiles a 3-D normal sampler much more slowly than a 1-D one.
   return std * jax.random.normal(rngs.params(), (math.prod(shape),), dtype).reshape(shape)
 
 
 class Embed(nnx.Module):
   """A lookup table [N, D]; `attend` reuses it as the output projection (tied embeddings)."""
 
-  def __init__(self, num: int, dim: int, axes: tuple[str | None, str], policy: Policy, std: float, *,
-               rngs: nnx.Rngs):
+  def __init__(self, num: int, dim: int, axes: tuple[str | None, str], policy: Policy, kernels: Kernels,
+               std: float, *, rngs: nnx.Rngs):
     self.policy = policy
+    self.kernels = kernels
     self.embedding = nnx.Param(_normal(rngs, (num, dim), std, policy.param_dtype), axes=axes)
 
   def __call__(self, ids_BT: jax.Array) -> jax.Array:
@@ -53,67 +54,58 @@ class Embed(nnx.Module):
   def attend(self, x_BTD: jax.Array) -> jax.Array:
     table_VD = self.policy.cast_to_compute(gather_fsdp(self.embedding)[...])
     # f32 accumulation and output: the logits feed a softmax over the whole vocabulary.
-    return self.policy.einsum("btd,vd->btv", self.policy.cast_to_compute(x_BTD), table_VD,
-                              preferred_element_type=jnp.float32)  # [B, T, V]
+    return self.kernels.einsum("btd,vd->btv", self.policy.cast_to_compute(x_BTD), table_VD,
+                               preferred_element_type=jnp.float32)  # [B, T, V]
 
 
 class Dense(nnx.Module):
   """y = x @ w + b over the last axis; `axes` names [in, out] (heads and poolers of BERT)."""
 
-  def __init__(self, d_in: int, d_out: int, axes: tuple[str | None, str | None], policy: Policy, std: float, *,
-               rngs: nnx.Rngs):
+  def __init__(self, d_in: int, d_out: int, axes: tuple[str | None, str | None], policy: Policy, kernels: Kernels,
+               std: float, *, rngs: nnx.Rngs):
     self.policy = policy
+    self.kernels = kernels
     self.w = nnx.Param(_normal(rngs, (d_in, d_out), std, policy.param_dtype), axes=axes)
     self.b = nnx.Param(jnp.zeros((d_out,), policy.param_dtype), axes=axes[1:])
 
   def __call__(self, x: jax.Array) -> jax.Array:
     c = self.policy.cast_to_compute
-    return self.policy.einsum("...i,io->...o", c(x), c(self.w[...])) + _lead(c(self.b[...]), x.ndim)
+    return self.kernels.einsum("...i,io->...o", c(x), c(self.w[...])) + _lead(c(self.b[...]), x.ndim)
 
 
 class LayerNorm(nnx.Module):
   """LayerNorm with statistics in f32, output in the compute dtype."""
 
-  def __init__(self, dim: int, eps: float, policy: Policy):
+  def __init__(self, dim: int, eps: float, policy: Policy, kernels: Kernels):
     self.policy = policy
+    self.kernels = kernels
     self.eps = eps
     self.scale = nnx.Param(jnp.ones((dim,), policy.param_dtype), axes=("embed",))
     self.bias = nnx.Param(jnp.zeros((dim,), policy.param_dtype), axes=("embed",))
 
   def __call__(self, x_BTD: jax.Array) -> jax.Array:
-    x = x_BTD.astype(jnp.float32)
-    mean = x.mean(axis=-1, keepdims=True)
-    var = jnp.square(x - mean).mean(axis=-1, keepdims=True)
-    y = (x - mean) * jax.lax.rsqrt(var + self.eps)
-    y = y * _lead(self.scale[...].astype(jnp.float32), y.ndim) + _lead(self.bias[...].astype(jnp.float32), y.ndim)
-    return self.policy.cast_to_compute(y)
+    return self.policy.cast_to_compute(self.kernels.layer_norm(x_BTD, self.scale[...], self.bias[...], self.eps))
 
 
 class RMSNorm(nnx.Module):
   """RMSNorm (Llama): no mean subtraction and no bias; statistics in f32."""
 
-  def __init__(self, dim: int, eps: float, policy: Policy):
+  def __init__(self, dim: int, eps: float, policy: Policy, kernels: Kernels):
     self.policy = policy
+    self.kernels = kernels
     self.eps = eps
     self.scale = nnx.Param(jnp.ones((dim,), policy.param_dtype), axes=("embed",))
 
   def __call__(self, x_BTD: jax.Array) -> jax.Array:
-    x = x_BTD.astype(jnp.float32)
-    y = x * jax.lax.rsqrt(jnp.square(x).mean(axis=-1, keepdims=True) + self.eps)
-    return self.policy.cast_to_compute(y * _lead(self.scale[...].astype(jnp.float32), y.ndim))
+    return self.policy.cast_to_compute(self.kernels.rms_norm(x_BTD, self.scale[...], self.eps))
 
 
 # ----------------------------------------------------------------------------------------------- positions
 
 
 class Rotary(NamedTuple):
-  """cos and sin of every rotary angle, [B, T, K/2] in f32: computed once per forward pass and shared by every layer,
-  as HF does. Computed from the positions inside each layer, XLA fused cos and sin into the kernel that rotates q or k
-  and evaluated them for every head and element: on this CPU one rotation of q [8, 256, 8, 64] took 4.5 ms forward and
-  1.3-9.5 ms forward and backward (as XLA happened to fuse) that way, 0.3 and 0.6 ms from tables (the whole CPU Llama
-  step, where RoPE is under 1%, did not change measurably). The ~1B Llama's RoPE kernels took 7.3 ms of a 234 ms H200
-  step, not bandwidth-bound, possibly the same cause; unmeasured there with tables (WORKSPACE.md 2026-11-30,
-  2026-12-01)."""
+  """cos and sin of every rotary angle, [B, T, K/2] in f32: computed once per forward pass and shared by every layer
+  (as HF does), so XLA does not fuse their evaluation into each layer's rotation, per head and element."""
   cos_BTk: jax.Array
   sin_BTk: jax.Array
 
@@ -155,24 +147,17 @@ class KVCache(NamedTuple):
 class Attention(nnx.Module):
   """Self-attention with H query heads and G key/value heads (grouped-query when G < H); heads are the
   tensor-parallel dimension. Optional biases (GPT-2, BERT) and rotary positions (Llama); the mask decides causal
-  or bidirectional."""
+  or bidirectional. `kernels` picks the attention implementation and whether q, k, v come from one matmul."""
 
-  def __init__(self, d_model: int, num_heads: int, num_kv_heads: int, policy: Policy, std: float, out_std: float,
-               *, use_bias: bool = True, implementation: str = "xla",
-               fuse_qkv: bool = False, block: int = 32, causal: bool = False, document_mask: bool = True,
+  def __init__(self, d_model: int, num_heads: int, num_kv_heads: int, policy: Policy, kernels: Kernels, std: float,
+               out_std: float, *, use_bias: bool = True, causal: bool = False, document_mask: bool = True,
                rngs: nnx.Rngs):
     if num_heads % num_kv_heads:
       raise ValueError(f"num_heads={num_heads} is not divisible by num_kv_heads={num_kv_heads}")
-    if implementation in ("causal_blocks", "cpu_fused") and not causal:
-      raise ValueError(f"attention={implementation} skips the blocks a causal mask hides; this model's attention is "
-                       "not causal: use attention=xla")
     self.policy = policy
-    self.implementation = implementation  # ModelConfig.attention: xla | causal_blocks | cpu_fused | recompute | jax
-    # | cudnn
-    self.block = block  # ModelConfig.attention_block: queries per block of causal_blocks and cpu_fused
+    self.kernels = kernels
     self.causal = causal  # the caller's mask hides every later key (decoders); enables causal-only kernels
     self.document_mask = document_mask  # False (decoders): the mask is plain causal, library kernels get none
-    self.fuse_qkv = fuse_qkv  # ModelConfig.fuse_qkv: one [D, H+2G, K] matmul instead of three
     h, g, k, dt = num_heads, num_kv_heads, d_model // num_heads, policy.param_dtype
     self.w_q = nnx.Param(_normal(rngs, (d_model, h, k), std, dt), axes=("embed", "heads", "head_dim"))
     self.w_k = nnx.Param(_normal(rngs, (d_model, g, k), std, dt), axes=("embed", "kv_heads", "head_dim"))
@@ -188,13 +173,14 @@ class Attention(nnx.Module):
 
   def _project(self, x_BTD: jax.Array, w: nnx.Param, b: nnx.Param | None, heads_axis: str) -> jax.Array:
     c = self.policy.cast_to_compute
-    y = self.policy.einsum("btd,dhk->bthk", x_BTD, c(w[...]))
+    y = self.kernels.einsum("btd,dhk->bthk", x_BTD, c(w[...]))
     if b is not None:
       y = y + _lead(c(b[...]), 4)
     return constrain(y, ("act_batch", "act_seq", heads_axis, None))  # [B, T, H or G, K]
 
   def _qkv(self, x_BTD: jax.Array, rotary: Rotary | None):
-    if self.fuse_qkv:
+    # Quantized weights (jaxlm.quant's int8 tensors, not arrays) are read by one intercepted matmul each.
+    if self.kernels.fuse_qkv == "fused" and isinstance(self.w_q[...], jax.Array):
       q, k, v = self._fused_project(x_BTD)
     else:
       q = self._project(x_BTD, self.w_q, self.b_q, "act_heads")
@@ -205,13 +191,13 @@ class Attention(nnx.Module):
     return q, k, v
 
   def _fused_project(self, x_BTD: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """q, k, v from ONE matmul with the three weights concatenated along heads (the parameters stay separate):
-    on a 2-core CPU a [2048, 384] x [384, 384] matmul ran at 17-43 GFLOP/s, a [384, 1152] one near the large-matmul
-    rate, and the backward pass gets one dX and one dW matmul instead of three each (tested equal)."""
+    """q, k, v from ONE matmul with the three weights concatenated along heads (the parameters stay separate): one
+    large matmul runs nearer the machine's peak than three narrow ones, and the backward pass gets one dX and one dW
+    matmul instead of three each."""
     c = self.policy.cast_to_compute
     h, g = self.w_q.shape[1], self.w_k.shape[1]
     w_DNK = jnp.concatenate([c(self.w_q[...]), c(self.w_k[...]), c(self.w_v[...])], axis=1)  # N = H + 2G
-    y_BTNK = self.policy.einsum("btd,dnk->btnk", x_BTD, w_DNK)
+    y_BTNK = self.kernels.einsum("btd,dnk->btnk", x_BTD, w_DNK)
     if self.b_q is not None:
       y_BTNK = y_BTNK + _lead(jnp.concatenate([c(self.b_q[...]), c(self.b_k[...]), c(self.b_v[...])]), 4)
     q, k, v = y_BTNK[:, :, :h], y_BTNK[:, :, h:h + g], y_BTNK[:, :, h + g:]
@@ -221,22 +207,12 @@ class Attention(nnx.Module):
 
   def _out(self, out_BTHK: jax.Array) -> jax.Array:
     c = self.policy.cast_to_compute
-    y = self.policy.einsum("bthk,hkd->btd", out_BTHK, c(self.w_o[...]))
+    y = self.kernels.einsum("bthk,hkd->btd", out_BTHK, c(self.w_o[...]))
     return y if self.b_o is None else y + _lead(c(self.b_o[...]), 3)
 
   def __call__(self, x_BTD: jax.Array, mask_BTS: jax.Array, rotary: Rotary | None = None) -> jax.Array:
     q, k, v = self._qkv(x_BTD, rotary)
-    if self.implementation == "xla":
-      return self._out(dot_product_attention(q, k, v, mask_BTS, self.policy))
-    if self.implementation == "causal_blocks":
-      return self._out(causal_block_attention(q, k, v, mask_BTS, self.policy, self.block))
-    if self.implementation == "cpu_fused":
-      return self._out(fused_cpu_attention(q, k, v, mask_BTS, self.block))
-    if self.implementation == "recompute":
-      return self._out(recompute_attention(q, k, v, mask_BTS))
-    plain_causal = self.causal and not self.document_mask
-    return self._out(library_attention(q, k, v, None if plain_causal else mask_BTS, self.implementation,
-                                       self.causal))
+    return self._out(self.kernels.attend(q, k, v, mask_BTS, causal=self.causal, document_mask=self.document_mask))
 
   def decode(self, x_BTD: jax.Array, mask_BTS: jax.Array, rotary: Rotary | None, k_BSGK: jax.Array,
              v_BSGK: jax.Array, end: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -246,7 +222,8 @@ class Attention(nnx.Module):
     zero = jnp.zeros((), jnp.int32)
     k_BSGK = jax.lax.dynamic_update_slice(k_BSGK, k.astype(k_BSGK.dtype), (zero, end, zero, zero))
     v_BSGK = jax.lax.dynamic_update_slice(v_BSGK, v.astype(v_BSGK.dtype), (zero, end, zero, zero))
-    return self._out(dot_product_attention(q, k_BSGK, v_BSGK, mask_BTS, self.policy)), k_BSGK, v_BSGK
+    # The reference kernel: the cache has more slots than queries, which the causal-block kernels do not take.
+    return self._out(self.kernels.attend_reference(q, k_BSGK, v_BSGK, mask_BTS)), k_BSGK, v_BSGK
 
 
 # ----------------------------------------------------------------------------------------------- MLPs
@@ -255,9 +232,10 @@ class Attention(nnx.Module):
 class MLP(nnx.Module):
   """Two-layer GELU MLP with biases (GPT-2: tanh-approximate GELU; BERT: exact); F is tensor-parallel."""
 
-  def __init__(self, d_model: int, d_ff: int, policy: Policy, std: float, out_std: float, *,
+  def __init__(self, d_model: int, d_ff: int, policy: Policy, kernels: Kernels, std: float, out_std: float, *,
                approximate_gelu: bool = True, rngs: nnx.Rngs):
     self.policy = policy
+    self.kernels = kernels
     self.approximate_gelu = approximate_gelu
     dt = policy.param_dtype
     self.w_in = nnx.Param(_normal(rngs, (d_model, d_ff), std, dt), axes=("embed", "mlp"))
@@ -267,16 +245,18 @@ class MLP(nnx.Module):
 
   def __call__(self, x_BTD: jax.Array) -> jax.Array:
     c = self.policy.cast_to_compute
-    h_BTF = self.policy.einsum("btd,df->btf", x_BTD, c(self.w_in[...])) + _lead(c(self.b_in[...]), 3)
+    h_BTF = self.kernels.einsum("btd,df->btf", x_BTD, c(self.w_in[...])) + _lead(c(self.b_in[...]), 3)
     h_BTF = constrain(jax.nn.gelu(h_BTF, approximate=self.approximate_gelu), ("act_batch", "act_seq", "act_mlp"))
-    return self.policy.einsum("btf,fd->btd", h_BTF, c(self.w_out[...])) + _lead(c(self.b_out[...]), 3)
+    return self.kernels.einsum("btf,fd->btd", h_BTF, c(self.w_out[...])) + _lead(c(self.b_out[...]), 3)
 
 
 class GatedMLP(nnx.Module):
   """SwiGLU MLP (Llama): down(silu(gate(x)) * up(x)), no biases; F is tensor-parallel."""
 
-  def __init__(self, d_model: int, d_ff: int, policy: Policy, std: float, out_std: float, *, rngs: nnx.Rngs):
+  def __init__(self, d_model: int, d_ff: int, policy: Policy, kernels: Kernels, std: float, out_std: float, *,
+               rngs: nnx.Rngs):
     self.policy = policy
+    self.kernels = kernels
     dt = policy.param_dtype
     self.w_gate = nnx.Param(_normal(rngs, (d_model, d_ff), std, dt), axes=("embed", "mlp"))
     self.w_up = nnx.Param(_normal(rngs, (d_model, d_ff), std, dt), axes=("embed", "mlp"))
@@ -284,20 +264,12 @@ class GatedMLP(nnx.Module):
 
   def __call__(self, x_BTD: jax.Array) -> jax.Array:
     c = self.policy.cast_to_compute
-    gate_BTF = self.policy.einsum("btd,df->btf", x_BTD, c(self.w_gate[...]))
-    up_BTF = self.policy.einsum("btd,df->btf", x_BTD, c(self.w_up[...]))
-    h_BTF = constrain(jax.nn.silu(gate_BTF) * up_BTF, ("act_batch", "act_seq", "act_mlp"))
-    return self.policy.einsum("btf,fd->btd", h_BTF, c(self.w_down[...]))
+    h_BTF = self.kernels.gated_linear_unit(x_BTD, c(self.w_gate[...]), c(self.w_up[...]))
+    h_BTF = constrain(h_BTF, ("act_batch", "act_seq", "act_mlp"))
+    return self.kernels.einsum("btf,fd->btd", h_BTF, c(self.w_down[...]))
 
 
 # ----------------------------------------------------------------------------------------------- layer stacks
-
-REMAT_POLICIES = {
-    "full": None,  # save nothing inside a block: least memory, one extra forward
-    # keep matmul outputs (XLA's dots and model.matmul=blas's named custom calls), recompute elementwise ops
-    "dots": jax.checkpoint_policies.save_from_both_policies(
-        jax.checkpoint_policies.checkpoint_dots, jax.checkpoint_policies.save_only_these_names(blas.CHECKPOINT_NAME)),
-}
 
 
 def stacked(num_layers: int, make_block: Callable[[nnx.Rngs], nnx.Module], rngs: nnx.Rngs) -> nnx.Module:
@@ -311,24 +283,22 @@ def stacked(num_layers: int, make_block: Callable[[nnx.Rngs], nnx.Module], rngs:
   return make(rngs)
 
 
-def scan_blocks(blocks: nnx.Module, body: Callable, carry, xs=None, remat: str = "none", unroll: int = 1,
-                scan: bool = True):
-  """Runs `body(block, carry, xs_l) -> (carry, ys_l)` over the stacked blocks with `jax.lax.scan`, so compile time
-  does not grow with depth; `xs` (e.g. one KV cache per layer) is sliced along its leading [L] axis. `unroll`
-  blocks per loop iteration trade compile time for fewer per-layer slices and stacks (ModelConfig.scan_unroll).
-  `scan=False` (ModelConfig.scan_layers) runs a Python loop instead: compile time grows with depth, but each
-  layer's saved activations are buffers of their own, not slices written into (and read back from) stacked
-  [L, ...] loop buffers: 1.16-1.32x faster on an H200, 0.82-1.03x on the 2-core CPU."""
+def scan_blocks(blocks: nnx.Module, body: Callable, carry, kernels: Kernels, xs=None, remat: bool = True):
+  """Runs `body(block, carry, xs_l) -> (carry, ys_l)` over the stacked blocks; `xs` (e.g. one KV cache per layer)
+  is sliced along its leading [L] axis. `kernels.layers=scan`: one `jax.lax.scan` (compile time flat in depth;
+  `scan_unroll` blocks per iteration). `loop`: a Python loop, where each layer's saved activations are buffers of
+  their own instead of slices of stacked [L, ...] loop buffers. `kernels.remat` applies per block unless `remat`
+  is False (decoding has no backward pass)."""
   block_def, block_params = nnx.split(blocks)
 
   def step(carry, params_and_xs):
     params, xs_l = params_and_xs
     return body(nnx.merge(block_def, gather_fsdp(params)), carry, xs_l)
 
-  if remat != "none":
-    step = jax.checkpoint(step, policy=REMAT_POLICIES[remat], prevent_cse=False)
-  if scan:
-    return jax.lax.scan(step, carry, (block_params, xs), unroll=unroll)
+  if remat and kernels.remat != "none":
+    step = jax.checkpoint(step, policy=REMAT_POLICIES[kernels.remat], prevent_cse=False)
+  if kernels.layers == "scan":
+    return jax.lax.scan(step, carry, (block_params, xs), unroll=kernels.scan_unroll)
   num_layers = jax.tree.leaves(block_params)[0].shape[0]
   # One split per stacked array (its transpose is one concatenate of the layer gradients, not L padded adds).
   per_layer = jax.tree.map(lambda a: jnp.split(a, num_layers), (block_params, xs))

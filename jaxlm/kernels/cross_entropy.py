@@ -1,0 +1,157 @@
+"""Fused, chunked cross-entropy over the vocabulary: the loss and its gradient without [B, T, V] logits in memory.
+
+The reference path (`model(...)` -> logits [B, T, V] f32 -> optax) writes the logits, reads them for the softmax,
+keeps them for the backward pass, writes d(logits), transposes it and reads it twice more: six passes over an
+array of B*T*V f32 (64 MB for 8 x 256 tokens and V = 8192). Here the tokens are cut into chunks of `chunk` rows;
+for each chunk the forward pass computes the logits, the loss, the accuracy AND the gradient with respect to the
+hidden states and the output table (softmax - one-hot, two matmuls) while the chunk's logits are still in cache, and
+keeps only those gradients ([N, D] and [V, D]) for the backward pass. This works because the loss is a weighted SUM
+of token losses (divided by the global token count afterwards): its cotangent is one scalar, so the backward pass
+only scales the saved gradients (the trick of Liger-Kernel's fused linear cross-entropy).
+
+Chunks run over tokens, never over the vocabulary, so every chunk sees whole rows of logits: the log-sum-exp and
+argmax are computed exactly as on the full array (tested equal to the reference in tests/test_kernels.py).
+Dimension letters: N tokens (B*T), P devices splitting the tokens (the batch axes of the mesh; 1 off a mesh),
+K chunks, C tokens per device in a chunk, D model width, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jaxlm import sharding
+
+_F32 = {"preferred_element_type": jnp.float32}  # f32 results from compute-dtype operands
+
+
+def _chunk_stats(x_PCD, table_VD, targets_PC, weights_PC, einsum):
+  """Logits of one chunk in f32 -> (weighted loss sum, weighted correct sum, logits, row max, exp(logits - max),
+  its row sums)."""
+  logits_PCV = einsum("pcd,vd->pcv", x_PCD, table_VD, **_F32)
+  # The same formulas as optax.softmax_cross_entropy_with_integer_labels (max-shifted log-sum-exp).
+  shift_PC = jax.lax.stop_gradient(logits_PCV.max(axis=-1))
+  exp_PCV = jnp.exp(logits_PCV - shift_PC[..., None])
+  sum_PC = exp_PCV.sum(axis=-1)
+  target_PC = jnp.take_along_axis(logits_PCV, targets_PC[..., None], axis=-1)[..., 0] - shift_PC
+  loss = jnp.sum((jnp.log(sum_PC) - target_PC) * weights_PC)
+  # argmax, not "target logit == max": on a tie (e.g. a zero head) that would count every tied token correct.
+  correct = jnp.sum((jnp.argmax(logits_PCV, axis=-1) == targets_PC).astype(jnp.float32) * weights_PC)
+  return loss, correct, logits_PCV, shift_PC, exp_PCV, sum_PC
+
+
+def _use_scatter_gradient() -> bool:
+  """Which form of d(loss)/d(logits) to trace: the scatter form when the default backend is XLA:CPU, the one-hot
+  form otherwise (a CPU mesh on a GPU host gets the one-hot form: correct, slower)."""
+  return jax.default_backend() == "cpu"
+
+
+def _dlogits(logits_PCV, shift_PC, exp_PCV, sum_PC, targets_PC, weights_PC):
+  """d(loss)/d(logits) = w * (softmax - one-hot) in f32, in the form that is fastest on each compiler.
+
+  Off the CPU: `(exp(logits - max - log(sum)) - one_hot) * w`, one pass XLA:GPU fuses from logits to gradient. On
+  XLA:CPU the one-hot's iota compare fused into a slow pass, so there the gradient reuses exp(logits - max) with one
+  scale per row, then scatters -w at each row's target (vmapped over P so that a P split over devices stays split).
+  docs/performance.md has the measurements of both forms."""
+  if _use_scatter_gradient():
+    dlogits_PCV = exp_PCV * (weights_PC / sum_PC)[..., None]
+    subtract_at_targets = lambda d_CV, t_C, w_C: d_CV.at[jnp.arange(t_C.shape[0]), t_C].add(-w_C)
+    return jax.vmap(subtract_at_targets)(dlogits_PCV, targets_PC, weights_PC)
+  softmax_PCV = jnp.exp((logits_PCV - shift_PC[..., None]) - jnp.log(sum_PC)[..., None])
+  one_hot_PCV = jax.nn.one_hot(targets_PC, logits_PCV.shape[-1], dtype=jnp.float32)
+  return (softmax_PCV - one_hot_PCV) * weights_PC[..., None]
+
+
+def _batch_shards(num_tokens: int) -> int:
+  """P: how many devices split the token axis (the mesh's batch axes while a step is traced; 1 off a mesh or
+  inside shard_map, where each device already sees only its own tokens)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or jax.sharding.AxisType.Manual in mesh.axis_types:
+    return 1
+  axes = sharding.rule("act_batch")
+  shards = math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes or ()))
+  return shards if num_tokens % shards == 0 else 1
+
+
+def _blocks(x, shards: int, chunk: int):
+  """[N, ...] -> [K, P, C, ...]: each device's contiguous block of N / P tokens (the batch sharding), cut into K
+  chunks of C = `chunk`, zero-padded (padding rows have weight 0). Scanning over K keeps the P axis sharded, so every
+  device runs its own tokens of each chunk; with chunks of the flat token axis, the sharding lands on the scanned
+  axis and GSPMD all-gathers the hidden states, and every device computes every chunk."""
+  per_shard = x.shape[0] // shards
+  x = x.reshape(shards, per_shard, *x.shape[1:])
+  pad = -per_shard % chunk
+  if pad:
+    x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+  x = x.reshape(shards, x.shape[1] // chunk, chunk, *x.shape[2:])
+  x = jnp.moveaxis(x, 1, 0)
+  return sharding.constrain(x, (None, "act_batch") + (None,) * (x.ndim - 2))
+
+
+def _unblocks(x_KPC, num_tokens: int):
+  """The inverse of `_blocks`: [K, P, C, ...] -> [N, ...] without the padding."""
+  k, p, c = x_KPC.shape[:3]
+  x = jnp.moveaxis(x_KPC, 0, 1).reshape(p, k * c, *x_KPC.shape[3:])[:, :num_tokens // p]
+  return x.reshape(num_tokens, *x.shape[2:])
+
+
+def fused_cross_entropy(x_ND: jax.Array, table_VD: jax.Array, targets_N: jax.Array, weights_N: jax.Array,
+                        chunk: int, einsum=jnp.einsum) -> tuple[jax.Array, jax.Array]:
+  """(sum_n w_n * CE(x_n @ table^T, target_n), sum_n w_n * [argmax == target]) with f32 logits, `chunk` tokens per
+  device at a time. x and table are in the compute dtype; gradients flow to x and table (the second output has
+  none). `einsum` runs the matmuls (the registry's weight einsum)."""
+  shards = _batch_shards(x_ND.shape[0])
+  chunk = min(chunk, x_ND.shape[0] // shards)  # fewer tokens than a chunk: one chunk of them, no padding
+  return _fused(x_ND, table_VD, targets_N, weights_N, chunk, shards, einsum)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _fused(x_ND, table_VD, targets_N, weights_N, chunk, shards, einsum):
+  def body(totals, xs):
+    x_PCD, targets_PC, weights_PC = xs
+    loss, correct, *_ = _chunk_stats(x_PCD, table_VD, targets_PC, weights_PC, einsum)
+    return (totals[0] + loss, totals[1] + correct), None
+
+  zero = jnp.zeros((), jnp.float32)
+  xs = tuple(_blocks(a, shards, chunk) for a in (x_ND, targets_N, weights_N))
+  (loss, correct), _ = jax.lax.scan(body, (zero, zero), xs)
+  return loss, correct
+
+
+def _forward(x_ND, table_VD, targets_N, weights_N, chunk, shards, einsum):
+  n, compute_dtype = x_ND.shape[0], x_ND.dtype
+
+  def body(carry, xs):
+    loss_sum, correct_sum, dtable_PVD = carry
+    x_PCD, targets_PC, weights_PC = xs
+    loss, correct, *stats = _chunk_stats(x_PCD, table_VD, targets_PC, weights_PC, einsum)
+    # The gradient in f32, then matmuls in the compute dtype with f32 accumulation.
+    dlogits_PCV = _dlogits(*stats, targets_PC, weights_PC).astype(compute_dtype)
+    dx_PCD = einsum("pcv,vd->pcd", dlogits_PCV, table_VD, **_F32)
+    # Each device accumulates its own partial table gradient; they are summed once, after the scan.
+    dtable_PVD = dtable_PVD + einsum("pcv,pcd->pvd", dlogits_PCV, x_PCD, **_F32)
+    return (loss_sum + loss, correct_sum + correct, dtable_PVD), dx_PCD
+
+  zero = jnp.zeros((), jnp.float32)
+  dtable_PVD = sharding.constrain(jnp.zeros((shards,) + table_VD.shape, jnp.float32), ("act_batch", None, None))
+  xs = tuple(_blocks(a, shards, chunk) for a in (x_ND, targets_N, weights_N))
+  (loss, correct, dtable_PVD), dx_KPCD = jax.lax.scan(body, (zero, zero, dtable_PVD), xs)
+  dx_ND = _unblocks(dx_KPCD, n)
+  residuals = (dx_ND.astype(compute_dtype), dtable_PVD.sum(axis=0).astype(table_VD.dtype), targets_N, weights_N)
+  return (loss, correct), residuals
+
+
+def _backward(chunk, shards, einsum, residuals, cotangents):
+  del chunk, shards, einsum
+  dx_ND, dtable_VD, targets_N, weights_N = residuals
+  g_loss = cotangents[0]  # the accuracy output has no gradient
+  dx = (g_loss * dx_ND.astype(jnp.float32)).astype(dx_ND.dtype)
+  dtable = (g_loss * dtable_VD.astype(jnp.float32)).astype(dtable_VD.dtype)
+  # Integer targets take a float0 cotangent; the weights are data (a mask), not differentiated.
+  return dx, dtable, jnp.zeros(targets_N.shape, jax.dtypes.float0), jnp.zeros_like(weights_N)
+
+
+_fused.defvjp(_forward, _backward)

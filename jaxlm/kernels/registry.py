@@ -1,0 +1,275 @@
+"""The kernel registry: for every op the models call, the implementations that compute it, where each runs, and
+which one `auto` picks.
+
+  op             implementations (the first is the reference every other one is tested equal to)
+  attention      xla, causal_blocks, cpu_fused, recompute, jax, cudnn, tokamax
+  matmul         xla, blas
+  cross_entropy  logits, chunked, tokamax
+  norm           xla, tokamax
+  glu            xla, tokamax
+
+`resolve(KernelsConfig, ...)` turns the config (every key `auto` by default) into a `Kernels`: concrete names for
+this platform, compute dtype and mesh. `auto` takes the first implementation of `AUTO[op][platform]` that can run
+here; an explicit choice that cannot is a one-line error naming the key and the values that would work. Models hold
+a `Kernels` and call its methods (`einsum`, `attend`, `layer_norm`, `rms_norm`, `gated_linear_unit`,
+`cross_entropy_sums`); they
+never import a backend module.
+
+Meshes: the CPU custom calls (`cpu_fused`, `blas`) and the tokamax Pallas calls carry no sharding rule, so XLA would
+run each call whole on every device of a mesh; `auto` leaves them out on a mesh of more than one device, and choosing
+them there is an error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from jaxlm.config import KernelsConfig
+from jaxlm.kernels import attention as xla_attention
+from jaxlm.kernels import cpu, xla
+from jaxlm.kernels import cross_entropy as chunked_ce
+
+ALL = ("cpu", "gpu", "tpu")
+FLOATS = ("float32", "bfloat16", "float16")
+
+
+def _gpu():
+  from jaxlm.kernels import gpu  # imported on first use: it loads tokamax, which a CPU run never needs
+  return gpu
+
+
+def _tokamax_missing() -> str | None:
+  return _gpu().tokamax_unavailable()
+
+
+def _compiler_missing() -> str | None:
+  return None if cpu.compiler() else "no C++ compiler (install g++ or set CXX)"
+
+
+@dataclasses.dataclass(frozen=True)
+class Implementation:
+  name: str
+  platforms: tuple[str, ...]  # jax.default_backend() names it runs on
+  dtypes: tuple[str, ...] = FLOATS  # compute dtypes it accepts
+  causal_only: bool = False  # needs a causal mask (decoders): it skips the blocks above the diagonal
+  one_device: bool = False  # a custom call (or Pallas call) that carries no sharding rule: XLA cannot partition it
+  missing: Callable[[], str | None] | None = None  # why it cannot run on this machine, or None
+
+  def unfit(self, platform: str, dtype: str, causal: bool, devices: int) -> str | None:
+    """Why this implementation cannot serve here, or None."""
+    if platform not in self.platforms:
+      return f"runs on {'/'.join(self.platforms)}, not {platform}"
+    if dtype not in self.dtypes:
+      return f"computes in {'/'.join(self.dtypes)}, not model.compute_dtype={dtype}"
+    if self.causal_only and not causal:
+      return "needs a causal model (a decoder)"
+    if self.one_device and devices > 1:
+      return f"cannot be partitioned: XLA would run it whole on each of the {devices} devices"
+    return self.missing() if self.missing else None
+
+
+IMPLEMENTATIONS: dict[str, tuple[Implementation, ...]] = {
+    "attention": (
+        Implementation("xla", ALL),
+        Implementation("causal_blocks", ALL, causal_only=True),
+        Implementation("cpu_fused", ("cpu",), ("float32",), causal_only=True, one_device=True,
+                       missing=_compiler_missing),
+        Implementation("recompute", ALL),
+        Implementation("jax", ALL),
+        Implementation("cudnn", ("gpu",), ("bfloat16", "float16")),
+        Implementation("tokamax", ("gpu", "tpu"), one_device=True, missing=_tokamax_missing),
+    ),
+    "matmul": (
+        Implementation("xla", ALL),
+        Implementation("blas", ("cpu",), ("float32",), one_device=True, missing=_compiler_missing),
+    ),
+    "cross_entropy": (
+        Implementation("logits", ALL),
+        Implementation("chunked", ALL),
+        # tokamax has a fused kernel for TPUs only; on GPUs its cross-entropy is XLA's, which `chunked` beats.
+        Implementation("tokamax", ("tpu",), one_device=True, missing=_tokamax_missing),
+    ),
+    "norm": (Implementation("xla", ALL),
+             Implementation("tokamax", ("gpu", "tpu"), one_device=True, missing=_tokamax_missing)),
+    "glu": (Implementation("xla", ALL),
+            Implementation("tokamax", ("gpu", "tpu"), one_device=True, missing=_tokamax_missing)),
+}
+
+# What `auto` tries, in order; the reference (always able to run) ends every list. Only implementations measured
+# faster on that platform are listed ahead of it (docs/performance.md has the measurements); the tokamax kernels are
+# not yet measured on a GPU, so `auto` does not pick them.
+AUTO: dict[str, dict[str, tuple[str, ...]]] = {
+    "attention": {"cpu": ("cpu_fused", "causal_blocks", "xla"), "gpu": ("cudnn", "xla"), "tpu": ("xla",)},
+    "matmul": {"cpu": ("blas", "xla"), "gpu": ("xla",), "tpu": ("xla",)},
+    "cross_entropy": {"cpu": ("chunked", "logits"), "gpu": ("chunked", "logits"), "tpu": ("chunked", "logits")},
+    "norm": {"cpu": ("xla",), "gpu": ("xla",), "tpu": ("xla",)},
+    "glu": {"cpu": ("xla",), "gpu": ("xla",), "tpu": ("xla",)},
+}
+# kernels.remat: what a block saves for the backward pass ("none" saves everything, no recomputation).
+REMAT_POLICIES = {
+    "full": None,  # save nothing inside a block: least memory, one extra forward
+    # keep matmul outputs (XLA's dots and the CPU kernels' named custom calls), recompute elementwise ops
+    "dots": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.checkpoint_dots, jax.checkpoint_policies.save_only_these_names(cpu.CHECKPOINT_NAME)),
+}
+CROSS_ENTROPY_CHUNK = {"cpu": 1024, "gpu": 4096, "tpu": 4096}  # tokens per chunk when kernels.cross_entropy_chunk=0
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernels:
+  """The resolved kernels: a concrete implementation per op (no `auto` left) and the execution choices. Frozen and
+  hashable, so models keep it as static structure and jit traces it as a constant."""
+  attention: str = "xla"
+  attention_block: int = 32
+  matmul: str = "xla"
+  cross_entropy: str = "logits"
+  cross_entropy_chunk: int = 1024
+  norm: str = "xla"
+  glu: str = "xla"
+  fuse_qkv: str = "separate"
+  layers: str = "scan"
+  scan_unroll: int = 1
+  remat: str = "none"
+
+  def describe(self) -> str:
+    """One line for the start-up print: `attention=cpu_fused matmul=blas ...`."""
+    return " ".join(f"{k}={v}" for k, v in dataclasses.asdict(self).items())
+
+  def as_config(self) -> KernelsConfig:
+    return KernelsConfig(**dataclasses.asdict(self))
+
+  # ------------------------------------------------------------------------------------------- ops
+
+  def einsum(self, subscripts: str, x: jax.Array, w, **kwargs) -> jax.Array:
+    """An activation x weight contraction. A weight that is not a plain array (jaxlm.quant's int8 weights) takes
+    the XLA path, where quantization intercepts jnp.einsum."""
+    if self.matmul == "blas" and isinstance(w, jax.Array):
+      return cpu.einsum(subscripts, x, w)
+    return xla.einsum(subscripts, x, w, **kwargs)
+
+  def attend(self, q_BTHK, k_BSGK, v_BSGK, mask_BTS, *, causal: bool, document_mask: bool = True):
+    """Softmax attention; `mask_BTS` holds causality and document boundaries (the same function on every path)."""
+    name = self.attention
+    if name == "xla":
+      return xla_attention.dot_product_attention(q_BTHK, k_BSGK, v_BSGK, mask_BTS)
+    if name in ("causal_blocks", "cpu_fused") and not causal:
+      raise ValueError(f"kernels.attention={name} skips the blocks a causal mask hides; this model's attention is "
+                       "not causal: use kernels.attention=auto or xla")
+    if name == "causal_blocks":
+      return xla_attention.causal_block_attention(q_BTHK, k_BSGK, v_BSGK, mask_BTS, self.attention_block,
+                                                  self.einsum)
+    if name == "cpu_fused":
+      return cpu.fused_attention(q_BTHK, k_BSGK, v_BSGK, mask_BTS, self.attention_block)
+    if name == "recompute":
+      return xla_attention.recompute_attention(q_BTHK, k_BSGK, v_BSGK, mask_BTS)
+    # Library kernels: with plain causal attention (no document mask) they get no mask tensor at all.
+    mask = None if (causal and not document_mask) else mask_BTS
+    if name == "jax":
+      return xla_attention.library_attention(q_BTHK, k_BSGK, v_BSGK, mask, causal)
+    if name == "cudnn":
+      return _gpu().cudnn_attention(q_BTHK, k_BSGK, v_BSGK, mask, causal)
+    return _gpu().tokamax_attention(q_BTHK, k_BSGK, v_BSGK, mask, causal)
+
+  def attend_reference(self, q_BTHK, k_BSGK, v_BSGK, mask_BTS) -> jax.Array:
+    """The reference attention, for shapes the faster kernels do not take (decoding against a longer KV cache)."""
+    return xla_attention.dot_product_attention(q_BTHK, k_BSGK, v_BSGK, mask_BTS)
+
+  def layer_norm(self, x, scale, bias, eps: float) -> jax.Array:
+    """LayerNorm over the last axis, in f32."""
+    if self.norm == "tokamax":
+      return _gpu().tokamax_layer_norm(x, scale, bias, eps)
+    return xla.layer_norm(x, scale, bias, eps)
+
+  def rms_norm(self, x, scale, eps: float) -> jax.Array:
+    """RMSNorm over the last axis, in f32."""
+    if self.norm == "tokamax":
+      return _gpu().tokamax_rms_norm(x, scale, eps)
+    return xla.rms_norm(x, scale, eps)
+
+  def gated_linear_unit(self, x_BTD, w_gate_DF, w_up_DF) -> jax.Array:
+    """silu(x @ w_gate) * (x @ w_up): the gated half of Llama's MLP."""
+    if self.glu == "tokamax":
+      return _gpu().tokamax_glu(x_BTD, w_gate_DF, w_up_DF)
+    return xla.glu(x_BTD, w_gate_DF, w_up_DF, self.einsum)
+
+  def cross_entropy_sums(self, x_ND, table_VD, targets_N, weights_N) -> tuple[jax.Array, jax.Array]:
+    """(sum_n w_n * CE(x_n @ table^T, target_n), sum_n w_n * [argmax == target]) with f32 logits."""
+    if not isinstance(table_VD, jax.Array):  # a quantized table (jaxlm.quant): read by the intercepted einsum
+      return xla.cross_entropy_sums(x_ND, table_VD, targets_N, weights_N, self.einsum)
+    if self.cross_entropy == "chunked":
+      return chunked_ce.fused_cross_entropy(x_ND, table_VD, targets_N, weights_N, self.cross_entropy_chunk,
+                                            self.einsum)
+    if self.cross_entropy == "tokamax":
+      return _gpu().tokamax_cross_entropy(x_ND, table_VD, targets_N, weights_N)
+    return xla.cross_entropy_sums(x_ND, table_VD, targets_N, weights_N, self.einsum)
+
+
+def _pick(op: str, requested: str, platform: str, dtype: str, causal: bool, devices: int) -> str:
+  implementations = {impl.name: impl for impl in IMPLEMENTATIONS[op]}
+  if requested != "auto":
+    reason = implementations[requested].unfit(platform, dtype, causal, devices)
+    if reason:
+      fits = [n for n, impl in implementations.items() if not impl.unfit(platform, dtype, causal, devices)]
+      raise ValueError(f"kernels.{op}={requested} {reason}; here use one of: auto, {', '.join(fits)}")
+    return requested
+  for name in AUTO[op][platform]:
+    if not implementations[name].unfit(platform, dtype, causal, devices):
+      return name
+  raise AssertionError(f"no {op} implementation fits {platform}/{dtype}")  # the reference always fits
+
+
+def resolve(config: KernelsConfig | None = None, *, compute_dtype: str = "float32", causal: bool = True,
+            mesh: jax.sharding.Mesh | None = None, platform: str | None = None, devices: int | None = None,
+            tensor: int | None = None) -> Kernels:
+  """The Kernels for a model computing in `compute_dtype` on `mesh` (default: every device of the default backend,
+  which is what `auto` must assume for a model built outside a training run). `causal`: a decoder's attention.
+  `platform`, `devices` and `tensor` (the mesh's tensor-parallel size) override what the mesh says, for planning a
+  run on other hardware."""
+  config = config or KernelsConfig()
+  if platform is None:
+    platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+  if devices is None:
+    devices = mesh.devices.size if mesh is not None else jax.device_count()
+  if tensor is None:
+    tensor = dict(mesh.shape).get("tensor", 1) if mesh is not None else 1
+  dtype = jnp.dtype(compute_dtype).name
+  pick = functools.partial(_pick, platform=platform, dtype=dtype, causal=causal, devices=devices)
+  auto = lambda value, default: default if value == "auto" else value
+  return Kernels(
+      attention=pick("attention", config.attention),
+      attention_block=config.attention_block,
+      matmul=pick("matmul", config.matmul),
+      cross_entropy=pick("cross_entropy", config.cross_entropy),
+      cross_entropy_chunk=config.cross_entropy_chunk or CROSS_ENTROPY_CHUNK[platform],
+      norm=pick("norm", config.norm),
+      glu=pick("glu", config.glu),
+      # Concatenating q/k/v weights that the tensor axis splits by heads would make GSPMD regather them.
+      fuse_qkv=auto(config.fuse_qkv, "fused" if tensor == 1 else "separate"),
+      # A Python loop over the layers ran faster on an H200; the scan keeps CPU compile times flat in depth.
+      layers=auto(config.layers, "loop" if platform == "gpu" else "scan"),
+      scan_unroll=config.scan_unroll,
+      # On one CPU device, recomputing the elementwise ops beats writing and reading their saved outputs. Not on a
+      # mesh: the recomputed forward would gather FSDP-sharded weights a second time.
+      remat=auto(config.remat, "dots" if platform == "cpu" and devices == 1 else "none"),
+  )
+
+
+# For tracing on one platform what another will run (the planner): a stand-in computing the same function that keeps
+# the same residuals for the backward pass (q, k, v, the output and per-row softmax statistics for flash kernels).
+_STAND_INS = {"attention": "recompute", "matmul": "xla", "cross_entropy": "chunked", "norm": "xla", "glu": "xla"}
+
+
+def runnable_on(kernels: Kernels, platform: str) -> Kernels:
+  """`kernels` with every implementation that cannot run on `platform` (or on this machine) replaced by its
+  stand-in, so the step traces and compiles here with the memory and traffic of the original."""
+  changes = {}
+  for op, stand_in in _STAND_INS.items():
+    impl = {i.name: i for i in IMPLEMENTATIONS[op]}[getattr(kernels, op)]
+    if platform not in impl.platforms or (impl.missing and impl.missing()):
+      changes[op] = stand_in
+  return dataclasses.replace(kernels, **changes)
