@@ -80,7 +80,10 @@ _CONFIG = config_flags.DEFINE_config_file("config", "benchmarks/configs/bench_cp
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "where bench.json goes")
 _SECTIONS = flags.DEFINE_list("sections", ["peak", "step", "compile", "loader", "gpu"], "sections to run")
-_FRAMEWORKS = flags.DEFINE_list("frameworks", ["jaxlm", "torch_compile", "torch_eager"], "step section contenders")
+# torch_eager / torch_compile: HF transformers' GPT-2; torch_minimal: a nanoGPT-style GPT-2 in plain PyTorch, eager.
+TORCH_FRAMEWORKS = ("torch_compile", "torch_eager", "torch_minimal")
+_FRAMEWORKS = flags.DEFINE_list("frameworks", ["jaxlm", "torch_compile", "torch_eager"], "step section contenders: "
+                                "jaxlm and any of " + ", ".join(TORCH_FRAMEWORKS))
 _ROUNDS = flags.DEFINE_integer("rounds", 5, "rounds of the step section (each framework runs once per round)")
 _STEPS_PER_ROUND = flags.DEFINE_integer("steps_per_round", 3, "steps per framework per round")
 _WARMUP_STEPS = flags.DEFINE_integer(
@@ -184,7 +187,9 @@ def step_section(config, platform: str, peak: float, datasheet_peak: float | Non
       if reason:
         out[f"{name}_skipped"] = reason
         continue
-      contenders[name] = bench_torch.TorchGPT2Step(config.model, tokens, name.removeprefix("torch_"), platform)
+      mode, implementation = {"torch_eager": ("eager", "hf"), "torch_compile": ("compile", "hf"),
+                              "torch_minimal": ("eager", "minimal")}[name]
+      contenders[name] = bench_torch.TorchGPT2Step(config.model, tokens, mode, platform, implementation)
       if contenders[name].compile_seconds is not None:
         out[f"{name}_compile_sec"] = contenders[name].compile_seconds
       out["torch_attention"] = contenders[name].attention
@@ -220,7 +225,7 @@ def step_section(config, platform: str, peak: float, datasheet_peak: float | Non
       memory = contenders[name].memory()
       if memory:
         out[f"{name}_memory_peak_bytes"] = memory["peak_bytes"]
-  for peer in ("torch_compile", "torch_eager"):
+  for peer in TORCH_FRAMEWORKS:
     if "jaxlm" not in times or peer not in times:
       continue
     ratio = f"jaxlm_vs_{peer}"
@@ -336,7 +341,7 @@ TABLE_ROWS = [("tokens/s", "tokens_per_sec", "{:,.0f}"), ("step s", "step_sec", 
 
 
 def print_table(result: dict) -> None:
-  names = [n for n in ("jaxlm", "torch_compile", "torch_eager") if f"{n}_tokens_per_sec" in result]
+  names = [n for n in ("jaxlm", *TORCH_FRAMEWORKS) if f"{n}_tokens_per_sec" in result]
   if names:
     print(f"{'':10s}" + "".join(f"{n:>16s}" for n in names))
     for label, key, fmt, *scale in TABLE_ROWS:

@@ -1,4 +1,6 @@
-"""The PyTorch reference for benchmarks/bench.py: HF transformers' GPT-2 trained on the same shapes as jaxlm.
+"""The PyTorch references for benchmarks/bench.py, trained on the same shapes as jaxlm: HF transformers' GPT-2
+(eager or torch.compile) and a minimal GPT-2 written in plain PyTorch the way nanoGPT writes it (`MinimalGPT`: fused
+q/k/v Linear, SDPA with is_causal, tanh GELU, tied head), the leaner eager peer for small models.
 
 One train step is what jaxlm's step does: forward, token cross-entropy, backward, global-norm clipping at 1.0 and an
 AdamW update. `torch.compile` compiles the forward + loss + backward (AOTAutograd); the optimizer step runs eagerly,
@@ -33,10 +35,58 @@ def device_and_dtype(platform: str):
   return "cpu", torch.float32
 
 
-class TorchGPT2Step:
-  """One HF GPT-2 train step on fixed tokens [B, T+1]; `mode` is `eager` or `compile`."""
+def minimal_gpt(model_config, seq_len: int):
+  """A GPT-2 of `model_config`'s shape in plain PyTorch, as nanoGPT's model.py writes one (no dropout): token and
+  position embeddings, pre-LayerNorm blocks, a tied output head."""
+  import torch
+  from torch import nn
+  from torch.nn import functional as F
 
-  def __init__(self, model_config, tokens: np.ndarray, mode: str, platform: str):
+  m = model_config
+
+  class Block(nn.Module):
+    def __init__(self):
+      super().__init__()
+      self.ln_1 = nn.LayerNorm(m.d_model, eps=m.layer_norm_eps)
+      self.ln_2 = nn.LayerNorm(m.d_model, eps=m.layer_norm_eps)
+      self.c_attn, self.c_proj = nn.Linear(m.d_model, 3 * m.d_model), nn.Linear(m.d_model, m.d_model)
+      self.c_fc, self.mlp_proj = nn.Linear(m.d_model, m.mlp_width), nn.Linear(m.mlp_width, m.d_model)
+
+    def forward(self, x):
+      b, t, d = x.shape
+      q, k, v = self.c_attn(self.ln_1(x)).split(d, dim=2)
+      q, k, v = (y.view(b, t, m.num_heads, d // m.num_heads).transpose(1, 2) for y in (q, k, v))
+      y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
+      x = x + self.c_proj(y)
+      return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh"))
+
+  class GPT(nn.Module):
+    def __init__(self):
+      super().__init__()
+      self.wte, self.wpe = nn.Embedding(m.vocab_size, m.d_model), nn.Embedding(seq_len, m.d_model)
+      self.blocks = nn.ModuleList(Block() for _ in range(m.num_layers))
+      self.ln_f = nn.LayerNorm(m.d_model, eps=m.layer_norm_eps)
+
+    def forward(self, ids):
+      x = self.wte(ids) + self.wpe(torch.arange(ids.shape[1], device=ids.device))
+      for block in self.blocks:
+        x = block(x)
+      return self.ln_f(x) @ self.wte.weight.T  # the tied head
+
+  model = GPT()
+  for name, p in model.named_parameters():  # GPT-2's init, as nanoGPT does it
+    if p.dim() > 1:
+      nn.init.normal_(p, std=0.02)
+    elif name.endswith("bias"):
+      nn.init.zeros_(p)
+  return model
+
+
+class TorchGPT2Step:
+  """One GPT-2 train step on fixed tokens [B, T+1]; `mode` is `eager` or `compile`; `implementation` is `hf`
+  (transformers' GPT2LMHeadModel) or `minimal` (`minimal_gpt`)."""
+
+  def __init__(self, model_config, tokens: np.ndarray, mode: str, platform: str, implementation: str = "hf"):
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -50,8 +100,13 @@ class TorchGPT2Step:
                         layer_norm_epsilon=m.layer_norm_eps,
                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,  # no dropout: jaxlm has none
                         bos_token_id=m.vocab_size - 1, eos_token_id=m.vocab_size - 1)  # inside the vocabulary
-    self.model = GPT2LMHeadModel(config).to(self.device).train()
-    self.attention = self.model.config._attn_implementation  # HF's default: sdpa
+    if implementation == "minimal":
+      self.model = minimal_gpt(m, tokens.shape[1] - 1).to(self.device).train()
+      self.attention = "sdpa"
+    else:
+      self.model = GPT2LMHeadModel(config).to(self.device).train()
+      self.attention = self.model.config._attn_implementation  # HF's default: sdpa
+    self.hf = implementation == "hf"
     self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
     ids = torch.from_numpy(tokens.astype(np.int64)).to(self.device)
     self.inputs, self.targets = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
@@ -65,7 +120,7 @@ class TorchGPT2Step:
 
   def _forward_backward(self, inputs, targets):
     with self.torch.autocast(self.device, dtype=self.autocast_dtype, enabled=self.device == "cuda"):
-      logits = self.model(inputs).logits
+      logits = self.model(inputs).logits if self.hf else self.model(inputs)
     loss = self.torch.nn.functional.cross_entropy(logits.float().view(-1, self.vocab_size), targets.view(-1))
     loss.backward()
     return loss

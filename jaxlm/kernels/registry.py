@@ -12,8 +12,7 @@ which one `auto` picks.
 this platform, compute dtype and mesh. `auto` takes the first implementation of `AUTO[op][platform]` that can run
 here; an explicit choice that cannot is a one-line error naming the key and the values that would work. Models hold
 a `Kernels` and call its methods (`einsum`, `attend`, `layer_norm`, `rms_norm`, `gated_linear_unit`,
-`cross_entropy_sums`); they
-never import a backend module.
+`cross_entropy_sums`); they never import a backend module.
 
 Meshes: the CPU custom calls (`cpu_fused`, `blas`) and the tokamax Pallas calls carry no sharding rule, so XLA would
 run each call whole on every device of a mesh; `auto` leaves them out on a mesh of more than one device, and choosing
@@ -31,20 +30,11 @@ import jax.numpy as jnp
 
 from jaxlm.config import KernelsConfig
 from jaxlm.kernels import attention as xla_attention
-from jaxlm.kernels import cpu, xla
+from jaxlm.kernels import cpu, gpu, xla
 from jaxlm.kernels import cross_entropy as chunked_ce
 
 ALL = ("cpu", "gpu", "tpu")
 FLOATS = ("float32", "bfloat16", "float16")
-
-
-def _gpu():
-  from jaxlm.kernels import gpu  # imported on first use: it loads tokamax, which a CPU run never needs
-  return gpu
-
-
-def _tokamax_missing() -> str | None:
-  return _gpu().tokamax_unavailable()
 
 
 def _compiler_missing() -> str | None:
@@ -82,7 +72,7 @@ IMPLEMENTATIONS: dict[str, tuple[Implementation, ...]] = {
         Implementation("recompute", ALL),
         Implementation("jax", ALL),
         Implementation("cudnn", ("gpu",), ("bfloat16", "float16")),
-        Implementation("tokamax", ("gpu", "tpu"), one_device=True, missing=_tokamax_missing),
+        Implementation("tokamax", ("gpu", "tpu"), one_device=True, missing=gpu.tokamax_unavailable),
     ),
     "matmul": (
         Implementation("xla", ALL),
@@ -92,12 +82,12 @@ IMPLEMENTATIONS: dict[str, tuple[Implementation, ...]] = {
         Implementation("logits", ALL),
         Implementation("chunked", ALL),
         # tokamax has a fused kernel for TPUs only; on GPUs its cross-entropy is XLA's, which `chunked` beats.
-        Implementation("tokamax", ("tpu",), one_device=True, missing=_tokamax_missing),
+        Implementation("tokamax", ("tpu",), one_device=True, missing=gpu.tokamax_unavailable),
     ),
     "norm": (Implementation("xla", ALL),
-             Implementation("tokamax", ("gpu", "tpu"), one_device=True, missing=_tokamax_missing)),
+             Implementation("tokamax", ("gpu", "tpu"), one_device=True, missing=gpu.tokamax_unavailable)),
     "glu": (Implementation("xla", ALL),
-            Implementation("tokamax", ("gpu", "tpu"), one_device=True, missing=_tokamax_missing)),
+            Implementation("tokamax", ("gpu", "tpu"), one_device=True, missing=gpu.tokamax_unavailable)),
 }
 
 # What `auto` tries, in order; the reference (always able to run) ends every list. Only implementations measured
@@ -172,8 +162,8 @@ class Kernels:
     if name == "jax":
       return xla_attention.library_attention(q_BTHK, k_BSGK, v_BSGK, mask, causal)
     if name == "cudnn":
-      return _gpu().cudnn_attention(q_BTHK, k_BSGK, v_BSGK, mask, causal)
-    return _gpu().tokamax_attention(q_BTHK, k_BSGK, v_BSGK, mask, causal)
+      return gpu.cudnn_attention(q_BTHK, k_BSGK, v_BSGK, mask, causal)
+    return gpu.tokamax_attention(q_BTHK, k_BSGK, v_BSGK, mask, causal)
 
   def attend_reference(self, q_BTHK, k_BSGK, v_BSGK, mask_BTS) -> jax.Array:
     """The reference attention, for shapes the faster kernels do not take (decoding against a longer KV cache)."""
@@ -182,19 +172,19 @@ class Kernels:
   def layer_norm(self, x, scale, bias, eps: float) -> jax.Array:
     """LayerNorm over the last axis, in f32."""
     if self.norm == "tokamax":
-      return _gpu().tokamax_layer_norm(x, scale, bias, eps)
+      return gpu.tokamax_layer_norm(x, scale, bias, eps)
     return xla.layer_norm(x, scale, bias, eps)
 
   def rms_norm(self, x, scale, eps: float) -> jax.Array:
     """RMSNorm over the last axis, in f32."""
     if self.norm == "tokamax":
-      return _gpu().tokamax_rms_norm(x, scale, eps)
+      return gpu.tokamax_rms_norm(x, scale, eps)
     return xla.rms_norm(x, scale, eps)
 
   def gated_linear_unit(self, x_BTD, w_gate_DF, w_up_DF) -> jax.Array:
     """silu(x @ w_gate) * (x @ w_up): the gated half of Llama's MLP."""
     if self.glu == "tokamax":
-      return _gpu().tokamax_glu(x_BTD, w_gate_DF, w_up_DF)
+      return gpu.tokamax_glu(x_BTD, w_gate_DF, w_up_DF)
     return xla.glu(x_BTD, w_gate_DF, w_up_DF, self.einsum)
 
   def cross_entropy_sums(self, x_ND, table_VD, targets_N, weights_N) -> tuple[jax.Array, jax.Array]:
@@ -205,7 +195,7 @@ class Kernels:
       return chunked_ce.fused_cross_entropy(x_ND, table_VD, targets_N, weights_N, self.cross_entropy_chunk,
                                             self.einsum)
     if self.cross_entropy == "tokamax":
-      return _gpu().tokamax_cross_entropy(x_ND, table_VD, targets_N, weights_N)
+      return gpu.tokamax_cross_entropy(x_ND, table_VD, targets_N, weights_N)
     return xla.cross_entropy_sums(x_ND, table_VD, targets_N, weights_N, self.einsum)
 
 
