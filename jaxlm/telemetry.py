@@ -97,8 +97,8 @@ PEAK_FLOPS_BF16: dict[str, float] = {
 def measure_matmul_flops(n: int = 1024, dtype: Any = jnp.float32, repeats: int = 5, device=None) -> float:
   """Measured FLOP/s of one jitted n x n x n matmul on `device`: the best of `repeats` timed runs after a warm-up.
 
-  The best run, not the mean, because the host may be shared and we want the machine's ceiling. At n=1024 this takes
-  about 0.2 s on a 2-core CPU (2.1 GFLOP per matmul at ~100 GFLOP/s).
+  The best run, not the mean, because the host may be shared and we want the machine's ceiling. n=1024 keeps it to
+  a fraction of a second on a small CPU.
   """
   device = device or jax.devices()[0]
   # Inputs made by numpy on the host: jax.random would compile two more programs and double the first-call time.
