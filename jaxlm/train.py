@@ -21,8 +21,8 @@ from jax.sharding import Mesh
 
 from jaxlm import data as data_lib
 from jaxlm import files, generate, optim, reliability, sharding, telemetry
-from jaxlm import steps as steps_lib
 from jaxlm import kernels as kernels_lib
+from jaxlm import steps as steps_lib
 from jaxlm.checkpoint import Checkpointer, abstract_with_shardings
 from jaxlm.config import Config
 from jaxlm.kernels import Kernels
