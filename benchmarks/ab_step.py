@@ -1,7 +1,7 @@
 """A/B of train-step variants in ONE process, rounds interleaved: the way speed options are decided on a noisy
 machine: separate processes, or bench.py runs far apart, see different loads; variants run in turns see the same.
 
-  GLIBC_TUNABLES=glibc.malloc.hugetlb=1 python benchmarks/ab_step.py --config=benchmarks/configs/bench_cpu.py \
+  python benchmarks/ab_step.py --config=benchmarks/configs/bench_cpu.py \
       --variants="base:,none:kernels.remat=none,block64:kernels.attention_block=64" --torch
 
 Each variant is `name:key=value;key=value` over the config (an empty list is the config itself); the first is the
@@ -13,7 +13,7 @@ per round, in turn, for --rounds rounds; --torch adds torch.compile's GPT-2 step
 more contender. Prints the median milliseconds per step, the speed-up over the baseline, tokens/s, MFU (model
 FLOPs of jaxlm.telemetry.flops_per_token over the device's peak: the bf16 datasheet peak on accelerators, a
 measured matmul rate on the CPU) and CPU-seconds per step, and writes <workdir>/ab.json when --workdir is given.
-Set GLIBC_TUNABLES as bench.py does for its runs (huge pages for glibc malloc): it is read when the process starts.
+Like every script it runs with huge pages for glibc's malloc (jaxlm.cli; JAXLM_NO_HUGE_PAGES=1 runs without).
 """
 
 from __future__ import annotations

@@ -42,15 +42,8 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 # On a GPU torch shares the device with JAX in this process: JAX must not grab 75% of its memory up front.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-# Transparent huge pages for glibc malloc (glibc >= 2.35; ignored by older ones), for ALL frameworks: this process
-# runs them all. XLA:CPU allocates each step's temporaries afresh; glibc serves such large blocks with mmap, so on
-# 4 KiB pages every step pays page faults and TLB misses that 2 MiB pages mostly spare.
-# The variable is read when the process starts, hence the re-exec; --nomalloc_hugepages measures without it.
-HUGEPAGE_TUNABLE = "glibc.malloc.hugetlb=1"
-if (sys.platform.startswith("linux") and "--nomalloc_hugepages" not in sys.argv
-    and HUGEPAGE_TUNABLE not in os.environ.get("GLIBC_TUNABLES", "")):
-  os.environ["GLIBC_TUNABLES"] = ":".join(filter(None, [os.environ.get("GLIBC_TUNABLES"), HUGEPAGE_TUNABLE]))
-  os.execv(sys.executable, [sys.executable] + sys.argv)
+# Huge pages for glibc's malloc, for every framework this process runs: cli.run re-executes with them (jaxlm.cli;
+# JAXLM_NO_HUGE_PAGES=1 measures without).
 
 import dataclasses  # noqa: E402
 import resource  # noqa: E402
@@ -91,7 +84,6 @@ _WARMUP_STEPS = flags.DEFINE_integer(
     "after another framework ran is slower (cold caches), which would favour whoever runs later in a round")
 _DEPTHS = flags.DEFINE_list("depths", ["2", "12", "24"], "layer counts of the compile section")
 _LOADER_BATCHES = flags.DEFINE_integer("loader_batches", 2000, "batches the loader section reads")
-flags.DEFINE_bool("malloc_hugepages", True, "run with GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (read at start-up)")
 flags.mark_flags_as_required(["workdir"])
 
 
@@ -107,7 +99,7 @@ def process_cpu_seconds() -> float:
 def resolved_kernels(config, mesh=None) -> kernels_lib.Kernels:
   """What the config's `kernels` section (`auto` by default) resolves to for this model on this machine."""
   return kernels_lib.resolve(config.kernels, compute_dtype=config.model.compute_dtype,
-                             causal=config.model.flavour != "bert", mesh=mesh)
+                             causal=config.model.flavour != "bert", head_dim=config.model.head_dim, mesh=mesh)
 
 
 def random_batch(config, seed: int = 0) -> tuple[np.ndarray, dict]:

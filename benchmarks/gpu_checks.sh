@@ -46,7 +46,7 @@ LLAMA="--config=benchmarks/configs/bench_llama_1b.py"
 # JAX allocates as it goes, not 75% up front.
 XLA_PYTHON_CLIENT_PREALLOCATE=false part 200 ab_llama $PY benchmarks/ab_step.py $LLAMA --rounds=3 \
     --steps_per_round=3 --workdir="$OUT/ab_llama" \
-    --variants="base:,qkv:kernels.fuse_qkv=fused,$TRITON_BLOCKS,b16:train.batch_size=16"
+    --variants="base:,qkv:kernels.fuse_qkv=separate,$TRITON_BLOCKS,b16:train.batch_size=16"
 part 90 profile_llama $PY benchmarks/profile_step.py $LLAMA --workdir="$OUT/profile_llama" --top=30
 # cuDNN attention against the XLA reference (bf16, packed documents): the one test the CPU suite skips.
 JAX_PLATFORMS=cuda part 90 test_cudnn $PY -m pytest -q -p no:cacheprovider tests/test_kernels.py -k cudnn

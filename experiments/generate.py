@@ -42,8 +42,7 @@ def load_run(workdir: str, mesh_tensor: int = 1):
   config_path = os.path.join(workdir, "config.json")
   if not os.path.exists(config_path):
     raise ValueError(f"{config_path} not found: --workdir must be a jaxlm training run folder")
-  with open(config_path) as f:
-    config = config_lib.from_config_dict(json.load(f))
+  config = config_lib.from_run_file(config_path)
   config = dataclasses.replace(config, mesh=config_lib.MeshConfig(data=-1, fsdp=1, tensor=mesh_tensor))
   mesh = sharding.make_mesh(config.mesh)
   optimizer = optim.make_optimizer(config.train)

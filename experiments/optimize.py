@@ -15,7 +15,6 @@ strings), optimize.png, and an "Optimization" section in <workdir>/report.md (re
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import shutil
 import time
@@ -337,8 +336,7 @@ def main(argv):
   config_path = os.path.join(workdir, "config.json")
   if not os.path.exists(config_path):
     raise FileNotFoundError(f"{config_path} does not exist; give a train_lm.py or finetune.py run folder")
-  with open(config_path) as f:
-    config = config_lib.from_config_dict(json.load(f))
+  config = config_lib.from_run_file(config_path)
   if config.model.flavour == "bert":
     task = load_classifier(workdir, config)
   else:

@@ -8,6 +8,7 @@ The dataclasses below are the source of truth for every key and its default. Exp
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any
 
 import ml_collections
@@ -184,6 +185,14 @@ def from_config_dict(cd: ml_collections.ConfigDict | dict) -> Config:
   config = Config(**sections)
   validate(config)
   return config
+
+
+def from_run_file(path: str) -> Config:
+  """A run's config.json as a Config with `kernels` back to auto: the run recorded what resolved on its machine and
+  mesh, and whoever reads it later (generation, optimization) resolves them for its own."""
+  with open(path) as f:
+    config = from_config_dict(json.load(f))
+  return dataclasses.replace(config, kernels=KernelsConfig())
 
 
 def validate(config: Config) -> None:

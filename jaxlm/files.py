@@ -16,3 +16,10 @@ def write_text(path: str, text: str) -> None:
 
 def write_json(path: str, obj: Any) -> None:
   write_text(path, json.dumps(obj, indent=2))
+
+
+def write_json_on_process_0(path: str, obj: Any) -> None:
+  """`write_json` by the first process only: every process of a run holds the same result."""
+  import jax  # noqa: PLC0415  (only here: the rest of this module is plain file handling)
+  if jax.process_index() == 0:
+    write_json(path, obj)

@@ -138,8 +138,8 @@ def classification_task(config: Config, workdir: str, mesh: Mesh, kernels: Kerne
   make_model = lambda rngs: BertForSequenceClassification(model_config, num_labels, kernels=kernels, rngs=rngs)
   graphdef, state, state_shardings = steps_lib.init_train_state(config, mesh, optimizer, make_model)
   train_step, eval_step = steps_lib.jit_steps(graphdef, optimizer, config, mesh, state_shardings,
-                                          loss_fn=make_classification_loss_fn(graphdef),
-                                          eval_fn=make_eval_step(graphdef))
+                                              loss_fn=make_classification_loss_fn(graphdef),
+                                              eval_fn=make_eval_step(graphdef))
   eval_batches = cls_data.eval_batches(data.eval, t.batch_size, d.seq_len, d.batching)
   # A classifier has no vocabulary matmul: the embedding is a lookup, so vocab_size is left out of the FLOPs.
   flops_model = dataclasses.replace(model_config, vocab_size=0)
@@ -190,7 +190,7 @@ def classification_task(config: Config, workdir: str, mesh: Mesh, kernels: Kerne
         "wall_time_sec": end.facts["wall_time_sec"], "devices": jax.device_count(), "init_from": config.init_from,
     })
     result.update({k: v for k, v in end.rates.items() if k.endswith("_per_sec")})  # real, padded tokens; examples
-    _write_json(os.path.join(workdir, "eval.json"), result)
+    files.write_json_on_process_0(os.path.join(workdir, "eval.json"), result)
     summary = {k: v for k, v in result.items() if "/" not in k}
     summary.update({k: end.facts[k] for k in ("peak_flops_per_device", "peak_flops_source")})
     confusion = np.array([[latest[f"confusion/{a}/{b}"] for b in class_names] for a in class_names])
@@ -220,7 +220,7 @@ def _check_labels_file(workdir: str, class_names: list[str]) -> None:
     if saved != class_names and os.path.isdir(os.path.join(workdir, "checkpoints")):
       raise ValueError(f"{path} holds classes {saved[:10]} but the data now gives {class_names[:10]}; use another "
                        f"--workdir or set data.labels to the saved classes")
-  _write_json(path, class_names)
+  files.write_json_on_process_0(path, class_names)
 
 
 def _read_best(workdir: str, metric: str) -> tuple[int | None, float | None]:
@@ -261,8 +261,3 @@ def _save_best(workdir: str, graphdef, params, class_names: list[str], tokenizer
     os.replace(folder, old)
   os.replace(temp, folder)
   shutil.rmtree(old, ignore_errors=True)
-
-
-def _write_json(path: str, obj: Any) -> None:
-  if jax.process_index() == 0:
-    files.write_json(path, obj)

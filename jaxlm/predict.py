@@ -67,19 +67,20 @@ def planned_kernels(config: Config, sizes: tuple[int, int, int], platform: str |
   """The kernels a run of `config` on mesh `sizes` (data, fsdp, tensor) of `platform` devices ("gpu", "tpu", "cpu";
   None: this host's) uses: `auto` resolved for that platform, the model's compute dtype and the mesh. An explicit
   choice that cannot run there is the registry's one-line error."""
-  return _resolve(config.kernels, config.model.compute_dtype, platform or jax.default_backend(), math.prod(sizes),
-                  sizes[2])
+  return _resolve(config.kernels, config.model.compute_dtype, config.model.head_dim, platform or jax.default_backend(),
+                  math.prod(sizes), sizes[2])
 
 
 @functools.lru_cache(maxsize=None)
-def _resolve(kernels: KernelsConfig, compute_dtype: str, platform: str, devices: int, tensor: int) -> Kernels:
-  return kernels_lib.resolve(kernels, compute_dtype=compute_dtype, causal=True, platform=platform, devices=devices,
-                             tensor=tensor)
+def _resolve(kernels: KernelsConfig, compute_dtype: str, head_dim: int, platform: str, devices: int,
+             tensor: int) -> Kernels:
+  return kernels_lib.resolve(kernels, compute_dtype=compute_dtype, causal=True, head_dim=head_dim, platform=platform,
+                             devices=devices, tensor=tensor)
 
 
 def abstract_model(model: ModelConfig, kernels: Kernels) -> tuple[nnx.GraphDef, nnx.State]:
   """Graph definition and parameter shapes of the decoder with these kernels, nothing allocated."""
-  return nnx.split(nnx.eval_shape(lambda: GPT(model, kernels=kernels, rngs=nnx.Rngs(0))))
+  return steps_lib.abstract_model(lambda rngs: GPT(model, kernels=kernels, rngs=rngs))
 
 
 def saved_activation_bytes(model: ModelConfig, kernels: Kernels, seq_len: int, tensor: int, local_batch: int

@@ -30,10 +30,8 @@ ModelFactory = Any  # Callable[[nnx.Rngs], nnx.Module]: builds the model to trai
 # ----------------------------------------------------------------------------------------------- model and state
 
 
-def abstract_model(config: ModelConfig, make_model: ModelFactory | None = None,
-                   kernels: Kernels | None = None) -> tuple[nnx.GraphDef, nnx.State]:
-  """Graph definition and parameter shapes, without allocating any parameter."""
-  make_model = make_model or (lambda rngs: GPT(config, kernels=kernels, rngs=rngs))
+def abstract_model(make_model: ModelFactory) -> tuple[nnx.GraphDef, nnx.State]:
+  """Graph definition and parameter shapes of `make_model(rngs)`'s model, without allocating any parameter."""
   return nnx.split(nnx.eval_shape(lambda: make_model(nnx.Rngs(0))))
 
 
@@ -53,9 +51,10 @@ def init_train_state(config: Config, mesh: Mesh, optimizer: optax.GradientTransf
   check_mesh_fits_model(config.model, mesh)
   if make_model is None:
     if kernels is None:
-      kernels = kernels_lib.resolve(config.kernels, compute_dtype=config.model.compute_dtype, causal=True, mesh=mesh)
+      kernels = kernels_lib.resolve(config.kernels, compute_dtype=config.model.compute_dtype, causal=True,
+                                    head_dim=config.model.head_dim, mesh=mesh)
     make_model = lambda rngs: GPT(config.model, kernels=kernels, rngs=rngs)
-  graphdef, abstract_params = abstract_model(config.model, make_model)
+  graphdef, abstract_params = abstract_model(make_model)
   param_shardings = sharding.param_shardings(abstract_params, mesh)
 
   def init():

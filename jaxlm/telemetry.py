@@ -4,7 +4,7 @@ Nothing here touches device arrays inside the hot loop: the loop fetches its met
 already finished that step) and hands this module plain Python floats. The one exception is `measure_matmul_flops`,
 which runs once per process, before training, when the device kind is not in `PEAK_FLOPS_BF16`.
 
-Conventions shared with `metrics.jsonl` readers (documented in README.md): `mfu` is a fraction in [0, 1], not a
+Conventions shared with `metrics.jsonl` readers (docs/configuration.md): `mfu` is a fraction in [0, 1], not a
 percentage; `tokens_per_sec` counts every token of the global batch (all devices, all processes).
 The end-of-run report lives in `jaxlm/report.py` and is re-exported here as `write_report`.
 """

@@ -100,7 +100,8 @@ def prepare_run(config: Config, workdir: str, causal: bool = True) -> tuple[Conf
         f"{num_data_shards * t.grad_accum}")
   if t.batch_size % jax.process_count():
     raise ValueError(f"train.batch_size={t.batch_size} is not divisible by the {jax.process_count()} processes")
-  kernels = kernels_lib.resolve(config.kernels, compute_dtype=config.model.compute_dtype, causal=causal, mesh=mesh)
+  kernels = kernels_lib.resolve(config.kernels, compute_dtype=config.model.compute_dtype, causal=causal,
+                                head_dim=config.model.head_dim, mesh=mesh)
   if jax.process_index() == 0:
     print(f"kernels: {kernels.describe()}", flush=True)
   return dataclasses.replace(config, kernels=kernels.as_config()), mesh, kernels
@@ -164,7 +165,7 @@ def run_loop(config: Config, workdir: str, mesh: Mesh, task: Task, stop: reliabi
     start_step, state, data_state = restored
     data_lib.set_loader_state(task.batches, data_state)
   state = task.start(state, start_step)
-  _write_json(os.path.join(workdir, "config.json"), dataclasses.asdict(config))
+  files.write_json_on_process_0(os.path.join(workdir, "config.json"), dataclasses.asdict(config))
 
   peak_per_device, peak_source = telemetry.peak_flops_per_device(dtype=config.model.compute_dtype)
   peak_flops = peak_per_device * jax.device_count()
@@ -274,8 +275,3 @@ def sample_text(graphdef, params, tokenizer, prompt: str, num_tokens: int, max_l
   ids = generate.sample_tokens(graphdef, params, prompt_ids, num_tokens, max_len, seed=seed,
                                eos_id=eos_id)
   return tokenizer.decode(ids)
-
-
-def _write_json(path: str, obj: Any) -> None:
-  if jax.process_index() == 0:
-    files.write_json(path, obj)

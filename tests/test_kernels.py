@@ -62,9 +62,23 @@ def test_auto_for_an_encoder_and_for_tensor_parallelism():
 
 
 def test_auto_on_a_gpu_picks_cudnn_in_bf16_and_the_layer_loop():
-  k = _resolve(platform="gpu", compute_dtype="bfloat16")
+  k = _resolve(platform="gpu", compute_dtype="bfloat16", head_dim=64)
   assert (k.attention, k.matmul, k.layers, k.remat, k.cross_entropy_chunk) == ("cudnn", "xla", "loop", "none", 4096)
   assert _resolve(platform="gpu").attention == "xla"  # cuDNN's flash kernel takes no float32
+  assert _resolve(platform="gpu", compute_dtype="bfloat16", head_dim=100).attention == "xla"  # nor heads of 100
+
+
+def test_auto_on_a_tpu_keeps_to_the_references():
+  k = _resolve(platform="tpu", compute_dtype="bfloat16")
+  assert (k.attention, k.matmul, k.cross_entropy, k.fuse_qkv, k.remat) == ("xla", "xla", "logits", "separate", "none")
+
+
+def test_the_config_and_the_registry_name_the_same_implementations():
+  from jaxlm.config import KERNEL_CHOICES  # noqa: PLC0415
+  for op, implementations in kernels_lib.IMPLEMENTATIONS.items():
+    assert KERNEL_CHOICES[op] == ("auto", *(i.name for i in implementations)), op
+  with pytest.raises(ValueError, match="kernels.attention='flash' is not one of"):
+    kernels_lib.resolve(KernelsConfig(attention="flash"))
 
 
 def test_auto_on_the_default_backend_inside_a_model():

@@ -134,7 +134,7 @@ def _check_cpu_f32(option: str, alternative: str, *arrays: jax.Array) -> None:
   """The custom calls take float32 buffers and exist for XLA:CPU only."""
   if any(a.dtype != jnp.float32 for a in arrays):
     raise ValueError(f"{option} computes in float32, got {', '.join(str(a.dtype) for a in arrays)}: set "
-                     "model.compute_dtype=float32 or kernels=auto")
+                     f"model.compute_dtype=float32 or {option.split('=')[0]}=auto")
   if jax.default_backend() != "cpu":
     raise ValueError(f"{option} runs on the CPU only (this backend: {jax.default_backend()}); use {alternative}")
 

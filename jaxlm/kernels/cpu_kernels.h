@@ -1,4 +1,4 @@
-// What jaxlm's CPU kernels (blas_gemm.cc, cpu_attention.cc; one library built by jaxlm/blas.py) share: the BLAS
+// What jaxlm's CPU kernels (blas_gemm.cc, cpu_attention.cc; one library built by jaxlm/kernels/cpu.py) share: the BLAS
 // sgemm that scipy ships (OpenBLAS, one thread) and a parallel loop over XLA's intra-op thread pool.
 #ifndef JAXLM_CPU_KERNELS_H_
 #define JAXLM_CPU_KERNELS_H_

@@ -15,9 +15,6 @@ import numpy as np
 from jaxlm.kernels import attention as xla_attention
 from jaxlm.kernels import cross_entropy as chunked_ce
 
-# Tokens per chunk of the separate pass that counts correct predictions (the registry's GPU/TPU chunk).
-CORRECT_COUNT_CHUNK = 4096
-
 
 def cudnn_attention(q_BTHK, k_BSGK, v_BSGK, mask_BTS, causal: bool) -> jax.Array:
   """cuDNN's flash attention (bf16/fp16, NVIDIA GPUs); see `attention.library_attention` for the mask contract."""
@@ -102,7 +99,7 @@ def _concrete(x) -> np.ndarray | None:
 
 
 def tokamax_cross_entropy(x_ND, table_VD, targets_N, weights_N, *, implementation=None,
-                          chunk: int = CORRECT_COUNT_CHUNK) -> tuple[jax.Array, jax.Array]:
+                          chunk: int = 4096) -> tuple[jax.Array, jax.Array]:
   """`xla.cross_entropy_sums`: (sum_n w_n * CE(x_n @ table^T, target_n), sum_n w_n * [argmax == target]), the loss
   and its gradient from tokamax.linear_softmax_cross_entropy_loss, which never returns the logits.
 

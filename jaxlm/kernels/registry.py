@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from jaxlm.config import KernelsConfig
+from jaxlm.config import KernelsConfig, validate_kernels
 from jaxlm.kernels import attention as xla_attention
 from jaxlm.kernels import cpu, gpu, xla
 from jaxlm.kernels import cross_entropy as chunked_ce
@@ -41,6 +41,21 @@ def _compiler_missing() -> str | None:
   return None if cpu.compiler() else "no C++ compiler (install g++ or set CXX)"
 
 
+def _cudnn_missing() -> str | None:
+  version = getattr(jax.devices()[0].client, "platform_version", "cuda").lower()  # "cuda 12080", "rocm ..."
+  return None if "cuda" in version else f"needs an NVIDIA GPU with cuDNN (this GPU runs {version})"
+
+
+class Target(NamedTuple):
+  """What a model will run on: the platform, its compute dtype, a decoder or not, the devices of its mesh and the
+  attention head size (0: unknown)."""
+  platform: str
+  dtype: str
+  causal: bool
+  devices: int
+  head_dim: int = 0
+
+
 @dataclasses.dataclass(frozen=True)
 class Implementation:
   name: str
@@ -48,19 +63,25 @@ class Implementation:
   dtypes: tuple[str, ...] = FLOATS  # compute dtypes it accepts
   causal_only: bool = False  # needs a causal mask (decoders): it skips the blocks above the diagonal
   one_device: bool = False  # a custom call (or Pallas call) that carries no sharding rule: XLA cannot partition it
+  head_dims: Callable[[int], bool] | None = None  # the attention head sizes it takes
   missing: Callable[[], str | None] | None = None  # why it cannot run on this machine, or None
 
-  def unfit(self, platform: str, dtype: str, causal: bool, devices: int) -> str | None:
-    """Why this implementation cannot serve here, or None."""
-    if platform not in self.platforms:
-      return f"runs on {'/'.join(self.platforms)}, not {platform}"
-    if dtype not in self.dtypes:
-      return f"computes in {'/'.join(self.dtypes)}, not model.compute_dtype={dtype}"
-    if self.causal_only and not causal:
+  def unfit(self, target: Target) -> str | None:
+    """Why this implementation cannot serve `target`, or None."""
+    if target.platform not in self.platforms:
+      return f"runs on {'/'.join(self.platforms)}, not {target.platform}"
+    if target.dtype not in self.dtypes:
+      return f"computes in {'/'.join(self.dtypes)}, not model.compute_dtype={target.dtype}"
+    if self.causal_only and not target.causal:
       return "needs a causal model (a decoder)"
-    if self.one_device and devices > 1:
-      return f"cannot be partitioned: XLA would run it whole on each of the {devices} devices"
-    return self.missing() if self.missing else None
+    if self.one_device and target.devices > 1:
+      return f"cannot be partitioned: XLA would run it whole on each of the {target.devices} devices"
+    if self.head_dims and target.head_dim and not self.head_dims(target.head_dim):
+      return f"does not take heads of {target.head_dim} (model.d_model / model.num_heads)"
+    # What this machine lacks matters only when the target is this machine (the planner resolves for others).
+    if self.missing and target.platform == jax.default_backend():
+      return self.missing()
+    return None
 
 
 IMPLEMENTATIONS: dict[str, tuple[Implementation, ...]] = {
@@ -71,7 +92,9 @@ IMPLEMENTATIONS: dict[str, tuple[Implementation, ...]] = {
                        missing=_compiler_missing),
         Implementation("recompute", ALL),
         Implementation("jax", ALL),
-        Implementation("cudnn", ("gpu",), ("bfloat16", "float16")),
+        # cuDNN's flash kernels take head sizes that are multiples of 8, up to 128.
+        Implementation("cudnn", ("gpu",), ("bfloat16", "float16"), head_dims=lambda k: k % 8 == 0 and k <= 128,
+                       missing=_cudnn_missing),
         Implementation("tokamax", ("gpu", "tpu"), one_device=True, missing=gpu.tokamax_unavailable),
     ),
     "matmul": (
@@ -81,7 +104,7 @@ IMPLEMENTATIONS: dict[str, tuple[Implementation, ...]] = {
     "cross_entropy": (
         Implementation("logits", ALL),
         Implementation("chunked", ALL),
-        # tokamax has a fused kernel for TPUs only; on GPUs its cross-entropy is XLA's, which `chunked` beats.
+        # tokamax has a fused kernel for TPUs only; on GPUs its cross-entropy is XLA's full-logits path.
         Implementation("tokamax", ("tpu",), one_device=True, missing=gpu.tokamax_unavailable),
     ),
     "norm": (Implementation("xla", ALL),
@@ -91,12 +114,12 @@ IMPLEMENTATIONS: dict[str, tuple[Implementation, ...]] = {
 }
 
 # What `auto` tries, in order; the reference (always able to run) ends every list. Only implementations measured
-# faster on that platform are listed ahead of it (docs/performance.md has the measurements); the tokamax kernels are
-# not yet measured on a GPU, so `auto` does not pick them.
+# faster on that platform are listed ahead of it (docs/performance.md has the measurements): nothing yet on TPUs,
+# and the tokamax kernels are not yet measured on a GPU, so `auto` does not pick them.
 AUTO: dict[str, dict[str, tuple[str, ...]]] = {
     "attention": {"cpu": ("cpu_fused", "causal_blocks", "xla"), "gpu": ("cudnn", "xla"), "tpu": ("xla",)},
     "matmul": {"cpu": ("blas", "xla"), "gpu": ("xla",), "tpu": ("xla",)},
-    "cross_entropy": {"cpu": ("chunked", "logits"), "gpu": ("chunked", "logits"), "tpu": ("chunked", "logits")},
+    "cross_entropy": {"cpu": ("chunked", "logits"), "gpu": ("chunked", "logits"), "tpu": ("logits",)},
     "norm": {"cpu": ("xla",), "gpu": ("xla",), "tpu": ("xla",)},
     "glu": {"cpu": ("xla",), "gpu": ("xla",), "tpu": ("xla",)},
 }
@@ -195,40 +218,40 @@ class Kernels:
       return chunked_ce.fused_cross_entropy(x_ND, table_VD, targets_N, weights_N, self.cross_entropy_chunk,
                                             self.einsum)
     if self.cross_entropy == "tokamax":
-      return gpu.tokamax_cross_entropy(x_ND, table_VD, targets_N, weights_N)
+      return gpu.tokamax_cross_entropy(x_ND, table_VD, targets_N, weights_N, chunk=self.cross_entropy_chunk)
     return xla.cross_entropy_sums(x_ND, table_VD, targets_N, weights_N, self.einsum)
 
 
-def _pick(op: str, requested: str, platform: str, dtype: str, causal: bool, devices: int) -> str:
+def _pick(op: str, requested: str, target: Target) -> str:
   implementations = {impl.name: impl for impl in IMPLEMENTATIONS[op]}
   if requested != "auto":
-    reason = implementations[requested].unfit(platform, dtype, causal, devices)
+    reason = implementations[requested].unfit(target)
     if reason:
-      fits = [n for n, impl in implementations.items() if not impl.unfit(platform, dtype, causal, devices)]
+      fits = [n for n, impl in implementations.items() if not impl.unfit(target)]
       raise ValueError(f"kernels.{op}={requested} {reason}; here use one of: auto, {', '.join(fits)}")
     return requested
-  for name in AUTO[op][platform]:
-    if not implementations[name].unfit(platform, dtype, causal, devices):
+  for name in AUTO[op][target.platform]:
+    if not implementations[name].unfit(target):
       return name
-  raise AssertionError(f"no {op} implementation fits {platform}/{dtype}")  # the reference always fits
+  raise AssertionError(f"no {op} implementation fits {target}")  # the reference always fits
 
 
 def resolve(config: KernelsConfig | None = None, *, compute_dtype: str = "float32", causal: bool = True,
-            mesh: jax.sharding.Mesh | None = None, platform: str | None = None, devices: int | None = None,
-            tensor: int | None = None) -> Kernels:
+            head_dim: int = 0, mesh: jax.sharding.Mesh | None = None, platform: str | None = None,
+            devices: int | None = None, tensor: int | None = None) -> Kernels:
   """The Kernels for a model computing in `compute_dtype` on `mesh` (default: every device of the default backend,
-  which is what `auto` must assume for a model built outside a training run). `causal`: a decoder's attention.
-  `platform`, `devices` and `tensor` (the mesh's tensor-parallel size) override what the mesh says, for planning a
-  run on other hardware."""
+  which is what `auto` must assume for a model built outside a training run). `causal`: a decoder's attention;
+  `head_dim`: its head size (0: not checked). `platform`, `devices` and `tensor` (the mesh's tensor-parallel size)
+  override what the mesh says, for planning a run on other hardware."""
   config = config or KernelsConfig()
+  validate_kernels(config)
   if platform is None:
     platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
   if devices is None:
     devices = mesh.devices.size if mesh is not None else jax.device_count()
   if tensor is None:
     tensor = dict(mesh.shape).get("tensor", 1) if mesh is not None else 1
-  dtype = jnp.dtype(compute_dtype).name
-  pick = functools.partial(_pick, platform=platform, dtype=dtype, causal=causal, devices=devices)
+  pick = functools.partial(_pick, target=Target(platform, jnp.dtype(compute_dtype).name, causal, devices, head_dim))
   auto = lambda value, default: default if value == "auto" else value
   return Kernels(
       attention=pick("attention", config.attention),
@@ -238,8 +261,9 @@ def resolve(config: KernelsConfig | None = None, *, compute_dtype: str = "float3
       cross_entropy_chunk=config.cross_entropy_chunk or CROSS_ENTROPY_CHUNK[platform],
       norm=pick("norm", config.norm),
       glu=pick("glu", config.glu),
-      # Concatenating q/k/v weights that the tensor axis splits by heads would make GSPMD regather them.
-      fuse_qkv=auto(config.fuse_qkv, "fused" if tensor == 1 else "separate"),
+      # Measured on CPUs and GPUs only. Under tensor parallelism, concatenating q/k/v weights that the tensor axis
+      # splits by heads would make GSPMD regather them.
+      fuse_qkv=auto(config.fuse_qkv, "fused" if tensor == 1 and platform in ("cpu", "gpu") else "separate"),
       # A Python loop over the layers ran faster on an H200; the scan keeps CPU compile times flat in depth.
       layers=auto(config.layers, "loop" if platform == "gpu" else "scan"),
       scan_unroll=config.scan_unroll,

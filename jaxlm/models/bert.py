@@ -31,7 +31,8 @@ def _check(config: ModelConfig, kernels: Kernels | None) -> Kernels:
   """Refuses a decoder config; returns the kernels (None: `auto` resolved for a bidirectional model)."""
   if config.flavour != "bert":
     raise ValueError(f"model.flavour={config.flavour!r}: BERT models need flavour='bert'")
-  return kernels or kernels_lib.resolve(compute_dtype=config.compute_dtype, causal=False)
+  return kernels or kernels_lib.resolve(compute_dtype=config.compute_dtype, causal=False,
+                                         head_dim=config.head_dim)
 
 
 class BertBlock(nnx.Module):

@@ -69,7 +69,8 @@ class GPT(nnx.Module):
                        "use jaxlm.models.bert for bert")
     self.config = config
     policy = Policy.from_model_config(config)
-    kernels = kernels or kernels_lib.resolve(compute_dtype=config.compute_dtype, causal=True)
+    kernels = kernels or kernels_lib.resolve(compute_dtype=config.compute_dtype, causal=True,
+                                             head_dim=config.head_dim)
     self.policy = policy
     self.kernels = kernels
     self.token_embed = Embed(config.vocab_size, config.d_model, ("vocab", "embed"), policy, kernels,

@@ -1,5 +1,5 @@
 """Transformer layers shared by every model: embeddings, norms, rotary positions, attention (with a KV cache), MLPs.
-The masks and attention computations themselves are in attention.py.
+The masks are in masks.py; the computations behind every op are jaxlm.kernels'.
 
 Dimension alphabet used in names and comments:
   B batch   T query positions   S key positions (cache slots)   D d_model   H query heads   G key/value heads
