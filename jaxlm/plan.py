@@ -101,7 +101,7 @@ def compile_train_step(config: Config, devices: Sequence[jax.Device] | None = No
   mesh = sharding.make_mesh(config.mesh, devices)
   here = mesh.devices.flat[0].platform
   sizes = tuple(mesh.shape[a] for a in sharding.MESH_AXES)
-  kernels = runnable_on(planned_kernels(config, sizes, platform or here), here)
+  kernels = runnable_on(planned_kernels(config, sizes, platform or here), here, platform or here)
   # Written out, so that whatever reads config.kernels on the way sees the kernels compiled, not `auto`.
   config = dataclasses.replace(config, kernels=kernels.as_config())
   steps_lib.check_mesh_fits_model(config.model, mesh)

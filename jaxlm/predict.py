@@ -364,6 +364,6 @@ def as_compiled_on(config: Config, platform: str, sizes: tuple[int, int, int], t
   matmuls and carries those activations in f32, so a CPU-compiled figure is checked against the f32 prediction;
   the kernels are fixed before the dtype changes, so they stay the ones compiled. Predict it with
   `predict_memory(..., platform=platform)`."""
-  kernels = kernels_lib.runnable_on(planned_kernels(config, sizes, target or platform), platform)
+  kernels = kernels_lib.runnable_on(planned_kernels(config, sizes, target or platform), platform, target)
   model = dataclasses.replace(config.model, compute_dtype="float32") if platform == "cpu" else config.model
   return dataclasses.replace(config, model=model, kernels=kernels.as_config())

@@ -5,7 +5,7 @@ Command:  python experiments/plan.py --config=experiments/configs/gpt2_xl.py --h
 Runtime:  a few minutes on a 2-core CPU: 3 compiles on simulated devices.
 Expected: its f32 params and Adam moments (17.4 GiB) plus the optimizer phase's gradient-sized trees exceed one L4
           (20.2 GiB usable), so one L4 is planned as not fitting, with the mesh that does: 4 L4s as FSDP (1x4x1,
-          11.1 GiB per device); one A100 80GB fits it without accumulation (42.9 GiB).
+          10.2 GiB per device); one A100 80GB fits it without accumulation (40.6 GiB).
 """
 
 from jaxlm.config import default_config

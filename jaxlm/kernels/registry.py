@@ -278,12 +278,17 @@ def resolve(config: KernelsConfig | None = None, *, compute_dtype: str = "float3
 _STAND_INS = {"attention": "recompute", "matmul": "xla", "cross_entropy": "chunked", "norm": "xla", "glu": "xla"}
 
 
-def runnable_on(kernels: Kernels, platform: str) -> Kernels:
+def runnable_on(kernels: Kernels, platform: str, target: str | None = None) -> Kernels:
   """`kernels` with every implementation that cannot run on `platform` (or on this machine) replaced by its
-  stand-in, so the step traces and compiles here with the memory and traffic of the original."""
+  stand-in, so the step traces and compiles here with the memory and traffic of the original on `target` (None:
+  `platform` itself)."""
   changes = {}
   for op, stand_in in _STAND_INS.items():
     impl = {i.name: i for i in IMPLEMENTATIONS[op]}[getattr(kernels, op)]
     if platform not in impl.platforms or (impl.missing and impl.missing()):
       changes[op] = stand_in
+  if kernels.layers == "loop" and target not in (None, platform):
+    # The same residuals per layer, but another backend's buffer assignment of an unrolled loop keeps far more live
+    # than the target's: the scan's compiled memory is the closer stand-in.
+    changes["layers"] = "scan"
   return dataclasses.replace(kernels, **changes)
