@@ -1,10 +1,14 @@
-"""Fine-tune a BERT encoder for sequence classification (single texts or pairs) and evaluate it.
+"""Fine-tune a pretrained model and evaluate it: a BERT encoder as a classifier (model.flavour=bert), or a GPT-2 /
+Llama decoder on prompt/response pairs (model.flavour=gpt2 or llama: instruction tuning).
 
   python experiments/finetune.py --config=experiments/configs/finetune_bert.py --workdir=runs/ft \
       --config.data.train_files=train.csv --config.data.eval_files=test.csv --config.data.label_column=label
+  python experiments/finetune.py --config=experiments/configs/finetune_instructions.py --workdir=runs/instruct \
+      --config.init_from=path/to/hf_gpt2_folder --config.data.train_files=pairs.jsonl
 
-Writes metrics.jsonl, TensorBoard events, checkpoints/, best_model/ (an HF folder), eval.json and report.md into
---workdir; re-running with the same --workdir resumes. See jaxlm/finetune.py for what each file holds.
+Writes metrics.jsonl, TensorBoard events, checkpoints/, eval.json and report.md into --workdir (a classifier also
+best_model/, a decoder hf_model/, both HF folders); re-running with the same --workdir resumes. See jaxlm/finetune.py
+and jaxlm/instruct.py for what each file holds.
 """
 
 from absl import flags, logging
@@ -12,7 +16,7 @@ from ml_collections import config_flags
 
 from jaxlm import cli
 from jaxlm import config as config_lib
-from jaxlm import distributed, finetune
+from jaxlm import distributed, finetune, instruct
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file (experiments/configs/*.py)",
                                           lock_config=True)
@@ -27,10 +31,15 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint step at INFO
   config = config_lib.from_config_dict(_CONFIG.value)
   distributed.initialize()
-  result = finetune.finetune(config, _WORKDIR.value, stop_at_step=_STOP_AT_STEP.value)
+  tune = finetune.finetune if config.model.flavour == "bert" else instruct.instruction_tune
+  result = tune(config, _WORKDIR.value, stop_at_step=_STOP_AT_STEP.value)
   if "preempted_at_step" in result:
     print(f"stopped by a signal after step {result['preempted_at_step']} (checkpoint saved); "
           f"re-run the same command to resume")
+    return
+  if config.model.flavour != "bert":
+    print(f"done: eval_loss {result['eval_loss']:.4f} (perplexity {result['eval_perplexity']:.2f}) on the response "
+          f"tokens of {result['eval_pairs']} held-out pairs; eval.json, report.md and hf_model/ in {_WORKDIR.value}")
     return
   print(f"done: accuracy {result['accuracy']:.4f}, f1_macro {result['f1_macro']:.4f} on {result['eval_examples']} "
         f"held-out examples; eval.json and report.md in {_WORKDIR.value}")

@@ -4,25 +4,28 @@
 
 Reads <workdir>/config.json (the run's config), <workdir>/tokenizer.json and the newest readable checkpoint under
 <workdir>/checkpoints; prints each prompt with its continuation and writes them to <workdir>/generate.json (flat:
-`checkpoint_step`, `sample_<i>_prompt`, `sample_<i>_text`, and the sampling settings). --temperature=0 is greedy;
---top_k / --top_p filter the distribution; a sample ends at the tokenizer's end-of-document token.
-Runtime: about 15 s for the demo model on a 2-core CPU (mostly start-up and compilation).
+`checkpoint_step`, `sample_<i>_prompt`, `sample_<i>_text`, the sampling settings and the KV cache's bytes).
+--temperature=0 is greedy; --top_k / --top_p filter the distribution; a sample ends at the tokenizer's
+end-of-document token. --kv_cache=int8 keeps the cache in int8 and also generates with the float cache (same seed)
+to report how many generated tokens agree (`kv_cache_token_agreement`: the shared prefix of each pair of samples,
+over all float-cache tokens; `kv_cache_teacher_forced_argmax_agreement`: on the float cache's tokens, how often the
+int8 cache's logits pick the same next token; `kv_cache_max_logit_gap_relative`) and the bytes saved.
+--weights=weight_only or w8a8_dynamic generates with int8 weights (jaxlm.quant), with either cache.
+Runtime: about 15 s for the demo model on a 2-core CPU (mostly start-up and compilation); --kv_cache=int8 adds the
+float run and the comparison.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 import json
 import os
 
 import jax
 from absl import flags, logging
 
-from jaxlm import config as config_lib
 from jaxlm import data as data_lib
-from jaxlm import cli, generate, optim, sharding
-from jaxlm.checkpoint import Checkpointer, abstract_with_shardings
-from jaxlm import steps as steps_lib
+from jaxlm import cli, generate, runs
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "training run folder (config.json, tokenizer.json, checkpoints/)")
 _PROMPT = flags.DEFINE_multi_string("prompt", ["def "], "prompt text; repeat the flag for a batch of prompts")
@@ -32,44 +35,54 @@ _TOP_K = flags.DEFINE_integer("top_k", 40, "sample among the k most likely token
 _TOP_P = flags.DEFINE_float("top_p", 1.0, "sample within the smallest set of tokens with this probability mass")
 _SEED = flags.DEFINE_integer("seed", 0, "sampling seed")
 _TENSOR = flags.DEFINE_integer("mesh_tensor", 1, "devices that split heads (the other devices split the batch)")
+_KV_CACHE = flags.DEFINE_enum("kv_cache", "float", list(generate.KV_CACHES),
+                              "KV cache: float (the compute dtype) or int8 (per-token scales; compared with float)")
+_WEIGHTS = flags.DEFINE_enum("weights", "float", list(runs.WEIGHTS),
+                             "float (as trained) or int8 weights (jaxlm.quant's weight_only or w8a8_dynamic)")
 _OUTPUT = flags.DEFINE_string("output", "", "JSON file for the samples (default <workdir>/generate.json)")
 flags.mark_flags_as_required(["workdir"])
 
 
-def load_run(workdir: str, mesh_tensor: int = 1):
-  """(config, graphdef, params, tokenizer, step) of a run's newest checkpoint, params sharded on this host's
-  devices (heads over `mesh_tensor` devices, replicated over the rest)."""
-  config_path = os.path.join(workdir, "config.json")
-  if not os.path.exists(config_path):
-    raise ValueError(f"{config_path} not found: --workdir must be a jaxlm training run folder")
-  config = config_lib.from_run_file(config_path)
-  config = dataclasses.replace(config, mesh=config_lib.MeshConfig(data=-1, fsdp=1, tensor=mesh_tensor))
-  mesh = sharding.make_mesh(config.mesh)
-  optimizer = optim.make_optimizer(config.train)
-  built = {}
+load_run = runs.load_decoder_run  # (config, graphdef, params, tokenizer, step) of a run's newest checkpoint
 
-  def init():  # traced only (eval_shape): shapes and shardings of the train state, nothing allocated
-    graphdef, state, state_shardings = steps_lib.init_train_state(config, mesh, optimizer)
-    built.update(graphdef=graphdef, shardings=state_shardings)
-    return state
 
-  abstract_state = jax.eval_shape(init)
-  checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), every_steps=0, keep=config.checkpoint.keep)
-  try:
-    restored = checkpointer.restore_latest(abstract_with_shardings(abstract_state, built["shardings"]), config.model)
-  finally:
-    checkpointer.close()
-  if restored is None:
-    raise ValueError(f"no checkpoint in {workdir}/checkpoints; train first (experiments/train_lm.py)")
-  step, state, _ = restored
-  tokenizer = data_lib.load_tokenizer(os.path.join(workdir, "tokenizer.json"))
-  return config, built["graphdef"], state["params"], tokenizer, step
+def shared_prefix(a: list[int], b: list[int]) -> int:
+  """How many leading tokens two samples share."""
+  return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def teacher_forced_comparison(graphdef, params, prompts: list[list[int]], outputs: list[list[int]], pad_id: int):
+  """Feeds each prompt + its float-cache continuation through the decoder with a float and an int8 cache (one
+  prefill each: the int8 cache quantizes every key and value as it is written, exactly as step-by-step decoding
+  does) and compares the logits at the continuation's positions: (fraction of equal argmax tokens, largest logit
+  difference relative to the largest |logit|)."""
+  import numpy as np  # noqa: PLC0415
+  from flax import nnx  # noqa: PLC0415
+
+  width = max(len(p) + len(o) for p, o in zip(prompts, outputs))
+  tokens = np.full((len(prompts), width), pad_id, np.int32)  # right padding: causal, so no real token sees it
+  scored = np.zeros((len(prompts), width), bool)
+  for row, (prompt, out) in enumerate(zip(prompts, outputs)):
+    tokens[row, :len(prompt) + len(out)] = prompt + out
+    scored[row, len(prompt) - 1:len(prompt) + len(out) - 1] = True  # the positions that predicted `out`
+
+  @functools.partial(jax.jit, static_argnames="quantized")
+  def logits(params, tokens, quantized):
+    model = nnx.merge(graphdef, params)
+    return model.decode(tokens, model.init_cache(tokens.shape[0], tokens.shape[1], quantized=quantized))[0]
+
+  float_logits = np.asarray(logits(params, tokens, quantized=False))
+  int8_logits = np.asarray(logits(params, tokens, quantized=True))
+  agree = (float_logits.argmax(-1) == int8_logits.argmax(-1))[scored].mean()
+  gap = np.abs(float_logits - int8_logits)[scored].max() / np.abs(float_logits[scored]).max()
+  return float(agree), float(gap)
 
 
 def main(argv):
   del argv  # flags only: cli.run refuses positional arguments
   logging.set_verbosity(logging.WARNING)
   config, graphdef, params, tokenizer, step = load_run(_WORKDIR.value, _TENSOR.value)
+  graphdef, params = runs.with_weights(graphdef, params, _WEIGHTS.value)
   eos = data_lib.eos_id(tokenizer)
   prompts = [tokenizer.encode(p).ids or [eos] for p in _PROMPT.value]
   limit = config.model.max_seq_len if config.model.flavour == "gpt2" else None
@@ -77,11 +90,27 @@ def main(argv):
   if limit is not None:  # the learned position table bounds prompt + continuation
     prompts = [p[-(limit - 1):] for p in prompts]
     new_tokens = min(new_tokens, limit - max(len(p) for p in prompts))
-  outputs = generate.generate(graphdef, params, prompts, new_tokens, temperature=_TEMPERATURE.value,
-                              top_k=_TOP_K.value, top_p=_TOP_P.value, stop_tokens=(eos,), seed=_SEED.value,
-                              pad_id=eos)
+  settings = dict(temperature=_TEMPERATURE.value, top_k=_TOP_K.value, top_p=_TOP_P.value, stop_tokens=(eos,),
+                  seed=_SEED.value, pad_id=eos)
+  outputs = generate.generate(graphdef, params, prompts, new_tokens, kv_cache=_KV_CACHE.value, **settings)
   result = {"checkpoint_step": step, "temperature": _TEMPERATURE.value, "top_k": _TOP_K.value,
-            "top_p": _TOP_P.value, "seed": _SEED.value}
+            "top_p": _TOP_P.value, "seed": _SEED.value, "kv_cache": _KV_CACHE.value, "weights": _WEIGHTS.value}
+  slots = generate.prompt_width(config.model, max(len(p) for p in prompts), new_tokens) + new_tokens
+  for kind in generate.KV_CACHES:  # the cache generate allocates for this batch, from shapes alone
+    result[f"kv_cache_bytes_{kind}"] = generate.kv_cache_bytes(graphdef, params, len(prompts), slots, kind)
+  if _KV_CACHE.value == "int8":
+    reference = generate.generate(graphdef, params, prompts, new_tokens, kv_cache="float", **settings)
+    shared = sum(shared_prefix(a, b) for a, b in zip(outputs, reference))
+    result["kv_cache_token_agreement"] = shared / max(1, sum(len(r) for r in reference))
+    result["kv_cache_identical_samples"] = sum(a == b for a, b in zip(outputs, reference))
+    result["kv_cache_bytes_saved_fraction"] = 1 - result["kv_cache_bytes_int8"] / result["kv_cache_bytes_float"]
+    agree, gap = teacher_forced_comparison(graphdef, params, prompts, reference, eos)
+    result["kv_cache_teacher_forced_argmax_agreement"], result["kv_cache_max_logit_gap_relative"] = agree, gap
+    print(f"int8 KV cache: {result['kv_cache_bytes_int8']} bytes vs {result['kv_cache_bytes_float']} float "
+          f"({100 * result['kv_cache_bytes_saved_fraction']:.1f}% saved); generated tokens shared with the float "
+          f"cache: {100 * result['kv_cache_token_agreement']:.1f}%, identical samples "
+          f"{result['kv_cache_identical_samples']}/{len(prompts)}; on the float cache's tokens the int8 cache's argmax "
+          f"agrees at {100 * agree:.2f}% of positions, largest logit gap {100 * gap:.2f}% of the largest |logit|")
   for i, (prompt, ids, out) in enumerate(zip(_PROMPT.value, prompts, outputs)):
     text = tokenizer.decode(ids + out)
     result[f"sample_{i}_prompt"], result[f"sample_{i}_text"] = prompt, text

@@ -4,9 +4,12 @@
   python experiments/optimize.py --workdir=runs/optimize_minilm     # a finetune.py run: accuracy, macro-F1
 
 Variants: fp32, bf16 (params and compute), int8 weight-only, int8 W8A8 (static input scales calibrated on
---calibration_batches training batches), int8 W8A8 dynamic (per-token scales), 50% magnitude pruning (one global
-threshold, and per layer: each matrix of each layer to 50%), 2:4 pruning, and int8 weight-only on top of each pruning (--prune_finetune_steps > 0 first fine-tunes the pruned models
-with their masks kept). For each: the task metric on the run's held-out data, latency of one forward on an eval
+--calibration_batches training batches), int8 W8A8 dynamic (per-token scales), both again after SmoothQuant smoothing
+(strength --smoothing, measured on the same batches), --sparsity magnitude pruning (one global threshold, and per
+layer: each matrix of each layer), Wanda pruning (|W| * input norm per output row, on the same batches), 2:4 pruning by
+magnitude and by Wanda's score, and int8 weight-only on top of each pruning (--prune_finetune_steps > 0 first
+fine-tunes the pruned models with their masks kept; the rows then also give the metric before that fine-tune).
+For each: the task metric on the run's held-out data, latency of one forward on an eval
 batch (best of --repeats after warm-up, on the run's mesh), throughput, parameter bytes and the orbax checkpoint's
 size on disk (written under <workdir>/optimize/<variant>/). Writes <workdir>/optimize.json (flat numbers and
 strings), optimize.png, and an "Optimization" section in <workdir>/report.md (replaced when re-run).
@@ -29,13 +32,36 @@ _MAX_EVAL = flags.DEFINE_integer("max_eval_batches", 64, "LM: cap on held-out ba
 _PRUNE_STEPS = flags.DEFINE_integer("prune_finetune_steps", 0, "fine-tune steps after pruning (masks kept)")
 _PRUNE_LR = flags.DEFINE_float("prune_finetune_lr", 1e-4, "constant AdamW learning rate of that fine-tune")
 _KEEP = flags.DEFINE_bool("keep_checkpoints", False, "keep <workdir>/optimize/<variant> checkpoints")
+_SMOOTHING = flags.DEFINE_float("smoothing", 0.5, "SmoothQuant strength (alpha, in [0, 1]) of the smooth variants")
+_SPARSITY = flags.DEFINE_float("sparsity", 0.5, "fraction of weights the unstructured pruning variants zero")
+_LM_EVAL_TASKS = flags.DEFINE_list("lm_eval_tasks", [], "LM runs: lm-eval tasks scored for every variant "
+                                   "(jaxlm.harness; columns lm_eval/<task>/<metric>)")
+_LM_EVAL_INCLUDE = flags.DEFINE_multi_string("lm_eval_include_path", [], "folder of lm-eval task YAMLs")
+_LM_EVAL_LIMIT = flags.DEFINE_integer("lm_eval_limit", 0, "documents per lm-eval task (0 = all)")
 _VARIANTS = flags.DEFINE_list("variants", [], "variants to measure, as named in optimize.json (e.g. "
                               "int8_W8A8,2:4); empty = all; fp32, the baseline, always runs")
 flags.mark_flags_as_required(["workdir"])
 
 REPORT_BEGIN, REPORT_END = "<!-- optimize:begin -->", "<!-- optimize:end -->"
-VARIANTS = ("fp32", "bf16", "int8 weight-only", "int8 W8A8", "int8 W8A8 dynamic", "50% magnitude",
-            "50% magnitude per layer", "2:4", "50% magnitude + int8", "50% per layer + int8", "2:4 + int8")
+VARIANTS = ("fp32", "bf16", "int8 weight-only", "int8 W8A8", "int8 W8A8 dynamic", "int8 W8A8 smooth",
+            "int8 W8A8 smooth dynamic", "50% magnitude", "50% magnitude per layer", "50% wanda", "2:4", "2:4 wanda",
+            "50% magnitude + int8", "50% per layer + int8", "50% wanda + int8", "2:4 + int8", "2:4 wanda + int8")
+
+
+def variant_names(sparsity: float) -> tuple[str, ...]:
+  """VARIANTS with the unstructured pruning's percentage (--sparsity) in their names."""
+  return tuple(n.replace("50%", f"{round(100 * sparsity)}%") for n in VARIANTS)
+
+
+def check_flags() -> None:
+  """One-line errors for flag values out of range, before anything loads."""
+  if not 0.0 <= _SMOOTHING.value <= 1.0:
+    raise ValueError(f"--smoothing={_SMOOTHING.value} is out of range: SmoothQuant's strength must be in [0, 1] "
+                     "(0.5 is the paper's)")
+  if not 0.0 < _SPARSITY.value < 1.0:
+    raise ValueError(f"--sparsity={_SPARSITY.value} is out of range: give the fraction of weights to zero, in (0, 1)")
+  if _CALIBRATION.value < 1:
+    raise ValueError(f"--calibration_batches={_CALIBRATION.value}: W8A8 and Wanda need at least one calibration batch")
 
 
 @dataclasses.dataclass
@@ -62,8 +88,14 @@ def load_lm(workdir: str, config) -> Task:
   from jaxlm import data as data_lib, optim, sharding  # noqa: PLC0415
   from jaxlm import steps as steps_lib  # noqa: PLC0415
   from jaxlm.checkpoint import Checkpointer, abstract_with_shardings  # noqa: PLC0415
+  from jaxlm.data.tokenizer import TOKENIZER_FILE  # noqa: PLC0415
   from jaxlm.models.gpt import GPT  # noqa: PLC0415
 
+  run_tokenizer = os.path.join(workdir, TOKENIZER_FILE)
+  if config.data.tokenizer and os.path.isfile(run_tokenizer) and (
+      data_lib.load_tokenizer(config.data.tokenizer).to_str() != data_lib.load_tokenizer(run_tokenizer).to_str()):
+    raise ValueError(f"data.tokenizer={config.data.tokenizer!r} differs from {run_tokenizer}: the calibration and "
+                     "eval data would be tokenized differently from the model's training data; make them the same file")
   mesh = sharding.make_mesh(config.mesh)
   optimizer = optim.make_optimizer(config.train)
   graphdef, state, shardings = steps_lib.init_train_state(config, mesh, optimizer)
@@ -149,7 +181,7 @@ def variants(task: Task):
   import jax.numpy as jnp  # noqa: PLC0415
   from flax import nnx  # noqa: PLC0415
 
-  from jaxlm import prune, quant  # noqa: PLC0415
+  from jaxlm import prune, quant, quant_io  # noqa: PLC0415
 
   def bf16():
     config = dataclasses.replace(task.model_config, param_dtype="bfloat16", compute_dtype="bfloat16")
@@ -163,13 +195,16 @@ def variants(task: Task):
     def build():
       masks = make_masks(task.model)
       model = prune.apply_masks(task.model, masks)
+      before = {}
       if task.train_batches:
+        before = {f"{k}_before_finetune": v for k, v in task.evaluate(quant_io.place(model, task.mesh)).items()
+                  if k in ("perplexity", "loss", "accuracy", "f1_macro")}
         graphdef, state = nnx.split(model)
         params = prune.finetune(graphdef, state.to_pure_dict(), masks, task.loss_fn(graphdef), task.train_batches,
                                 learning_rate=_PRUNE_LR.value)
         nnx.replace_by_pure_dict(state, params)
         model = nnx.merge(graphdef, state)
-      return model
+      return model, before
     return build
 
   cache = {}
@@ -181,37 +216,53 @@ def variants(task: Task):
       return cache[name]
     return get
 
-  magnitude = cached("magnitude", pruned(lambda m: prune.magnitude_masks(m, 0.5)))
-  per_layer = cached("per layer", pruned(lambda m: prune.magnitude_masks(m, 0.5, per_layer=True)))
+  sparsity, smoothing = _SPARSITY.value, _SMOOTHING.value
+  calibrated = dict(calibration=task.calibration, forward=task.forward)
+  wanda = lambda pattern: lambda m: prune.wanda_masks(m, sparsity if pattern == "unstructured" else 0.5,  # noqa: E731
+                                                      task.calibration, task.forward, pattern)
+  magnitude = cached("magnitude", pruned(lambda m: prune.magnitude_masks(m, sparsity)))
+  per_layer = cached("per layer", pruned(lambda m: prune.magnitude_masks(m, sparsity, per_layer=True)))
+  wanda_unstructured = cached("wanda", pruned(wanda("unstructured")))
   two_four = cached("2:4", pruned(prune.two_four_masks))
+  wanda_two_four = cached("2:4 wanda", pruned(wanda("2:4")))
+  int8_on = lambda build: lambda: (quant.quantize(build()[0], "weight_only"), {})  # noqa: E731
+  float_only = lambda build: lambda: (build(), {})  # noqa: E731
   builds = [
-      ("fp32", lambda: task.model),
-      ("bf16", bf16),
-      ("int8 weight-only", lambda: quant.quantize(task.model, "weight_only")),
-      ("int8 W8A8", lambda: quant.quantize(task.model, "w8a8", calibration=task.calibration, forward=task.forward)),
-      ("int8 W8A8 dynamic", lambda: quant.quantize(task.model, "w8a8_dynamic")),
+      ("fp32", float_only(lambda: task.model)),
+      ("bf16", float_only(bf16)),
+      ("int8 weight-only", float_only(lambda: quant.quantize(task.model, "weight_only"))),
+      ("int8 W8A8", float_only(lambda: quant.quantize(task.model, "w8a8", **calibrated))),
+      ("int8 W8A8 dynamic", float_only(lambda: quant.quantize(task.model, "w8a8_dynamic"))),
+      ("int8 W8A8 smooth", float_only(lambda: quant.quantize(task.model, "w8a8", smoothing=smoothing, **calibrated))),
+      ("int8 W8A8 smooth dynamic",
+       float_only(lambda: quant.quantize(task.model, "w8a8_dynamic", smoothing=smoothing, **calibrated))),
       ("50% magnitude", magnitude),
       ("50% magnitude per layer", per_layer),
+      ("50% wanda", wanda_unstructured),
       ("2:4", two_four),
-      ("50% magnitude + int8", lambda: quant.quantize(magnitude(), "weight_only")),
-      ("50% per layer + int8", lambda: quant.quantize(per_layer(), "weight_only")),
-      ("2:4 + int8", lambda: quant.quantize(two_four(), "weight_only")),
+      ("2:4 wanda", wanda_two_four),
+      ("50% magnitude + int8", int8_on(magnitude)),
+      ("50% per layer + int8", int8_on(per_layer)),
+      ("50% wanda + int8", int8_on(wanda_unstructured)),
+      ("2:4 + int8", int8_on(two_four)),
+      ("2:4 wanda + int8", int8_on(wanda_two_four)),
   ]
   assert tuple(name for name, _ in builds) == VARIANTS
-  return builds
+  return [(shown, build) for shown, (_, build) in zip(variant_names(sparsity), builds)]
 
 
-def selected_names(names: list[str]) -> set[str]:
+def selected_names(names: list[str], sparsity: float = 0.5) -> set[str]:
   """The fp32 baseline and the variants named (spaces or underscores); an unknown name is an error."""
-  wanted = {n.replace("_", " ") for n in names} if names else set(VARIANTS)
-  unknown = sorted(wanted - set(VARIANTS))
+  known = variant_names(sparsity)
+  wanted = {n.replace("_", " ") for n in names} if names else set(known)
+  unknown = sorted(wanted - set(known))
   if unknown:
     raise ValueError(f"--variants: {unknown[0].replace(' ', '_')!r} is not a variant; known: "
-                     f"{', '.join(n.replace(' ', '_') for n in VARIANTS)}")
+                     f"{', '.join(n.replace(' ', '_') for n in known)}")
   return wanted | {"fp32"}
 
 
-def measure(task: Task, name: str, model, out_dir: str) -> dict:
+def measure(task: Task, name: str, model, out_dir: str, extra: dict | None = None) -> dict:
   import jax  # noqa: PLC0415
   import numpy as np  # noqa: PLC0415
   from flax import nnx  # noqa: PLC0415
@@ -220,6 +271,9 @@ def measure(task: Task, name: str, model, out_dir: str) -> dict:
 
   model = quant_io.place(model, task.mesh)
   row = dict(task.evaluate(model))
+  row.update(extra or {})
+  if task.kind == "lm" and _LM_EVAL_TASKS.value:
+    row.update(lm_eval_metrics(model))
   graphdef, params = nnx.split(model)
   run = jax.jit(lambda p, b: task.forward(nnx.merge(graphdef, p), b))
   batch = {k: jax.device_put(v) for k, v in task.timing_batch.items()}
@@ -245,6 +299,16 @@ def measure(task: Task, name: str, model, out_dir: str) -> dict:
   return row
 
 
+def lm_eval_metrics(model) -> dict:
+  """This variant's downstream metrics on --lm_eval_tasks (jaxlm.harness), keyed lm_eval/<task>/<metric>."""
+  from jaxlm import data as data_lib, harness  # noqa: PLC0415
+
+  tokenizer = data_lib.load_tokenizer(os.path.join(_WORKDIR.value, "tokenizer.json"))
+  metrics = harness.task_metrics(model, tokenizer, _LM_EVAL_TASKS.value, include_path=_LM_EVAL_INCLUDE.value,
+                                 limit=_LM_EVAL_LIMIT.value or None)
+  return {f"lm_eval/{key}": value for key, value in metrics.items()}
+
+
 def write_outputs(workdir: str, task: Task, rows: dict[str, dict], command: str) -> None:
   import jax  # noqa: PLC0415
 
@@ -259,11 +323,12 @@ def write_outputs(workdir: str, task: Task, rows: dict[str, dict], command: str)
     key = name.replace(" ", "_")
     for k, v in row.items():
       flat[f"{key}/{k}"] = v
-    if task.kind == "lm":
-      flat[f"{key}/perplexity_change_pct"] = 100 * (row["perplexity"] / base["perplexity"] - 1)
-    else:
-      flat[f"{key}/accuracy_change_points"] = 100 * (row["accuracy"] - base["accuracy"])
-      flat[f"{key}/f1_macro_change_points"] = 100 * (row["f1_macro"] - base["f1_macro"])
+    for suffix in ("", "_before_finetune"):
+      if task.kind == "lm" and f"perplexity{suffix}" in row:
+        flat[f"{key}/perplexity{suffix}_change_pct"] = 100 * (row[f"perplexity{suffix}"] / base["perplexity"] - 1)
+      elif task.kind != "lm" and f"accuracy{suffix}" in row:
+        flat[f"{key}/accuracy{suffix}_change_points"] = 100 * (row[f"accuracy{suffix}"] - base["accuracy"])
+        flat[f"{key}/f1_macro{suffix}_change_points"] = 100 * (row[f"f1_macro{suffix}"] - base["f1_macro"])
     flat[f"{key}/checkpoint_ratio_vs_fp32"] = base["checkpoint_bytes"] / row["checkpoint_bytes"]
     flat[f"{key}/speedup_vs_fp32"] = base["latency_ms"] / row["latency_ms"]
   files.write_json(os.path.join(workdir, "optimize.json"), flat)
@@ -293,11 +358,25 @@ def markdown_table(task: Task, rows: dict[str, dict]) -> str:
     cells = lambda r: (f"{100 * r['accuracy']:.2f} | {100 * (r['accuracy'] - base['accuracy']):+.2f} | "
                        f"{100 * r['f1_macro']:.2f} | {100 * (r['f1_macro'] - base['f1_macro']):+.2f} |")
   head += f" latency ms/batch | {task.unit}/s | param MB | checkpoint MB | checkpoint vs fp32 |"
+  before = any(k.endswith("_before_finetune") for r in rows.values() for k in r)
+  if before:  # the pruned rows' metric before their masked fine-tune
+    head += " before fine-tune |"
+  downstream = sorted({k for r in rows.values() for k in r if k.startswith("lm_eval/")})  # --lm_eval_tasks
+  head += "".join(f" {k[len('lm_eval/'):]} |" for k in downstream)
   lines = [head, "|" + " --- |" * (head.count("|") - 1)]
   for name, r in rows.items():
-    lines.append(f"| {name} | " + cells(r) + f" {r['latency_ms']:.2f} | {r[f'{task.unit}_per_sec']:.0f} | "
-                 f"{r['param_bytes'] / 1e6:.3f} | {r['checkpoint_bytes'] / 1e6:.3f} | "
-                 f"{base['checkpoint_bytes'] / r['checkpoint_bytes']:.2f}x |")
+    line = (f"| {name} | " + cells(r) + f" {r['latency_ms']:.2f} | {r[f'{task.unit}_per_sec']:.0f} | "
+            f"{r['param_bytes'] / 1e6:.3f} | {r['checkpoint_bytes'] / 1e6:.3f} | "
+            f"{base['checkpoint_bytes'] / r['checkpoint_bytes']:.2f}x |")
+    if before:
+      if "perplexity_before_finetune" in r:
+        line += f" ppl {r['perplexity_before_finetune']:.4f} |"
+      elif "accuracy_before_finetune" in r:
+        line += f" acc {100 * r['accuracy_before_finetune']:.2f}, F1 {100 * r['f1_macro_before_finetune']:.2f} |"
+      else:
+        line += " |"
+    line += "".join(f" {r[k]:.4f} |" if k in r else " |" for k in downstream)
+    lines.append(line)
   return "\n".join(lines)
 
 
@@ -331,12 +410,18 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)
   from jaxlm import config as config_lib  # noqa: PLC0415
 
-  wanted = selected_names(_VARIANTS.value)  # before anything loads: a misspelt name fails at once
+  check_flags()  # before anything loads: a wrong value or a misspelt name fails at once
+  wanted = selected_names(_VARIANTS.value, _SPARSITY.value)
   workdir = _WORKDIR.value
   config_path = os.path.join(workdir, "config.json")
   if not os.path.exists(config_path):
     raise FileNotFoundError(f"{config_path} does not exist; give a train_lm.py or finetune.py run folder")
   config = config_lib.from_run_file(config_path)
+  if _LM_EVAL_TASKS.value:  # before the variants run: a classifier run, an unknown task or one needing a download
+    if config.model.flavour == "bert":
+      raise ValueError(f"--lm_eval_tasks scores decoders; {workdir} is a classifier run (model.flavour=bert)")
+    from jaxlm import harness  # noqa: PLC0415 (the optional lm-eval)
+    harness.check_offline(harness.task_manager(_LM_EVAL_TASKS.value, _LM_EVAL_INCLUDE.value), _LM_EVAL_TASKS.value)
   if config.model.flavour == "bert":
     task = load_classifier(workdir, config)
   else:
@@ -347,7 +432,8 @@ def main(argv):
     if name not in wanted:
       continue
     started = time.time()
-    rows[name] = measure(task, name, build(), out_dir)
+    model, extra = build()
+    rows[name] = measure(task, name, model, out_dir, extra)
     shown = {k: round(v, 5) if isinstance(v, float) else v for k, v in rows[name].items()}
     print(f"{name}: {shown} ({time.time() - started:.0f} s)", flush=True)
   if not _KEEP.value:

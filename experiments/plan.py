@@ -3,14 +3,17 @@
   python experiments/plan.py --config=experiments/configs/gpt2_small.py --hardware=h100_80gb,l4_24gb \
       --workdir=runs/plan_gpt2
 
-For every mesh of 1, 2, 4 and 8 devices (data x fsdp x tensor) on every --hardware profile (jaxlm/hardware.json, or
---hardware_file), it predicts the per-device memory of each accumulation split (jaxlm.plan.predict_memory, no
-compile), picks the fewest micro-batches that fit, and predicts step time, MFU, wall time and cost for the token
-budget, with the kernels the run would use on that profile's platform (config.kernels, `auto` resolved there; the
-plan prints them). It then compiles the train step on simulated CPU devices for each profile's recommended mesh and
-the one-device mesh (kernels that cannot run on a CPU as their stand-ins), and reports the compiled memory and the
-collective bytes read from the HLO beside the prediction. Writes <workdir>/plan.json, plan.md (the table) and
-plan.png. Needs no accelerator.
+For every layout of 1, 2, 4 and 8 devices (data x fsdp x tensor, and pipelines of each mesh.pipeline_schedule over
+data x fsdp) on every --hardware profile (jaxlm/hardware.json, or --hardware_file), in the compute dtype the
+profile has (bf16 becomes fp16 on a V100 or T4, with a warning), it predicts the per-device memory of each
+accumulation split (no compile), picks the split that fits (the fewest micro-batches; for a pipeline the fastest),
+and predicts step time, MFU, wall time and cost for the token budget (hours and kWh on owned hardware), with the
+kernels the run would use on that profile's platform (config.kernels, `auto` resolved there). LoRA/QLoRA configs
+(lora.rank > 0) get the bytes of the frozen base, adapters, optimizer state and activations. It prints, per profile
+and device count, which layout wins and why. It then compiles the train step on simulated CPU devices for each
+profile's recommended layout and the one-device mesh (kernels that cannot run on a CPU as their stand-ins;
+pipelines through jaxlm/pipeline.py's step), and reports the compiled memory and the collective bytes read from the
+HLO beside the prediction. Writes <workdir>/plan.json, plan.md (the table) and plan.png. Needs no accelerator.
 
 --measure also runs the train step here (as configured, on this machine's devices) and compares the predicted step
 time and memory with the measured ones: with a CPU "hardware profile" measured in the same run, or on a GPU with
@@ -39,7 +42,8 @@ _HARDWARE_FILE = flags.DEFINE_string("hardware_file", plan.PROFILES_PATH, "JSON 
 _DEVICES = flags.DEFINE_list("devices", ["1", "2", "4", "8"], "device counts to plan for (powers of two)")
 _TOKENS = flags.DEFINE_float("tokens", 0, "token budget of the run; 0 = train.steps * train.batch_size * seq_len")
 _COMPILE = flags.DEFINE_enum("compile", "recommended", ["recommended", "all", "none"],
-                             "which rows to compile on simulated CPU devices (tens of seconds each on a CPU)")
+                             "which rows to compile on simulated CPU devices (tens of seconds each on a CPU); "
+                             "recommended: the one-device mesh, the cheapest row and each device count's fastest")
 _CHECKPOINT_BPS = flags.DEFINE_float("checkpoint_bytes_per_sec", 1e9, "checkpoint write rate per device, bytes/s")
 _RESTART_SEC = flags.DEFINE_float("restart_sec", 600, "seconds a spot run loses per preemption besides lost steps")
 _MEASURE = flags.DEFINE_bool("measure", False, "also run the configured train step here and compare with prediction")
@@ -50,46 +54,54 @@ flags.mark_flags_as_required(["config", "workdir"])
 
 def compile_row(config, row: dict, hardware: plan.Hardware, compiled_cache: dict) -> None:
   """Adds the compiled (CPU) memory and HLO collective bytes to a row of `hardware`, for `retime`."""
-  sizes = (row["data"], row["fsdp"], row["tensor"])
+  config = plan.for_hardware(plan.row_config(config, row), hardware)[0]
+  layout = row_layout(row)
+  sizes = layout.sizes + (layout.pipeline,)
   platform = hardware.platform or None
   here = jax.devices()[0].platform
   # Profiles whose kernels compile to the same program here (the same stand-ins) share one compile.
-  key = (row["mesh"], row["grad_accum"], plan.runnable_on(plan.planned_kernels(config, sizes, platform), here))
+  key = (row["mesh"], row["schedule"], row["grad_accum"], config.model.compute_dtype,
+         plan.runnable_on(plan.planned_kernels(config, sizes, platform), here))
   if key not in compiled_cache:
-    run_config = plan.with_mesh(config, sizes, row["grad_accum"])
+    run_config = plan.with_mesh(config, layout, row["grad_accum"])
     compiled = plan.compile_train_step(run_config, jax.devices()[:row["devices"]], platform)
     as_compiled = plan.as_compiled_on(run_config, here, sizes, platform)
     compiled_cache[key] = (plan.compiled_memory_bytes(compiled),
                            plan.compiled_collective_bytes(compiled, row["devices"])["total"],
-                           plan.predict_memory(as_compiled, sizes, row["grad_accum"], here)["total"])
+                           plan.predict_row_memory(as_compiled, layout, row["grad_accum"], here))
   memory, collective, predicted_as_cpu = compiled_cache[key]
   row.update({"compiled_memory_gib": memory / plan.GIB, "predicted_memory_as_compiled_gib": predicted_as_cpu / plan.GIB,
               "memory_prediction_error": predicted_as_cpu / memory - 1,
               "collective_bytes": collective, "collective_source": "compiled HLO"})
 
 
+def row_layout(row: dict) -> plan.Layout:
+  return plan.Layout(row["data"], row["fsdp"], row["tensor"], row["pipeline"], row["schedule"])
+
+
 def retime(config, row: dict, hardware: plan.Hardware) -> None:
-  sizes = (row["data"], row["fsdp"], row["tensor"])
-  platform = hardware.platform or None
-  timing = plan.predict_step_time(config, sizes, row["grad_accum"], hardware,
-                                  plan.activation_model(config, sizes, platform),
-                                  plan.state_bytes(config, sizes, platform).params_f32, row["collective_bytes"])
-  row.update(timing)
+  config = plan.for_hardware(plan.row_config(config, row), hardware)[0]
+  row.update(plan.predict_row_time(config, row_layout(row), row["grad_accum"], hardware, row["collective_bytes"]))
+
+
+def money(value) -> str:
+  return "-" if value is None else f"{value:.2f}"
 
 
 def format_table(rows: list[dict]) -> str:
-  header = ("| hardware | devices | mesh (data x fsdp x tensor) | fits | grad_accum x micro-batch | largest local "
-            "micro-batch | memory/device GiB (predicted) | compiled (CPU) | headroom GiB | step s | MFU | "
-            "hours | on-demand $ | spot $ |")
-  lines = [header, "|" + " --- |" * 14]
+  header = ("| hardware | devices | layout | mesh (data x fsdp x tensor x pipeline) | dtype | fits | grad_accum x "
+            "micro-batch | largest local micro-batch | memory/device GiB (predicted) | compiled (CPU) | headroom GiB | "
+            "step s | network s | bubble | MFU | hours | kWh | on-demand $ | spot $ |")
+  lines = [header, "|" + " --- |" * 19]
   for r in rows:
     compiled = f"{r['compiled_memory_gib']:.2f}" if "compiled_memory_gib" in r else "-"
     lines.append(
-        f"| {r['hardware']} | {r['devices']} | {r['mesh']} | {'yes' if r['fits'] else 'NO'} | "
-        f"{r['grad_accum']} x {r['micro_batch']} | {r['largest_local_micro_batch']} | "
+        f"| {r['hardware']} | {r['devices']} | {r['layout']} | {r['mesh']} | {r['compute_dtype']} | "
+        f"{'yes' if r['fits'] else 'NO'} | {r['grad_accum']} x {r['micro_batch']} | {r['largest_local_micro_batch']} | "
         f"{r['predicted_memory_gib']:.2f} | {compiled} | {r['headroom_gib']:.2f} | {r['step_time_sec']:.3f} | "
-        f"{100 * r['mfu']:.1f}% | "
-        f"{r['on_demand_hours']:.2f} | {r['on_demand_usd']:.2f} | {r['spot_usd']:.2f} |")
+        f"{r['network_sec']:.3f} | {100 * r['bubble_fraction']:.0f}% | {100 * r['mfu']:.1f}% | "
+        f"{r['on_demand_hours']:.2f} | {money(r['energy_kwh'])} | {money(r['on_demand_usd'])} | "
+        f"{money(r['spot_usd'])} |")
   return "\n".join(lines)
 
 
@@ -107,9 +119,11 @@ def plot(rows: list[dict], path: str) -> None:
                 color=[f"C{i}" if r["fits"] else "lightgray" for r in sub], edgecolor=f"C{i}")
     axes[0].axhline(sub[0]["usable_memory_gib"], color=f"C{i}", linestyle="--", linewidth=1)
     fit = [r for r in sub if r["fits"]]
-    axes[1].scatter([r["on_demand_hours"] for r in fit], [r["on_demand_usd"] for r in fit], color=f"C{i}", label=name)
+    # Owned hardware has no dollars: its energy (kWh) stands on the same axis.
+    cost = lambda r: r["on_demand_usd"] if r["on_demand_usd"] is not None else (r["energy_kwh"] or 0.0)
+    axes[1].scatter([r["on_demand_hours"] for r in fit], [cost(r) for r in fit], color=f"C{i}", label=name)
     for r in fit:
-      axes[1].annotate(r["mesh"], (r["on_demand_hours"], r["on_demand_usd"]), fontsize=6)
+      axes[1].annotate(r["mesh"], (r["on_demand_hours"], cost(r)), fontsize=6)
   meshes = [r["mesh"] for r in rows if r["hardware"] == names[0]]
   axes[0].set_xticks(range(len(meshes)), meshes, rotation=90, fontsize=7)
   axes[0].set_title("predicted GiB per device (grey: does not fit; dashed: usable)")
@@ -117,8 +131,8 @@ def plot(rows: list[dict], path: str) -> None:
   axes[1].set_xscale("log")
   axes[1].set_yscale("log")
   axes[1].set_xlabel("wall hours (on-demand)")
-  axes[1].set_ylabel("on-demand $")
-  axes[1].set_title("cost vs time of the fitting meshes")
+  axes[1].set_ylabel("on-demand $ (owned hardware: kWh)")
+  axes[1].set_title("cost vs time of the fitting layouts")
   axes[1].grid(alpha=0.3)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
@@ -149,12 +163,46 @@ def main(argv):
     raise ValueError("no mesh can run this config on the given devices (heads or batch not divisible, or a kernel "
                      "in config.kernels the devices cannot run); try other --devices, train.batch_size or kernels")
 
+  summary = {"config": _CONFIG.value.to_json(), "tokens": assumptions.tokens,
+             "cpu_devices_simulated": jax.device_count()}
+  explanations = []
+  for profile in hardware:
+    best = plan.recommend(rows, profile.name)
+    summary[f"{profile.name}/recommended_mesh"] = best["mesh"] if best else "none fits"
+    note = next((r["hardware_note"] for r in rows if r["hardware"] == profile.name and r["hardware_note"]), "")
+    if note:
+      summary[f"{profile.name}/hardware_note"] = note
+      logging.warning("%s", note)
+    if best:
+      summary[f"{profile.name}/kernels"] = best["kernels"]
+      print(f"{profile.name}: kernels {best['kernels']}")
+      summary[f"{profile.name}/recommended_layout"] = best["layout"]
+      summary[f"{profile.name}/recommended_grad_accum"] = best["grad_accum"]
+      summary[f"{profile.name}/recommended_micro_batch"] = best["micro_batch"]
+      summary[f"{profile.name}/recommended_on_demand_usd"] = best["on_demand_usd"]
+      summary[f"{profile.name}/recommended_hours"] = best["on_demand_hours"]
+      summary[f"{profile.name}/recommended_energy_kwh"] = best["energy_kwh"]
+      if config.lora.rank:
+        parts = ", ".join(f"{k} {v:.2f}" for k, v in best["memory_parts_gib"].items())
+        print(f"{profile.name}: LoRA ({best['lora']}) per device GiB: {parts}")
+    for n in counts:
+      if any(r["hardware"] == profile.name and r["devices"] == n for r in rows):
+        text = plan.explain(rows, profile, n)
+        summary[f"{profile.name}/{n}_devices"] = text
+        explanations.append(text)
+        print(text)
+    message = plan.does_not_fit_message(rows, profile.name)
+    if message:
+      summary[f"{profile.name}/one_device"] = message
+      print(f"{profile.name}: {message}")
+  # After the recommendations and explanations, which compare every layout on the same (analytic) footing.
   compiled_cache: dict = {}
   for profile in hardware:
     chosen = [r for r in rows if r["hardware"] == profile.name]
-    if _COMPILE.value == "recommended":
-      best = plan.recommend(rows, profile.name)
-      chosen = [r for r in chosen if r["devices"] == 1 or r is best]
+    if _COMPILE.value == "recommended":  # the one-device mesh, the cheapest row and each device count's winner
+      winners = [plan.ranked(rows, profile.name, n)[:1] for n in counts]
+      keep = [plan.recommend(rows, profile.name)] + [w[0] for w in winners if w and w[0]["fits"]]
+      chosen = [r for r in chosen if (r["devices"] == 1 and r["pipeline"] == 1) or any(r is k for k in keep)]
     elif _COMPILE.value == "none":
       chosen = []
     for row in chosen:
@@ -162,20 +210,6 @@ def main(argv):
         compile_row(config, row, profile, compiled_cache)
         retime(config, row, profile)
 
-  summary = {"config": _CONFIG.value.to_json(), "tokens": assumptions.tokens,
-             "cpu_devices_simulated": jax.device_count()}
-  for profile in hardware:
-    best = plan.recommend(rows, profile.name)
-    summary[f"{profile.name}/recommended_mesh"] = best["mesh"] if best else "none fits"
-    if best:
-      summary[f"{profile.name}/kernels"] = best["kernels"]
-      print(f"{profile.name}: kernels {best['kernels']}")
-      summary[f"{profile.name}/recommended_grad_accum"] = best["grad_accum"]
-      summary[f"{profile.name}/recommended_on_demand_usd"] = best["on_demand_usd"]
-    message = plan.does_not_fit_message(rows, profile.name)
-    if message:
-      summary[f"{profile.name}/one_device"] = message
-      print(f"{profile.name}: {message}")
   if _MEASURE.value:
     measure_profile = plan.load_hardware([_MEASURE_HARDWARE.value], _HARDWARE_FILE.value)[0] \
         if _MEASURE_HARDWARE.value else None
@@ -201,7 +235,8 @@ def main(argv):
                    f"# Plan for {config.model.flavour} d{config.model.d_model} x {config.model.num_layers} layers, "
                    f"batch {config.train.batch_size} x {config.data.seq_len}, {assumptions.tokens:.3g} tokens\n\n"
                    f"{table}\n\nKernels of each recommended mesh (config.kernels resolved for the hardware):"
-                   f"{kernels}\n")
+                   f"{kernels}\n\nWhich layout wins:\n"
+                   + "".join(f"\n- {text}" for text in explanations) + "\n")
   plot(rows, os.path.join(_WORKDIR.value, "plan.png"))
   print(table)
   print(f"wrote {_WORKDIR.value}/plan.json, plan.md, plan.png")

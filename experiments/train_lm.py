@@ -18,6 +18,10 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config fil
 _WORKDIR = flags.DEFINE_string("workdir", None, "run folder: checkpoints, metrics.jsonl, report.md")
 _STOP_AT_STEP = flags.DEFINE_integer("stop_at_step", None, "checkpoint after this step and exit, as a preemption "
                                      "would (re-running the same command resumes); for tests and rehearsals")
+_EXIT_CODE_WHEN_STOPPED = flags.DEFINE_integer(
+    "exit_code_when_stopped", 0, "exit status after a signal stopped the run early, its checkpoint saved: 0, a "
+    "clean stop, suits SLURM (launch/slurm.sbatch requeues the job itself) and local runs; launch/k8s/jobset.yaml "
+    "sets 75 so that Kubernetes replaces the pod instead of counting it as done")
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -27,10 +31,10 @@ def main(argv):
   config = config_lib.from_config_dict(_CONFIG.value)
   distributed.initialize()  # a no-op unless launched as several processes (launch/local.sh, SLURM, Kubernetes)
   summary = train.train(config, _WORKDIR.value, stop_at_step=_STOP_AT_STEP.value)
-  if "preempted_at_step" in summary:  # SIGTERM/SIGINT: checkpoint saved; exit 0 so schedulers see a clean stop
+  if "preempted_at_step" in summary:  # a stop signal: checkpoint saved; by default exit 0, a clean stop
     print(f"stopped by a signal after step {summary['preempted_at_step']} (checkpoint saved); "
           f"re-run the same command to resume")
-    return
+    return _EXIT_CODE_WHEN_STOPPED.value
   print(f"done: loss {summary.get('loss', float('nan')):.4f}, report in {_WORKDIR.value}/report.md")
 
 

@@ -183,7 +183,7 @@ def check_tree(saved_metadata: Any, abstract_state: Any, where: str) -> None:
   for path, (shape, dtype) in target.items():
     if path not in saved:
       raise CheckpointMismatchError(
-          f"{where} has no array at {path}, which this run needs (another optimizer or model code?); "
+          f"{where} has no array at {path}, which this run needs ({_likely_cause(path)}); "
           f"use another --workdir or the config that wrote it")
     saved_shape, saved_dtype = saved[path]
     if saved_shape != shape:
@@ -197,8 +197,14 @@ def check_tree(saved_metadata: Any, abstract_state: Any, where: str) -> None:
   extra = [path for path in saved if path not in target]
   if extra:
     raise CheckpointMismatchError(
-        f"{where} holds {extra[0]}, which this run does not have (another optimizer or model code?); "
+        f"{where} holds {extra[0]}, which this run does not have ({_likely_cause(extra[0])}); "
         f"use another --workdir or the config that wrote it")
+
+
+def _likely_cause(path: str) -> str:
+  if path.startswith("loss_scale/"):  # jaxlm/loss_scale.py: only float16 runs keep one
+    return "another model.compute_dtype? only float16 runs keep a loss scale"
+  return "another optimizer or model code?"
 
 
 def _leaf_specs(tree: Any) -> dict[str, tuple[tuple[int, ...], str]]:

@@ -70,6 +70,10 @@ class MeshConfig:
                                # axes | auto: shard_map for pure data parallel with grad_accum > 1, else gspmd
   sequence_parallel: bool = False  # Megatron-SP: the residual stream (norms, residual adds) is sharded along the
                                    # sequence over the tensor axis; all-reduces become reduce-scatter + all-gather
+  pipeline: int = 1  # pipeline stages: each holds model.num_layers / pipeline consecutive blocks, and the
+                     # train.grad_accum micro-batches flow through them (docs/performance.md#pipeline-parallelism)
+  pipeline_schedule: str = "gpipe"  # gpipe: all forwards, then all backwards (keeps all micro-batch inputs) |
+                                    # 1f1b: backwards interleaved, at most 2 * pipeline - 1 kept; same bubble
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,13 +85,16 @@ class DataConfig:
   hf_config: str = ""  # HF dataset config name, if any
   hf_split: str = "train"  # HF split to read
   text_column: str = "text"  # column holding the text in JSONL/Parquet/HF data
-  seq_len: int = 256  # tokens per packed training sequence
+  seq_len: int = 256  # tokens per packed training sequence; fine-tuning: 0 = chosen from the data (jaxlm/fit.py:
+                      # the 99th percentile of the tokenized training lengths, capped by the model's positions)
   eval_fraction: float = 0.02  # fraction of documents held out for eval when no eval_files are given
   max_documents: int = 0  # cap on documents read (0 = no cap)
   max_bytes: int = 8_000_000  # cap on corpus bytes read, so demos stay small (0 = no cap)
   tokenizer: str = ""  # path to a tokenizer.json; empty = train a byte-level BPE and save it in the workdir
   shuffle: bool = True  # shuffle packed sequences each epoch (seeded by train.seed)
   # Fine-tuning (experiments/finetune.py; data.seq_len is then the longest tokenized example, longer ones are cut).
+  prompt_column: str = "prompt"  # instruction tuning (a decoder's init_from): the column of the prompts
+  response_column: str = "response"  # instruction tuning: the column of the responses (the only tokens with a loss)
   label_column: str = "label"  # column holding the class: an integer id or a string name
   text_pair_column: str = ""  # second text of a pair (sentence B, e.g. the hypothesis of NLI); empty = single texts
   labels: tuple[str, ...] = ()  # class names in id order; empty = sorted training labels (int labels: 0..max)
@@ -98,13 +105,15 @@ class DataConfig:
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-  steps: int = 1000  # optimizer steps
+  steps: int = 1000  # optimizer steps; 0 = train.epochs passes over the training examples (fine-tuning)
+  epochs: float = 0.0  # with train.steps=0: steps = ceil(epochs * training examples / batch_size) (jaxlm/fit.py)
   batch_size: int = 32  # global batch in sequences (all micro-batches, all processes)
   grad_accum: int = 1  # micro-batches per step; batch_size must be divisible by it
   seed: int = 0  # seeds init, data order and sampling
   learning_rate: float = 6e-4  # peak learning rate
   min_lr_ratio: float = 0.1  # cosine decays to learning_rate * min_lr_ratio
-  warmup_steps: int = 100  # linear warmup from 0
+  warmup_steps: int = 100  # linear warmup from 0; -1 = train.warmup_fraction of the steps
+  warmup_fraction: float = 0.1  # the warmup's share of train.steps when train.warmup_steps=-1
   weight_decay: float = 0.1  # AdamW decoupled weight decay (not applied to biases, norms)
   b1: float = 0.9  # Adam beta1
   b2: float = 0.95  # Adam beta2
@@ -132,6 +141,24 @@ class LogConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class LossScaleConfig:
+  """Dynamic loss scaling (jaxlm/loss_scale.py): used only when model.compute_dtype=float16; bf16/f32 never scale."""
+  init: float = 2.0**15  # the first scale the loss sum is multiplied by before differentiating
+  growth_interval: int = 2000  # steps applied in a row after which the scale is multiplied by `factor`
+  factor: float = 2.0  # an overflow divides the scale by it, growth multiplies it (powers of two unscale exactly)
+  min: float = 2.0**-8  # the floor: an overflow at this scale counts as a non-finite step (max_consecutive_nonfinite)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRAConfig:
+  """Low-rank adapters (jaxlm/lora.py): the base weights frozen (and out of the optimizer), W + (alpha/rank) A @ B."""
+  rank: int = 0  # adapter rank r; 0 = off (full fine-tuning / training)
+  alpha: float = 16.0  # adapter scale numerator: the update is (alpha / rank) * x @ A @ B
+  targets: str = "all"  # attention | mlp | all | a comma list of weight names (w_q,w_k,w_v,w_o,w_in,w_out,...)
+  base: str = "float"  # storage of the frozen base (QLoRA): float | int8 (per output channel) | nf4 (4-bit NF4)
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
   model: ModelConfig = ModelConfig()
   kernels: KernelsConfig = KernelsConfig()
@@ -140,6 +167,8 @@ class Config:
   train: TrainConfig = TrainConfig()
   checkpoint: CheckpointConfig = CheckpointConfig()
   log: LogConfig = LogConfig()
+  lora: LoRAConfig = LoRAConfig()
+  loss_scale: LossScaleConfig = LossScaleConfig()
   init_from: str = ""  # fine-tuning: an HF checkpoint folder (config.json + safetensors) or a jaxlm run workdir
 
 
@@ -224,10 +253,50 @@ def validate(config: Config) -> None:
     raise ValueError("data.source=hf needs data.hf_name")
   if config.mesh.gradient_sync not in ("auto", "gspmd", "shard_map"):
     raise ValueError(f"mesh.gradient_sync={config.mesh.gradient_sync!r} is not one of auto, gspmd, shard_map")
-  if t.steps < 1:
-    raise ValueError(f"train.steps={t.steps} must be >= 1")
+  if config.mesh.pipeline != 1 or config.mesh.pipeline_schedule != MeshConfig.pipeline_schedule:
+    from jaxlm import pipeline  # the pipeline's own checks: sizes, schedule, options it cannot serve
+    pipeline.validate_config(config)
+  if t.steps < 0 or (t.steps == 0 and t.epochs <= 0):
+    raise ValueError(f"train.steps={t.steps} must be >= 1, or 0 with train.epochs > 0 (steps from the data)")
+  if t.epochs < 0:
+    raise ValueError(f"train.epochs={t.epochs} must be >= 0")
+  if t.warmup_steps < -1 or not 0 <= t.warmup_fraction < 1:
+    raise ValueError(f"train.warmup_steps={t.warmup_steps} must be >= 0, or -1 with 0 <= train.warmup_fraction < 1 "
+                     f"(it is {t.warmup_fraction})")
+  if d.seq_len < 0:
+    raise ValueError(f"data.seq_len={d.seq_len} must be >= 1, or 0 to choose it from the data (fine-tuning)")
   if t.max_consecutive_nonfinite < 1:
     raise ValueError(f"train.max_consecutive_nonfinite={t.max_consecutive_nonfinite} must be >= 1")
+  validate_lora(config.lora)
+  validate_loss_scale(config.loss_scale)
+
+
+def validate_loss_scale(c: LossScaleConfig) -> None:
+  from jaxlm.loss_scale import MAX_SCALE  # the ceiling growth stops at
+
+  if not 0 < c.min <= c.init <= MAX_SCALE:
+    raise ValueError(f"loss_scale.init={c.init} and loss_scale.min={c.min} need 0 < min <= init <= {MAX_SCALE:g}")
+  if c.growth_interval < 1:
+    raise ValueError(f"loss_scale.growth_interval={c.growth_interval} must be >= 1")
+  if not c.factor > 1:
+    raise ValueError(f"loss_scale.factor={c.factor} must be > 1 (2 is the usual choice)")
+
+
+LORA_BASES = ("float", "int8", "nf4")
+
+
+def validate_lora(lora: LoRAConfig) -> None:
+  """Values that cannot work whatever the model; targets that match no weight are jaxlm.lora's check."""
+  if lora.rank < 0:
+    raise ValueError(f"lora.rank={lora.rank} must be >= 0 (0 = off)")
+  if lora.rank and lora.alpha <= 0:
+    raise ValueError(f"lora.alpha={lora.alpha} must be > 0")
+  if lora.base not in LORA_BASES:
+    raise ValueError(f"lora.base={lora.base!r} is not one of {', '.join(LORA_BASES)}")
+  if lora.base != "float" and not lora.rank:
+    raise ValueError(f"lora.base={lora.base} (QLoRA) needs lora.rank > 0")
+  if lora.rank and not lora.targets.strip(", "):
+    raise ValueError("lora.targets is empty; use attention, mlp, all or a comma list of weight names")
 
 
 KERNEL_CHOICES = {

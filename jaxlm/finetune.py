@@ -16,7 +16,10 @@ what is specific to classification (its `train.Task`):
   best model  `<workdir>/best_model/`: an HF folder (config.json with the class names, model.safetensors,
               tokenizer.json, eval.json) of the step with the best `train.best_metric`; transformers loads it and
               `jaxlm.hf.from_pretrained` returns a BertForSequenceClassification.
-  eval.json   the final evaluation as flat numbers, plus best_step and best_<metric>.
+  eval.json   the final evaluation as flat numbers, plus best_step and best_<metric>, the trainable parameter count
+              and the per-device bytes of the trainable params, optimizer state and frozen base (jaxlm.lora.state_bytes).
+  LoRA        `lora.rank > 0`: only adapters and the head train (jaxlm/lora.py); best_model/ holds the merged weights,
+              `<workdir>/adapter/` the final adapters as a PEFT folder (jaxlm/peft_io.py).
 
 Metrics in metrics.jsonl: `loss`, `train_accuracy`, `tokens_per_sec` (real, unpadded tokens), `padded_tokens_per_sec`,
 `examples_per_sec`, `mfu` (of the padded tokens), `grad_norm`, `update_norm`, `param_norm`, `learning_rate`,
@@ -40,7 +43,7 @@ import tokenizers
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxlm import evaluate, files, hf, optim, reliability, telemetry, train
+from jaxlm import evaluate, files, fit, hf, lora, optim, peft_io, reliability, telemetry, train
 from jaxlm import pretrained as pretrained_lib
 from jaxlm.config import Config
 from jaxlm.kernels import Kernels
@@ -50,6 +53,7 @@ from jaxlm.pretrained import LABELS_FILE, TOKENIZER_FILE
 from jaxlm import steps as steps_lib
 
 BEST_MODEL = "best_model"
+ADAPTER = "adapter"  # LoRA runs: the final adapters as a PEFT folder
 
 
 # ----------------------------------------------------------------------------------------------- steps
@@ -116,9 +120,13 @@ def classification_task(config: Config, workdir: str, mesh: Mesh, kernels: Kerne
   if d.seq_len > model_config.max_seq_len:
     raise ValueError(f"data.seq_len={d.seq_len} exceeds the model's {model_config.max_seq_len} positions; lower "
                      f"data.seq_len (longer texts are cut and counted)")
-  config = dataclasses.replace(config, model=model_config)
   data = cls_data.build_classification_data(d, pretrained.tokenizer, t.seed,
-                                            os.path.join(workdir, "data_cache", "hf"), model_config.vocab_size)
+                                            os.path.join(workdir, "data_cache", "hf"), model_config.vocab_size,
+                                            model_config.max_seq_len)
+  # The defaults that fit the data (jaxlm/fit.py): steps from train.epochs, seq_len from the tokenized lengths.
+  derived_steps, chosen_seq_len = t.steps == 0, d.seq_len == 0
+  t, d = fit.resolve_steps(t, len(data.train)), dataclasses.replace(d, seq_len=data.seq_len)
+  config = dataclasses.replace(config, model=model_config, train=t, data=d)
   class_names = data.class_names
   known_metrics = [*evaluate.classification_metrics(np.zeros(1, np.int64), np.zeros(1, np.int64), len(class_names),
                                                      class_names), "loss"]
@@ -127,6 +135,9 @@ def classification_task(config: Config, workdir: str, mesh: Mesh, kernels: Kerne
                      f"{', '.join(k for k in known_metrics if '/' not in k)} or f1/<class>")
   _check_labels_file(workdir, class_names)
   stats_line = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in data.stats.items())
+  fit.print_on_process_0(fit.truncation_warning(data.stats["truncated_examples"], len(data.train) + len(data.eval),
+                                                d.seq_len, model_config.max_seq_len, chosen_seq_len))
+  fit.print_on_process_0(fit.describe_steps(t, len(data.train), derived=derived_steps))
   if jax.process_index() == 0:
     print(f"data: {stats_line}", flush=True)
     path = os.path.join(workdir, TOKENIZER_FILE)  # init_from=<this workdir> needs it whole
@@ -153,8 +164,12 @@ def classification_task(config: Config, workdir: str, mesh: Mesh, kernels: Kerne
       head_fits = saved_names is not None and (saved_names == class_names or (
           len(saved_names) == num_labels and saved_names == [f"LABEL_{i}" for i in range(num_labels)]))
       params = pretrained.params if head_fits else {"bert": pretrained.params["bert"]}
-      state["params"], kept_random = pretrained_lib.merge_pretrained(state["params"], params,
-                                                                     state_shardings["params"], config.init_from)
+      if "frozen" in state:  # LoRA: the checkpoint becomes the frozen base (jaxlm/lora.py); adapters start fresh
+        state, kept_random = lora.load_base(state, state_shardings, config.lora, make_model, mesh, lambda p, s: (
+            pretrained_lib.merge_pretrained(p, params, s, config.init_from)))
+      else:
+        state["params"], kept_random = pretrained_lib.merge_pretrained(state["params"], params,
+                                                                       state_shardings["params"], config.init_from)
       if jax.process_index() == 0:
         fresh = sorted({"/".join(p.split("/")[:2]) for p in kept_random}) or ["nothing"]
         print(f"init_from {config.init_from}: loaded; random init for {', '.join(fresh)}", flush=True)
@@ -175,7 +190,7 @@ def classification_task(config: Config, workdir: str, mesh: Mesh, kernels: Kerne
     value = latest[t.best_metric]
     if evaluate.is_better(t.best_metric, value, best[1]):
       best = (step, value)
-      _save_best(workdir, graphdef, params, class_names, pretrained.tokenizer,
+      _save_best(workdir, graphdef, lora.merge(params), class_names, pretrained.tokenizer,
                  {"step": step, t.best_metric: value, **latest})
     return {f"eval_{k}": v for k, v in latest.items()
             if not k.startswith(("confusion/", "support/", "precision/", "recall/"))}
@@ -190,6 +205,12 @@ def classification_task(config: Config, workdir: str, mesh: Mesh, kernels: Kerne
         "wall_time_sec": end.facts["wall_time_sec"], "devices": jax.device_count(), "init_from": config.init_from,
     })
     result.update({k: v for k, v in end.rates.items() if k.endswith("_per_sec")})  # real, padded tokens; examples
+    result.update(lora.state_bytes(end.state))  # per device: trainable params, optimizer state, frozen base
+    if config.lora.rank:  # the adapters as a PEFT folder (peft.PeftModel.from_pretrained loads it onto the base)
+      result.update(lora_rank=config.lora.rank, lora_alpha=config.lora.alpha, lora_targets=config.lora.targets,
+                    lora_base=config.lora.base)
+      peft_io.save_adapters(nnx.merge(graphdef, steps_lib.model_params(end.state)), os.path.join(workdir, ADAPTER),
+                            base_model_name_or_path=config.init_from)
     files.write_json_on_process_0(os.path.join(workdir, "eval.json"), result)
     summary = {k: v for k, v in result.items() if "/" not in k}
     summary.update({k: end.facts[k] for k in ("peak_flops_per_device", "peak_flops_source")})

@@ -20,8 +20,16 @@ from jaxlm.config import TrainConfig
 SumLossFn = Callable[[Any, dict], tuple[jax.Array, tuple[jax.Array, dict]]]
 
 
+def warmup_steps(config: TrainConfig) -> int:
+  """train.warmup_steps, or with -1 train.warmup_fraction of train.steps (rounded), at most steps - 1."""
+  warmup = config.warmup_steps if config.warmup_steps >= 0 else round(config.warmup_fraction * config.steps)
+  return min(warmup, max(config.steps - 1, 0))
+
+
 def learning_rate_schedule(config: TrainConfig) -> optax.Schedule:
-  warmup = min(config.warmup_steps, max(config.steps - 1, 0))
+  if config.steps < 1:
+    raise ValueError(f"train.steps={config.steps}: derive the steps from the data first (jaxlm.fit.resolve_steps)")
+  warmup = warmup_steps(config)
   return optax.warmup_cosine_decay_schedule(
       init_value=0.0, peak_value=config.learning_rate, warmup_steps=warmup,
       decay_steps=max(config.steps, warmup + 1), end_value=config.learning_rate * config.min_lr_ratio)

@@ -3,6 +3,9 @@
   params   kept in `param_dtype` (f32): optimizer updates of size 1e-4 * |w| would vanish in bf16.
   compute  matmul inputs cast to `compute_dtype` (bf16 on accelerators): twice the math rate, half the bytes.
   output   softmax, normalisation statistics, logits and the loss in f32: these sums lose digits in bf16.
+
+float16 compute (GPUs without bf16) has too few exponent bits for small gradients: its train step scales the loss
+(jaxlm/loss_scale.py).
 """
 
 from __future__ import annotations

@@ -326,7 +326,7 @@ def predict_step_time(config: Config, sizes: tuple[int, int, int], grad_accum: i
   kernels planned for `hardware.platform` (`activations` must be that platform's too: `activation_model`).
 
     compute   matmul FLOPs (telemetry.flops_per_token; plus the recomputed forward under remat=full) at the
-              device's sustained matmul rate
+              device's sustained matmul rate for the compute dtype (`Hardware.matmul_rate`)
     memory    the bytes of the non-matmul work (saved activations written and read, elementwise passes over the
               forward's activations, more under remat; OPTIMIZER_PASSES x f32 params) at the memory bandwidth
     network   collective bytes per device at the interconnect bandwidth, not overlapped (an upper bound: XLA
@@ -346,14 +346,14 @@ def predict_step_time(config: Config, sizes: tuple[int, int, int], grad_accum: i
                       + ELEMENTWISE_PASSES * REMAT_TRAFFIC[remat] * activations.unremat(local_batch))
   memory_bytes = grad_accum * activation_bytes + OPTIMIZER_PASSES * param_bytes_per_device
   parts = {
-      "compute_sec": executed_flops / devices / hardware.matmul_flops,
+      "compute_sec": executed_flops / devices / hardware.matmul_rate(config.model.compute_dtype),
       "memory_sec": memory_bytes / hardware.hbm_bytes_per_sec,
       "network_sec": collective_bytes / hardware.interconnect_bytes_per_sec,
   }
   roofline = sum(parts.values())
   step = roofline * hardware.step_time_factor
   parts.update({"roofline_sec": roofline, "step_time_sec": step, "tokens_per_sec": tokens / step,
-                "mfu": model_flops / (step * devices * hardware.bf16_flops)})
+                "mfu": model_flops / (step * devices * hardware.peak_flops(config.model.compute_dtype))})
   return parts
 
 

@@ -76,6 +76,26 @@ def _hf_class_names(folder: str, num_labels: int) -> list[str]:
 
 
 def _load_jaxlm_workdir(workdir: str, mesh: Mesh, precision: dict) -> Pretrained:
+  def check(model_config: ModelConfig) -> None:
+    if model_config.flavour != "bert":
+      raise ValueError(f"init_from={workdir!r} holds a {model_config.flavour} model; fine-tuning needs a BERT encoder")
+
+  model_config, params = read_jaxlm_checkpoint(workdir, mesh, precision, check)
+  if "bert" not in params:  # a bare encoder
+    params = {"bert": params}
+  class_names = None
+  labels_path = os.path.join(workdir, LABELS_FILE)
+  if os.path.isfile(labels_path):
+    with open(labels_path) as f:
+      class_names = json.load(f)
+  tokenizer = cls_data.load_checkpoint_tokenizer(os.path.join(workdir, TOKENIZER_FILE))
+  return Pretrained(model_config, tokenizer, params, class_names)
+
+
+def read_jaxlm_checkpoint(workdir: str, mesh: Mesh, precision: dict,
+                          check=lambda model_config: None) -> tuple[ModelConfig, dict]:
+  """(model config with `precision` applied, replicated parameters in the param dtype) of a jaxlm run's latest
+  checkpoint; `check(model_config)` may refuse the model before any parameter is read."""
   import orbax.checkpoint as ocp  # noqa: PLC0415
 
   directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
@@ -91,8 +111,7 @@ def _load_jaxlm_workdir(workdir: str, mesh: Mesh, precision: dict) -> Pretrained
     saved_model = manager.restore(step, args=ocp.args.Composite(model=ocp.args.JsonRestore()))["model"]
     known = {f.name for f in dataclasses.fields(ModelConfig)}
     model_config = dataclasses.replace(ModelConfig(**{k: v for k, v in saved_model.items() if k in known}), **precision)
-    if model_config.flavour != "bert":
-      raise ValueError(f"init_from={workdir!r} holds a {model_config.flavour} model; fine-tuning needs a BERT encoder")
+    check(model_config)
     # Replicated: the fine-tuning state is laid out on the mesh later (steps.init_train_state + merge_pretrained).
     params_metadata = manager.item_metadata(step)["state"]["params"]
     replicated = sharding.replicated(mesh)
@@ -103,18 +122,8 @@ def _load_jaxlm_workdir(workdir: str, mesh: Mesh, precision: dict) -> Pretrained
         item={"params": abstract}, restore_args={"params": restore_args}, transforms={})))["state"]
   finally:  # also when a check above raises
     manager.close()
-  params = state["params"]
-  if "bert" not in params:  # a bare encoder
-    params = {"bert": params}
   dtype = jnp.dtype(model_config.param_dtype)
-  params = jax.tree.map(lambda x: x.astype(dtype), params)
-  class_names = None
-  labels_path = os.path.join(workdir, LABELS_FILE)
-  if os.path.isfile(labels_path):
-    with open(labels_path) as f:
-      class_names = json.load(f)
-  tokenizer = cls_data.load_checkpoint_tokenizer(os.path.join(workdir, TOKENIZER_FILE))
-  return Pretrained(model_config, tokenizer, params, class_names)
+  return model_config, jax.tree.map(lambda x: x.astype(dtype), state["params"])
 
 
 def merge_pretrained(state_params: dict, pretrained: dict, shardings: dict, where: str) -> tuple[dict, list[str]]:

@@ -1,12 +1,18 @@
-"""Magnitude pruning (global or per layer, to an exact sparsity), 2:4 semi-structured pruning, and a short
-fine-tune that keeps the pruned weights at zero.
+"""Magnitude pruning (global or per layer, to an exact sparsity), 2:4 semi-structured pruning, activation-aware
+(Wanda) pruning, and a short fine-tune that keeps the pruned weights at zero.
 
   masks = prune.magnitude_masks(model, 0.5)            # one threshold over all prunable weights
   masks = prune.magnitude_masks(model, 0.5, per_layer=True)   # each matrix of each layer to 50%
   masks = prune.two_four_masks(model)                  # in every 4 consecutive inputs of an output, keep 2
+  masks = prune.wanda_masks(model, 0.5, batches, forward)                 # |W| * ||X_j||, 50% of each output row
+  masks = prune.wanda_masks(model, 0.5, batches, forward, pattern="2:4")  # the same score, 2 of every 4 inputs
   pruned = prune.apply_masks(model, masks)
   params = prune.finetune(graphdef, params, masks, loss_fn, batches, learning_rate=1e-4)
 
+Wanda (Sun et al., 2024) scores weight W_ij (input j, output i) by |W_ij| * ||X_j||_2, the L2 norm of its input
+channel over every token of the calibration batches (`calibration.input_statistics`, the probe that calibrates
+W8A8), and compares weights within one output row: a large weight on a quiet input may go, a small one on a loud
+input stays.
 Prunable weights are the matmul weights of `jaxlm.quant.CONTRACTED_AXES` except the embedding tables (a pruned
 vocabulary row would delete a token). Masks are pure dicts of bool arrays over those parameters only. Ties at the
 threshold are broken by position (a stable sort), so exactly round(sparsity * n) weights are zeroed. The 2:4 groups
@@ -25,7 +31,7 @@ import numpy as np
 import optax
 from flax import nnx, traverse_util
 
-from jaxlm import quant
+from jaxlm import calibration as calibration_lib, quant
 
 Masks = dict  # nested pure dict: parameter path -> bool array (True = kept)
 
@@ -39,7 +45,7 @@ def prunable(model_or_state: Any) -> dict[tuple, tuple[jax.Array, tuple[int, ...
     if contracted is None or path[-1] == "embedding":
       continue
     value = variable.get_value()
-    out[path] = (value, contracted, quant._is_stacked(variable, value))  # noqa: SLF001 (one rule, one place)
+    out[path] = (value, contracted, quant.is_stacked(variable, value))
   return out
 
 
@@ -52,11 +58,15 @@ def _keep_largest(magnitudes: jax.Array, num_pruned: int) -> jax.Array:
   return keep.reshape(magnitudes.shape)
 
 
+def check_sparsity(sparsity: float) -> None:
+  if not 0.0 <= sparsity < 1.0:
+    raise ValueError(f"sparsity {sparsity} is out of range: it must be in [0, 1) (the fraction of weights set to zero)")
+
+
 def magnitude_masks(model: Any, sparsity: float, per_layer: bool = False) -> Masks:
   """Masks zeroing the smallest-|w| fraction `sparsity`: over all prunable weights at once (global), or within
   each weight matrix of each layer (`per_layer`)."""
-  if not 0.0 <= sparsity < 1.0:
-    raise ValueError(f"sparsity={sparsity} must be in [0, 1)")
+  check_sparsity(sparsity)
   weights = prunable(model)
   flat_masks = {}
   if per_layer:
@@ -92,6 +102,61 @@ def two_four_masks(model: Any) -> Masks:
   """2:4 masks along each weight's innermost contracted axis (for w_o [H, K, D]: along K)."""
   return traverse_util.unflatten_dict({path: n_m_mask(w, max(contracted))
                                        for path, (w, contracted, _) in prunable(model).items()})
+
+
+PATTERNS = ("unstructured", "2:4")
+
+
+def row_mask(scores: Any, contracted: tuple[int, ...], num_pruned: int) -> np.ndarray:
+  """False on the `num_pruned` lowest scores of each output row (all contracted axes of one output; ties: the
+  earlier inputs go first). NumPy: a sort per matrix, where a jitted one would compile once per weight shape."""
+  scores = np.asarray(scores)
+  tail = tuple(range(scores.ndim - len(contracted), scores.ndim))
+  moved = np.moveaxis(scores, contracted, tail)
+  rows = moved.reshape(moved.shape[:-len(contracted)] + (-1,))
+  lowest = np.argsort(rows, axis=-1, kind="stable")[..., :num_pruned]
+  keep = np.ones(rows.shape, bool)
+  np.put_along_axis(keep, lowest, False, axis=-1)
+  return np.moveaxis(keep.reshape(moved.shape), tail, contracted)
+
+
+def wanda_scores(w: Any, input_norm: Any, contracted: tuple[int, ...], stacked: bool) -> np.ndarray:
+  """|W| * ||X_j||: `input_norm` [L?, *C] is the L2 norm of each input channel (the weight's contracted axes)."""
+  w = np.asarray(w, np.float32)
+  shape = [1] * w.ndim
+  if stacked:
+    shape[0] = w.shape[0]
+  for axis in contracted:
+    shape[axis] = w.shape[axis]
+  return np.abs(w) * np.asarray(input_norm, np.float32).reshape(shape)
+
+
+def wanda_masks(model: Any, sparsity: float, calibration: Iterable[Any],
+                forward: Callable[[nnx.Module, Any], Any], pattern: str = "unstructured") -> Masks:
+  """Wanda masks: in each output row of each layer's matrix, the `sparsity` fraction of inputs with the lowest
+  |W| * ||X_j|| go ("unstructured"), or the 2 lowest of every 4 consecutive inputs ("2:4", along the innermost
+  contracted axis as `two_four_masks`; `sparsity` must then be 0.5). `forward(model, batch)` runs the model on a
+  calibration batch (training data) as the task does."""
+  check_sparsity(sparsity)
+  if pattern not in PATTERNS:
+    raise ValueError(f"pruning pattern {pattern!r} is not one of {', '.join(PATTERNS)}")
+  if pattern == "2:4" and sparsity != 0.5:
+    raise ValueError(f"2:4 pruning zeroes exactly half of each row, not sparsity {sparsity}; give 0.5")
+  batches = list(calibration)
+  statistics = calibration_lib.input_statistics(model, batches, forward)
+  flat_masks = {}
+  for path, (w, contracted, stacked) in prunable(model).items():
+    name = "/".join(map(str, path))
+    if name not in statistics:
+      raise ValueError(f"no calibration batch ran the matmul of {name}: forward(model, batch) must run the whole "
+                       "model as the task does")
+    scores = wanda_scores(w, np.sqrt(statistics[name].sumsq), contracted, stacked)
+    if pattern == "2:4":
+      flat_masks[path] = n_m_mask(jnp.asarray(scores), max(contracted))
+    else:
+      per_row = int(np.prod([w.shape[a] for a in contracted]))
+      flat_masks[path] = jnp.asarray(row_mask(scores, contracted, round(sparsity * per_row)))
+  return traverse_util.unflatten_dict(flat_masks)
 
 
 def is_n_m(w: jax.Array, axis: int, n: int = 2, m: int = 4) -> bool:

@@ -3,6 +3,7 @@
   qmodel = quant.quantize(model, "weight_only")                     # int8 weights, per-channel f32 scales
   qmodel = quant.quantize(model, "w8a8", calibration=batches, forward=lambda m, b: m(b["inputs"]))
   qmodel = quant.quantize(model, "w8a8_dynamic")                    # activations scaled per token at run time
+  qmodel = quant.quantize(model, "w8a8", calibration=batches, forward=forward, smoothing=0.5)  # SmoothQuant first
   graphdef, qparams = nnx.split(qmodel)                             # same generate/evaluate code as a float model
   quant_io.save(qmodel, "out/int8"); qmodel = quant_io.load("out/int8", make_float_model, mesh=mesh)  # int8 files
 
@@ -12,6 +13,9 @@ Modes:
   w8a8          also the matmul inputs in int8, with one scale per (weight, layer) calibrated on N batches (mean
                 of the per-batch absmax, qwix's SimpleMovingAverage rule); int8 x int8 dots accumulate in int32.
   w8a8_dynamic  as w8a8 but each input row (token) gets its absmax scale when the model runs: no calibration.
+`smoothing` (alpha in [0, 1], either w8a8 mode) first divides each matmul input by per-channel factors and multiplies
+them into the weight (jaxlm/smoothing.py: SmoothQuant), measured on the calibration batches by the same probe that
+calibrates the static scales, which then see the smoothed inputs.
 The attention score and value einsums (activation x activation), norms, biases and softmax stay in float.
 
 What is qwix and what is ours. From qwix (0.1.8): the quantized array (`qwix.QArray`), `qwix.quantize` (per-channel
@@ -26,7 +30,8 @@ weight; (2) its static activation scales and calibration statistics are variable
 module, so they are lost too, and there would be one per stacked weight, not one per layer; (3) for NNX it intercepts
 a single method, while a decoder needs `__call__` and `decode` (generation). So `Int8Weight` keeps the int8 weight
 and its calibrated input scales *in the parameter tree*, with the leading layer axis, where `scan` slices them like
-any parameter; and calibration reads the per-layer input ranges out of the scan with `jax.debug.callback`.
+any parameter; and calibration (jaxlm/calibration.py) reads the per-layer input ranges out of the scan with
+`jax.debug.callback`.
 """
 
 from __future__ import annotations
@@ -68,6 +73,7 @@ class Int8Weight:
   q: qwix.QArray  # qvalue int8 [..weight shape], scale f32 with 1 on the contracted axes
   act_scale: jax.Array | None = None  # w8a8: input scale, [L] for stacked blocks, [] otherwise
   mode: str = flax.struct.field(pytree_node=False, default="weight_only")
+  smooth: jax.Array | None = None  # SmoothQuant not folded into an earlier op: 1/s per input channel ([L,] + C)
 
   shape = property(lambda self: self.q.shape)
   ndim = property(lambda self: self.q.ndim)
@@ -86,7 +92,24 @@ class Int8Weight:
 
 
 @flax.struct.dataclass
-class _Probe:
+class SmoothedWeight:
+  """A float weight already multiplied by its SmoothQuant factors s (per input channel) whose input is divided by s
+  when it runs: the smoothing of a matmul whose input comes from no op that could absorb 1/s (jaxlm.smoothing)."""
+  w: jax.Array
+  inv_scale: jax.Array  # 1/s, the weight's contracted axes ([L,] + C)
+  shape = property(lambda self: self.w.shape)
+  ndim = property(lambda self: self.w.ndim)
+  dtype = property(lambda self: self.w.dtype)
+
+  def __getitem__(self, index):
+    return self
+
+  def astype(self, dtype) -> "SmoothedWeight":
+    return self.replace(w=self.w.astype(dtype))
+
+
+@flax.struct.dataclass
+class Probe:
   """Calibration stand-in for a float weight: `tag` (one id per layer, sliced by scan) names whose input it saw."""
   w: jax.Array
   tag: jax.Array
@@ -97,14 +120,17 @@ class _Probe:
   def __getitem__(self, index):
     return self
 
-  def astype(self, dtype) -> "_Probe":
+  def astype(self, dtype) -> "Probe":
     return self.replace(w=self.w.astype(dtype))
 
 
 nnx.register_data_type(Int8Weight)
-nnx.register_data_type(_Probe)
+nnx.register_data_type(SmoothedWeight)
+nnx.register_data_type(Probe)
 
-_RECORDS: dict[int, list[float]] = {}  # calibration: tag -> per-call input absmax (host side)
+# Calibration: tag -> per call (input absmax per channel, input sum of squares per channel), host side. Channels are
+# the weight's contracted axes in its own order (w_o: [H, K]).
+PROBE_RECORDS: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
 
 
 # ----------------------------------------------------------------------------------------------- the interception
@@ -116,7 +142,33 @@ def _lhs_contracted(eq: str, lhs_ndim: int, rhs_ndim: int) -> list[int]:
   return [a for a in range(lhs_ndim) if a not in how.channelwise_axes]
 
 
+def _per_input_channel(v: jax.Array, eq: str, x_ndim: int, w_ndim: int) -> jax.Array:
+  """`v` over the weight's contracted axes (in the weight's order), reshaped to broadcast against the input x."""
+  dims = _dot_dims(eq, x_ndim, w_ndim)
+  if dims is None:
+    raise ValueError(f"smoothing needs a plain contraction, not {eq!r}")
+  lhs_c, rhs_c = dims
+  weight_order = sorted(range(len(rhs_c)), key=lambda i: rhs_c[i])  # v's axis i is contraction weight_order[i]
+  lhs_axes = [lhs_c[i] for i in weight_order]
+  v = jnp.transpose(v, np.argsort(lhs_axes))  # now in the input's axis order
+  shape = [1] * x_ndim
+  for i, axis in enumerate(sorted(lhs_axes)):
+    shape[axis] = v.shape[i]
+  return v.reshape(shape)
+
+
+def _channel_stats(eq: str, x: jax.Array, w_ndim: int) -> tuple[jax.Array, jax.Array]:
+  """(absmax, sum of squares) of x per input channel, in the weight's contracted-axes order."""
+  lhs_c, rhs_c = _dot_dims(eq, x.ndim, w_ndim)
+  weight_order = sorted(range(len(rhs_c)), key=lambda i: rhs_c[i])
+  x = jnp.moveaxis(x.astype(jnp.float32), [lhs_c[i] for i in weight_order], range(x.ndim - len(lhs_c), x.ndim))
+  rows = tuple(range(x.ndim - len(lhs_c)))
+  return jnp.max(jnp.abs(x), axis=rows), jnp.sum(jnp.square(x), axis=rows)
+
+
 def _quantize_input(eq: str, x: jax.Array, w: Int8Weight) -> jax.Array | qwix.QArray:
+  if w.smooth is not None:
+    x = x * _per_input_channel(w.smooth, eq, x.ndim, w.ndim).astype(x.dtype)
   if w.mode == "weight_only":
     return x
   if w.mode == "w8a8_dynamic":  # per token: one absmax scale per row of every non-contracted axis
@@ -174,10 +226,14 @@ def _einsum(*args, **kwargs):
       # GEMM; the barrier materialises this layer's float weight first. Accelerators keep qwix's fused path.
       return jnp.einsum(eq, x, jax.lax.optimization_barrier(qwix.dequantize(w.q)), **kwargs)
     return qwix.einsum(eq, lhs, w.q, **kwargs)
-  if len(args) == 3 and isinstance(args[2], _Probe):
+  if len(args) == 3 and isinstance(args[2], SmoothedWeight):
+    eq, x, w = args
+    return jnp.einsum(eq, x * _per_input_channel(w.inv_scale, eq, x.ndim, w.ndim).astype(x.dtype), w.w, **kwargs)
+  if len(args) == 3 and isinstance(args[2], Probe):
     eq, x, probe = args
-    absmax = jnp.max(jnp.abs(x)).astype(jnp.float32)
-    jax.debug.callback(lambda tag, value: _RECORDS.setdefault(int(tag), []).append(float(value)), probe.tag, absmax)
+    absmax, sumsq = _channel_stats(eq, x, probe.ndim)
+    jax.debug.callback(lambda tag, a, q: PROBE_RECORDS.setdefault(int(tag), []).append((np.asarray(a), np.asarray(q))),
+                       probe.tag, absmax, sumsq)
     return jnp.einsum(eq, x, probe.w, **kwargs)
   return jnp.einsum(*args, **kwargs)
 
@@ -189,7 +245,9 @@ def _take(a, indices, axis=None, **kwargs):
     rows = jnp.take(a.q.qvalue, indices, axis=0, **kwargs)
     scales = jnp.take(a.q.scale, indices, axis=0, **kwargs)
     return rows.astype(a.q.scale.dtype) * scales
-  if isinstance(a, _Probe):
+  if isinstance(a, SmoothedWeight):
+    raise ValueError("a smoothed weight is a matmul's, not a lookup table")
+  if isinstance(a, Probe):
     a = a.w
   return jnp.take(a, indices, axis=axis, **kwargs)
 
@@ -225,7 +283,7 @@ def _with_interception(model: nnx.Module) -> nnx.Module:
 # ----------------------------------------------------------------------------------------------- quantize
 
 
-def _is_stacked(variable: nnx.Variable, value: Any) -> bool:
+def is_stacked(variable: nnx.Variable, value: Any) -> bool:
   axes = variable.get_metadata().get("axes")
   return bool(axes) and len(axes) == value.ndim - 1  # blocks carry one leading [L] axis more than their names
 
@@ -237,7 +295,7 @@ def quantizable(path: tuple, variable: nnx.Variable) -> tuple[int, ...] | None:
   value = variable.get_value()
   if not hasattr(value, "ndim") or value.ndim < 2:
     return None
-  shift = 1 if _is_stacked(variable, value) else 0
+  shift = 1 if is_stacked(variable, value) else 0
   return tuple(a + shift for a in CONTRACTED_AXES[path[-1]])
 
 
@@ -253,13 +311,14 @@ def _quantize_arrays(weights: dict[str, jax.Array], contracted: dict[str, tuple[
   return {name: quantize_array(w, contracted[name]) for name, w in weights.items()}
 
 
-def _quantize_state(state: nnx.State, mode: str, act_scales: dict | None) -> nnx.State:
+def quantize_state(state: nnx.State, mode: str, act_scales: dict | None) -> nnx.State:
   targets = {}
   for path, variable in nnx.to_flat_state(state):
     contracted = quantizable(path, variable)
     if contracted is not None:
       targets["/".join(map(str, path))] = (variable, contracted)
-  quantized = _quantize_arrays({name: v.get_value() for name, (v, _) in targets.items()},
+  values = {name: v.get_value() for name, (v, _) in targets.items()}
+  quantized = _quantize_arrays({name: getattr(v, "w", v) for name, v in values.items()},
                                _Static({name: c for name, (_, c) in targets.items()}))
   for name, (variable, _) in targets.items():
     act, w_mode = None, mode
@@ -267,7 +326,8 @@ def _quantize_state(state: nnx.State, mode: str, act_scales: dict | None) -> nnx
       # A weight that no calibrated matmul read (e.g. the position table, only looked up) stays weight-only.
       act = (act_scales or {}).get(name)
       w_mode = mode if act is not None else "weight_only"
-    variable.set_value(Int8Weight(quantized[name], act, w_mode))
+    smooth = values[name].inv_scale if isinstance(values[name], SmoothedWeight) else None
+    variable.set_value(Int8Weight(quantized[name], act, w_mode, smooth))
   return state
 
 
@@ -282,59 +342,40 @@ jax.tree_util.register_static(_Static)
 
 
 def quantize(model: nnx.Module, mode: str = "weight_only", *, calibration: Iterable[Any] = (),
-             forward: Callable[[nnx.Module, Any], Any] | None = None) -> nnx.Module:
+             forward: Callable[[nnx.Module, Any], Any] | None = None, smoothing: float | None = None
+             ) -> nnx.Module:
   """A quantized copy of `model` (see the module docstring for the modes).
 
-  `w8a8` needs `calibration` batches and `forward(model, batch)`, which runs the model as the task does."""
+  `w8a8` needs `calibration` batches and `forward(model, batch)`, which runs the model as the task does.
+  `smoothing` (w8a8 modes; SmoothQuant's alpha in [0, 1], 0.5 its default) first moves each matmul input's per-channel
+  range into the weight (`jaxlm.smoothing`), measured on the same calibration batches as the static scales."""
   if mode not in MODES:
     raise ValueError(f"quantization mode {mode!r} is not one of {', '.join(MODES)}")
+  if smoothing is not None:
+    if mode == "weight_only":
+      raise ValueError("smoothing moves activation ranges into the weights: it applies to the w8a8 modes, not "
+                       "weight_only; drop smoothing or pick w8a8 / w8a8_dynamic")
+    if not 0.0 <= smoothing <= 1.0:
+      raise ValueError(f"smoothing strength {smoothing} is out of range: it must be in [0, 1] (0.5 is SmoothQuant's)")
   graphdef, state = nnx.split(model)
   if any(isinstance(v.get_value(), Int8Weight) for _, v in nnx.to_flat_state(state)):
     raise ValueError("this model is already quantized; quantize its float version")
   act_scales = None
-  if mode == "w8a8":
+  if mode == "w8a8" or smoothing is not None:
     batches = list(calibration)
     if not batches or forward is None:
-      raise ValueError("mode w8a8 needs calibration batches and forward(model, batch); or use w8a8_dynamic")
-    act_scales = calibrate(model, batches, forward)
+      raise ValueError(f"{'smoothing' if smoothing is not None else 'mode w8a8'} needs calibration batches (got "
+                       f"{len(batches)}) and forward(model, batch); or use w8a8_dynamic without smoothing")
+    from jaxlm import calibration as calibration_lib, smoothing as smoothing_lib  # noqa: PLC0415 (built on this)
+    statistics = calibration_lib.input_statistics(model, batches, forward)
+    factors = None
+    if smoothing is not None:
+      model, factors = smoothing_lib.smooth(model, statistics, smoothing)
+      graphdef, state = nnx.split(model)
+    if mode == "w8a8":
+      act_scales = calibration_lib.static_scales(statistics, factors)
   state = jax.tree.map(lambda x: x, state)  # a copy: the float model is left as it was
-  return _with_interception(nnx.merge(graphdef, _quantize_state(state, mode, act_scales)))
-
-
-def calibrate(model: nnx.Module, batches: list[Any], forward: Callable[[nnx.Module, Any], Any]) -> dict:
-  """Input scale of every quantizable weight's matmul: the mean over `batches` of the per-batch absmax, / 127.
-
-  Returns {parameter path: scale [L] (stacked) or []}."""
-  graphdef, state = nnx.split(model)
-  probed = jax.tree.map(lambda x: x, state)
-  tags: dict[str, tuple[int, int]] = {}  # path -> (first tag, layers or 0)
-  next_tag = 0
-  for path, variable in nnx.to_flat_state(probed):
-    if quantizable(path, variable) is None:
-      continue
-    value = variable.get_value()
-    layers = value.shape[0] if _is_stacked(variable, value) else 0
-    tag = jnp.arange(next_tag, next_tag + layers, dtype=jnp.int32) if layers else jnp.int32(next_tag)
-    tags["/".join(map(str, path))] = (next_tag, layers)
-    next_tag += max(layers, 1)
-    variable.set_value(_Probe(value, tag))
-  probe_def, probe_state = nnx.split(_with_interception(nnx.merge(graphdef, probed)))
-  run = jax.jit(lambda s, batch: forward(nnx.merge(probe_def, s), batch))
-  _RECORDS.clear()
-  for batch in batches:
-    jax.block_until_ready(run(probe_state, batch))
-  jax.effects_barrier()
-  records = dict(_RECORDS)
-  _RECORDS.clear()
-  scales = {}
-  for name, (first, layers) in tags.items():
-    per_tag = [records.get(t) for t in range(first, first + max(layers, 1))]
-    if any(r is None for r in per_tag):
-      continue  # never multiplied (a lookup-only table)
-    values = np.array([np.mean(r) for r in per_tag], np.float32) / INT8_MAX
-    values = np.maximum(values, np.finfo(np.float32).tiny)
-    scales[name] = jnp.asarray(values if layers else values[0])
-  return scales
+  return _with_interception(nnx.merge(graphdef, quantize_state(state, mode, act_scales)))
 
 
 def mode_of(model_or_state: Any) -> str:
@@ -348,28 +389,9 @@ def param_bytes(tree: Any) -> int:
   return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)))
 
 
-def quantized_like(make_float_model: Callable[[], nnx.Module], mode: str, calibrated: Iterable[str] = ()
-                   ) -> nnx.Module:
-  """The model `quantize(make_float_model(), mode)` would give, built from shapes alone (`nnx.eval_shape`): what an
-  int8 checkpoint restores into. `calibrated`: the '/'-joined paths of the weights with calibrated input scales."""
-  calibrated = set(calibrated)
-
-  def build():
-    model = make_float_model()
-    if mode == "float":
-      return model
-    _, state = nnx.split(model)
-    placeholder = None
-    if mode == "w8a8":  # scale shapes only; the values come from the checkpoint
-      placeholder = {"/".join(map(str, p)): jnp.ones(v.get_value().shape[:1] if _is_stacked(v, v.get_value())
-                                                     else (), jnp.float32)
-                     for p, v in nnx.to_flat_state(state) if "/".join(map(str, p)) in calibrated}
-    _quantize_state(state, mode, placeholder)
-    return model
-
-  return nnx.eval_shape(build)
-
-
 def with_interception(model: nnx.Module) -> nnx.Module:
-  """A quantized model whose matmuls run through the int8 paths (`quantize` returns models like this already)."""
-  return model if mode_of(model) == "float" else _with_interception(model)
+  """A quantized (smoothed, probed) model whose matmuls run through the int8 paths (`quantize` returns models like this
+  already)."""
+  special = any(isinstance(v.get_value(), (Int8Weight, SmoothedWeight, Probe))
+                for _, v in nnx.to_flat_state(nnx.state(model)))
+  return _with_interception(model) if special else model

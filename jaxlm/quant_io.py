@@ -4,24 +4,26 @@
   qmodel = quant_io.load("out/int8", make_float_model, mesh=mesh)   # each array read onto its sharding
   qmodel = quant_io.place(qmodel, mesh)                             # an in-memory model onto a mesh
 
-A checkpoint stores each `quant.Int8Weight` as plain arrays ({"int8", "scale"[, "act_scale"]}) so orbax needs no
-custom type handler and nothing is pickled.
+A checkpoint stores each `quant.Int8Weight` as plain arrays ({"int8", "scale"[, "act_scale"][, "smooth"]}) so orbax
+needs no custom type handler and nothing is pickled; `quantized_like` builds the abstract model it restores into.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 import qwix
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from jaxlm import files, sharding
-from jaxlm.quant import Int8Weight, mode_of, quantized_like, with_interception
+from jaxlm import quant
+from jaxlm.quant import Int8Weight, mode_of, with_interception
 
 
 def shardings(abstract_state: nnx.State, mesh: Mesh) -> Any:
@@ -59,12 +61,43 @@ def place(model: nnx.Module, mesh: Mesh) -> nnx.Module:
 # ----------------------------------------------------------------------------------------------- int8 checkpoints
 
 
+def quantized_like(make_float_model: Callable[[], nnx.Module], mode: str, calibrated: Iterable[str] = (),
+                   smoothed: Iterable[str] = ()) -> nnx.Module:
+  """The model `quantize(make_float_model(), mode)` would give, built from shapes alone (`nnx.eval_shape`): what an
+  int8 checkpoint restores into. `calibrated`: the '/'-joined paths of the weights with calibrated input scales;
+  `smoothed`: those whose input is divided by smoothing factors when they run."""
+  calibrated, smoothed = set(calibrated), set(smoothed)
+
+  def build():
+    model = make_float_model()
+    if mode == "float":
+      return model
+    _, state = nnx.split(model)
+    placeholder = None
+    if mode == "w8a8":  # scale shapes only; the values come from the checkpoint
+      placeholder = {"/".join(map(str, p)): jnp.ones(v.get_value().shape[:1] if quant.is_stacked(v, v.get_value())
+                                                     else (), jnp.float32)
+                     for p, v in nnx.to_flat_state(state) if "/".join(map(str, p)) in calibrated}
+    for path, variable in nnx.to_flat_state(state):
+      if "/".join(map(str, path)) in smoothed:
+        value = variable.get_value()
+        channels = [value.shape[a] for a in sorted(quant.quantizable(path, variable))]
+        layers = value.shape[:1] if quant.is_stacked(variable, value) else ()
+        variable.set_value(quant.SmoothedWeight(value, jnp.ones((*layers, *channels), jnp.float32)))
+    quant.quantize_state(state, mode, placeholder)
+    return model
+
+  return nnx.eval_shape(build)
+
+
 def _to_plain(pure: Any) -> Any:
-  """Int8Weight -> {"int8", "scale"[, "act_scale"]}: a tree of plain dicts and arrays that orbax stores as is."""
+  """Int8Weight -> {"int8", "scale"[, "act_scale"][, "smooth"]}: plain dicts and arrays that orbax stores as is."""
   if isinstance(pure, Int8Weight):
     plain = {"int8": pure.q.qvalue, "scale": pure.q.scale}
     if pure.act_scale is not None:
       plain["act_scale"] = pure.act_scale
+    if pure.smooth is not None:
+      plain["smooth"] = pure.smooth
     return plain
   if isinstance(pure, dict):
     return {k: _to_plain(v) for k, v in pure.items()}
@@ -74,7 +107,7 @@ def _to_plain(pure: Any) -> Any:
 def _from_plain(plain: Any, like: Any) -> Any:
   if isinstance(like, Int8Weight):
     q = qwix.QArray(qvalue=plain["int8"], scale=plain["scale"], qtype=like.q.qtype)
-    return Int8Weight(q, plain.get("act_scale"), like.mode)
+    return Int8Weight(q, plain.get("act_scale"), like.mode, plain.get("smooth"))
   if isinstance(like, dict):
     return {k: _from_plain(plain[k], v) for k, v in like.items()}
   return plain
@@ -97,7 +130,9 @@ def save(model: nnx.Module, directory: str) -> None:
     files.write_json(os.path.join(directory, "quant.json"), {
         "mode": mode_of(state), "model_class": float_class.__name__,
         "calibrated": sorted("/".join(map(str, p)) for p, v in nnx.to_flat_state(state)
-                             if isinstance(v.get_value(), Int8Weight) and v.get_value().act_scale is not None)})
+                             if isinstance(v.get_value(), Int8Weight) and v.get_value().act_scale is not None),
+        "smoothed": sorted("/".join(map(str, p)) for p, v in nnx.to_flat_state(state)
+                           if isinstance(v.get_value(), Int8Weight) and v.get_value().smooth is not None)})
 
 
 def load(directory: str, make_float_model: Callable[[], nnx.Module], mesh: Mesh | None = None) -> nnx.Module:
@@ -109,7 +144,8 @@ def load(directory: str, make_float_model: Callable[[], nnx.Module], mesh: Mesh 
     raise FileNotFoundError(f"{meta_path} does not exist; give a folder written by jaxlm.quant_io.save")
   with open(meta_path) as f:
     meta = json.load(f)
-  abstract_model = quantized_like(make_float_model, meta["mode"], meta.get("calibrated", ()))
+  abstract_model = quantized_like(make_float_model, meta["mode"], meta.get("calibrated", ()),
+                                  meta.get("smoothed", ()))
   graphdef, abstract_state = nnx.split(abstract_model)
   like = abstract_state.to_pure_dict()
   target = _to_plain(like)

@@ -4,7 +4,8 @@ Preemption: spot and preemptible machines get SIGTERM some seconds before they v
 SIGINT (Ctrl-C). `StopSignals` turns the first of either into a flag that the training loop reads after each step;
 the loop then saves a checkpoint with the data position and returns normally, so the next start resumes exactly
 there. A second signal means "now": it raises KeyboardInterrupt, which is safe too, because an interrupted save
-leaves only a temporary folder that restore ignores (see jaxlm/checkpoint.py).
+leaves only a temporary folder that restore ignores (see jaxlm/checkpoint.py). SIGUSR1 is a notice: it stops the
+run the same way but never counts as that second signal (the launchers in launch/ pass their signals on as it).
 
 Non-finite steps: the jitted train step itself skips an update whose loss, gradients or updates are not finite
 (parameters and optimizer state stay bit-identical, no host sync); `NonFiniteCounter` counts those skips on the host
@@ -24,6 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# "Save and stop soon", never "now": the launchers (launch/slurm.sbatch, launch/local.sh) pass on the signals they
+# receive as this one, and it may arrive beside a SIGTERM of the same preemption, which must not count as a second.
+NOTICE_SIGNALS = (signal.SIGUSR1,)
 # Multi-process runs agree on stopping through a collective every this many steps (see `should_stop`).
 STOP_SYNC_EVERY_STEPS = 10
 
@@ -35,21 +39,25 @@ class NonFiniteError(RuntimeError):
 class StopSignals:
   """Context manager: while active, the first SIGTERM/SIGINT sets `requested` instead of killing the process.
 
+  A notice signal (SIGUSR1) sets `requested` too but never interrupts: only a second SIGTERM/SIGINT does.
   Handlers can only be installed from the main thread; elsewhere (e.g. a notebook worker thread) this does
   nothing and the default behaviour stays. The previous handlers are put back on exit.
   """
 
-  def __init__(self, signals: tuple[int, ...] = STOP_SIGNALS, announce: bool = True):
+  def __init__(self, signals: tuple[int, ...] = STOP_SIGNALS, announce: bool = True,
+               notices: tuple[int, ...] = NOTICE_SIGNALS):
     self.signals = signals
+    self.notices = notices
     self.announce = announce
     self.requested = False
     self.signal_name: str | None = None
     self.received_at: float | None = None
+    self._stop_signal_seen = False  # a SIGTERM/SIGINT (not a notice) has arrived
     self._previous: dict[int, Any] = {}
 
   def __enter__(self) -> StopSignals:
     if threading.current_thread() is threading.main_thread():
-      for signum in self.signals:
+      for signum in (*self.signals, *self.notices):
         self._previous[signum] = signal.signal(signum, self._handle)
     return self
 
@@ -63,13 +71,18 @@ class StopSignals:
 
   def _handle(self, signum: int, frame: Any) -> None:
     name = signal.Signals(signum).name
-    if self.requested:  # the second signal: the user (or the scheduler) will not wait for the checkpoint
+    notice = signum in self.notices
+    if not notice and self._stop_signal_seen:  # the user (or the scheduler) will not wait for the checkpoint
       self._restore()
       raise KeyboardInterrupt(f"second stop signal ({name}) while finishing step and saving")
+    self._stop_signal_seen = self._stop_signal_seen or not notice
+    if self.requested:
+      return
     self.requested, self.signal_name, self.received_at = True, name, time.time()
     if self.announce:
       print(f"\nreceived {name}: finishing the current step, saving a checkpoint and exiting "
-            f"(send it again to exit at once)", file=sys.stderr, flush=True)
+            f"({'SIGTERM or SIGINT twice exits' if notice else 'send it again to exit'} at once)", file=sys.stderr,
+            flush=True)
 
 
 def should_stop(requested: bool, step: int, collective: bool | None = None,
@@ -102,8 +115,13 @@ class NonFiniteCounter:
     self.consecutive = 0
     self.total = 0
 
-  def update(self, step: int, skipped: bool) -> str | None:
-    """Records `step`; returns the stop message when this step makes `max_consecutive` skips in a row."""
+  def update(self, step: int, skipped: bool, overflow: bool = False) -> str | None:
+    """Records `step`; returns the stop message when this step makes `max_consecutive` skips in a row. An
+    `overflow` skip (float16 loss scaling lowered its scale, jaxlm/loss_scale.py) counts in `total` only: it neither
+    extends nor ends a run of non-finite steps."""
+    if overflow:
+      self.total += 1
+      return None
     if not skipped:
       self.consecutive = 0
       return None

@@ -8,6 +8,7 @@ Mesh axes:
   data    replicas that each hold a full copy of params and see a slice of the batch
   fsdp    devices that shard params, grads and optimizer state along `embed`, and also slice the batch
   tensor  devices that split heads, MLP width and vocabulary (Megatron-style column/row parallelism)
+  pipeline  stages that each hold consecutive layers of the stacked blocks (jaxlm/pipeline.py); outermost
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxlm.config import MeshConfig
 
 MESH_AXES = ("data", "fsdp", "tensor")
+PIPELINE_AXIS = "pipeline"  # a mesh axis beside MESH_AXES, so mesh_shape keeps returning (data, fsdp, tensor)
 
 # Logical axis -> mesh axis (or tuple of mesh axes, or None = replicated). The only sharding table in jaxlm.
 RULES: dict[str, Any] = {
@@ -34,7 +36,7 @@ RULES: dict[str, Any] = {
     "head_dim": None,
     "mlp": "tensor",
     "positions": None,
-    "layers": None,
+    "layers": PIPELINE_AXIS,  # the stacked blocks' leading axis: stage s holds layers [s * L/S, (s + 1) * L/S)
     # activations
     "act_batch": ("data", "fsdp"),
     "act_seq": None,
@@ -87,7 +89,12 @@ def mesh_sizes(config: MeshConfig) -> tuple[int, int, int]:
 
 
 def mesh_shape(config: MeshConfig, num_devices: int) -> tuple[int, int, int]:
-  """Resolves -1 entries (at most one) so that data * fsdp * tensor == num_devices, or raises a one-line error."""
+  """Resolves -1 entries (at most one) so that data * fsdp * tensor == num_devices / mesh.pipeline, or raises a
+  one-line error."""
+  if config.pipeline < 1 or num_devices % config.pipeline:
+    raise ValueError(f"mesh.pipeline={config.pipeline} does not divide the {num_devices} devices; choose a number "
+                     "of pipeline stages that divides the device count")
+  num_devices //= config.pipeline
   sizes = list(mesh_sizes(config))
   wildcards = [i for i, s in enumerate(sizes) if s == -1]
   if len(wildcards) > 1:
@@ -110,9 +117,9 @@ def mesh_shape(config: MeshConfig, num_devices: int) -> tuple[int, int, int]:
 
 def make_mesh(config: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
   devices = list(devices) if devices is not None else jax.devices()
-  shape = mesh_shape(config, len(devices))
-  auto = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)
-  return jax.make_mesh(shape, MESH_AXES, axis_types=auto, devices=devices)
+  shape = (config.pipeline,) + mesh_shape(config, len(devices))
+  auto = (jax.sharding.AxisType.Auto,) * len(shape)
+  return jax.make_mesh(shape, (PIPELINE_AXIS,) + MESH_AXES, axis_types=auto, devices=devices)
 
 
 def logical_to_spec(logical_axes: Sequence[str | None], shape: Sequence[int] | None = None,
@@ -124,6 +131,9 @@ def logical_to_spec(logical_axes: Sequence[str | None], shape: Sequence[int] | N
     target = rule(name) if name is not None else None
     if target is not None and shape is not None and mesh is not None:
       axes = (target,) if isinstance(target, str) else tuple(target)
+      if any(a not in mesh.shape for a in axes):  # e.g. `pipeline` on a mesh built without it: replicated
+        axes = tuple(a for a in axes if a in mesh.shape)
+        target = (axes if len(axes) > 1 else axes[0]) if axes else None
       if shape[i] % math.prod(mesh.shape[a] for a in axes):
         target = None
     spec.append(target)
@@ -155,11 +165,15 @@ def gather_fsdp(params: Any) -> Any:
     if not isinstance(variable, nnx.Variable) or not variable.get_metadata().get("axes"):
       return variable
     value = variable.get_value()
+    if hasattr(value, "laid_out"):  # a jaxlm.lora.LoRAWeight: the base and each adapter factor by its own axes
+      return variable.replace(value.laid_out(variable.get_metadata()["axes"], unsharded_fsdp))
     if not isinstance(value, jax.Array):  # e.g. jaxlm.quant's int8 weight + scales: left to GSPMD
       return variable
-    spec = logical_to_spec(variable.get_metadata()["axes"], value.shape, mesh)
-    spec = P(*(_drop_axis(entry, "fsdp") for entry in spec))
-    return variable.replace(jax.lax.with_sharding_constraint(value, spec))
+    return variable.replace(unsharded_fsdp(value, variable.get_metadata()["axes"]))
+
+  def unsharded_fsdp(value, axes):
+    spec = logical_to_spec(axes, value.shape, mesh)
+    return jax.lax.with_sharding_constraint(value, P(*(_drop_axis(entry, "fsdp") for entry in spec)))
 
   return jax.tree.map(gather, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
 

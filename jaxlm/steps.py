@@ -17,13 +17,15 @@ from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxlm import kernels as kernels_lib
-from jaxlm import optim, sharding
+from jaxlm import lora, optim, pipeline, sharding
+from jaxlm import loss_scale as loss_scale_lib
 from jaxlm.config import Config, ModelConfig
 from jaxlm.evaluate import lm_metrics
 from jaxlm.kernels import Kernels
 from jaxlm.models.gpt import GPT
 
-TrainState = dict  # {"step": int32 [], "params": pure dict of f32 arrays, "opt_state": optax state}
+TrainState = dict  # {"step": int32 [], "params": pure dict of f32 arrays, "opt_state": optax state}; LoRA adds
+                   # "frozen" (the base; "params" are then the adapters and head only: see jaxlm/lora.py)
 ModelFactory = Any  # Callable[[nnx.Rngs], nnx.Module]: builds the model to train (default: the GPT of the config)
 
 
@@ -55,6 +57,10 @@ def init_train_state(config: Config, mesh: Mesh, optimizer: optax.GradientTransf
                                     head_dim=config.model.head_dim, mesh=mesh)
     make_model = lambda rngs: GPT(config.model, kernels=kernels, rngs=rngs)
   graphdef, abstract_params = abstract_model(make_model)
+  if config.lora.rank:  # adapters: the frozen base beside the trainable params, out of the optimizer (jaxlm/lora.py)
+    _, state, state_shardings = lora.init_train_state(config.lora, config.train.seed, mesh, optimizer, make_model,
+                                                      abstract_params)
+    return graphdef, *loss_scale_lib.with_loss_scale(config, mesh, state, state_shardings)
   param_shardings = sharding.param_shardings(abstract_params, mesh)
 
   def init():
@@ -71,7 +77,8 @@ def init_train_state(config: Config, mesh: Mesh, optimizer: optax.GradientTransf
           transform_non_params=lambda _: sharding.replicated(mesh)),
   }
   state = jax.jit(init, out_shardings=state_shardings)()
-  return graphdef, state, state_shardings
+  # float16 only: the dynamic loss scale joins the state (checkpointed with it); bf16/f32 states are unchanged.
+  return graphdef, *loss_scale_lib.with_loss_scale(config, mesh, state, state_shardings)
 
 
 # ----------------------------------------------------------------------------------------------- steps
@@ -105,8 +112,12 @@ def resolve_gradient_sync(gradient_sync: str, mesh_shape: dict[str, int], grad_a
 
 
 def make_gradient_fn(loss_fn: optim.SumLossFn, grad_accum: int, mesh: Mesh | None = None,
-                     gradient_sync: str = "auto"):
+                     gradient_sync: str = "auto", pipeline_schedule: str = "gpipe",
+                     graphdef: nnx.GraphDef | None = None):
   """(params, batch) -> (mean loss, token count, gradients, aux).
+
+  A mesh with a `pipeline` axis > 1 takes jaxlm/pipeline.py's path instead: the language model's loss computed
+  stage by stage under `pipeline_schedule` (it needs the model's `graphdef`, and takes an optional loss scale).
 
   `gspmd` leaves the collectives to GSPMD. `shard_map` writes the data-parallel reduction by hand: each device
   computes its shard's loss and gradient sums, one `psum` over the batch axes adds them up, then every device
@@ -114,6 +125,11 @@ def make_gradient_fn(loss_fn: optim.SumLossFn, grad_accum: int, mesh: Mesh | Non
   so this path is data parallelism with an explicit collective, tested equal to `gspmd`. `auto`: see
   `resolve_gradient_sync`.
   """
+  if pipeline.num_stages(mesh) > 1:
+    if graphdef is None:
+      raise ValueError("mesh.pipeline > 1 trains the language model's own loss; a task with another loss "
+                       "(fine-tuning) needs mesh.pipeline=1")
+    return pipeline.make_gradient_fn(graphdef, mesh, grad_accum, pipeline_schedule)
   if resolve_gradient_sync(gradient_sync, dict(mesh.shape) if mesh is not None else {}, grad_accum) == "gspmd":
     return lambda params, batch: optim.accumulate_gradients(loss_fn, params, batch, grad_accum)
   batch_axes = sharding.RULES["act_batch"]
@@ -129,13 +145,33 @@ def make_gradient_fn(loss_fn: optim.SumLossFn, grad_accum: int, mesh: Mesh | Non
 
 def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, grad_accum: int,
                     schedule: optax.Schedule, mesh: Mesh | None = None, gradient_sync: str = "auto",
-                    loss_fn: optim.SumLossFn | None = None):
+                    loss_fn: optim.SumLossFn | None = None,
+                    loss_scaling: loss_scale_lib.DynamicLossScale | None = None,
+                    pipeline_schedule: str = "gpipe"):
   """`loss_fn` (default: the LM's token cross-entropy) returns (loss sum, (count, {"correct": ...})); the metric
-  `token_accuracy` is correct / count, i.e. example accuracy for a classification loss."""
-  gradient_fn = make_gradient_fn(loss_fn or make_loss_fn(graphdef), grad_accum, mesh, gradient_sync)
+  `token_accuracy` is correct / count, i.e. example accuracy for a classification loss. `loss_scaling` (float16
+  runs: loss_scale.from_config) scales the loss by the state's "loss_scale" and adapts it; None: no scaling."""
+  language_model_loss = loss_fn is None
+  loss_fn = loss_fn or make_loss_fn(graphdef)
+  gradient_fn = make_gradient_fn(loss_fn, grad_accum, mesh, gradient_sync, pipeline_schedule,
+                                 graphdef if language_model_loss else None)
+  piped = pipeline.num_stages(mesh) > 1
 
   def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
-    loss, count, grads, aux = gradient_fn(state["params"], batch)
+    step_loss_fn, step_gradient_fn = loss_fn, gradient_fn
+    if "frozen" in state:  # LoRA: gradients of the trainable params only, the frozen base a constant of the loss
+      frozen = state["frozen"]
+      step_loss_fn = lambda params, b: loss_fn(lora.combine(params, frozen), b)
+    if loss_scaling is not None:  # float16: gradients of the scaled loss, unscaled in f32 (jaxlm/loss_scale.py)
+      step_loss_fn = loss_scaling.scaled_loss_fn(step_loss_fn, state["loss_scale"]["scale"])
+    if piped:  # the pipeline computes the loss itself (LoRA: refused by config.validate); fp16 seeds its backward
+      scale = state["loss_scale"]["scale"] if loss_scaling is not None else None
+      step_gradient_fn = lambda params, b: gradient_fn(params, b, loss_scale=scale)
+    elif step_loss_fn is not loss_fn:  # built per trace: the loss closes over values of this state
+      step_gradient_fn = make_gradient_fn(step_loss_fn, grad_accum, mesh, gradient_sync)
+    loss, count, grads, aux = step_gradient_fn(state["params"], batch)
+    if loss_scaling is not None:
+      loss, grads = loss_scaling.unscale(loss, grads, state["loss_scale"]["scale"])
     updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
     grad_norm, update_norm = global_norm(grads), global_norm(updates)
@@ -155,9 +191,23 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
         "learning_rate": schedule(state["step"]),
         "skipped_steps": 1.0 - finite.astype(jnp.float32),  # 1 when this step's update was skipped
     }
-    return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
+    if piped:  # the schedule's idle share of the step (a constant of the layout, reported beside its throughput)
+      metrics["pipeline_bubble"] = jnp.float32(
+          pipeline.bubble_fraction(pipeline.num_stages(mesh), grad_accum, pipeline_schedule))
+    new_state = {"step": state["step"] + 1, "params": params, "opt_state": opt_state}
+    if "frozen" in state:
+      new_state["frozen"] = state["frozen"]
+    if loss_scaling is not None:  # an overflow lowers the scale; its skip is not counted as non-finite
+      new_state["loss_scale"], scale_metrics = loss_scaling.update(state["loss_scale"], loss, grad_norm, finite)
+      metrics.update(scale_metrics)
+    return new_state, metrics
 
   return train_step
+
+
+def model_params(state: TrainState) -> Any:
+  """The model's parameter tree of a train state (or of its shardings): what nnx.merge, eval and saving take."""
+  return lora.combine(state["params"], state["frozen"]) if "frozen" in state else state["params"]
 
 
 def global_norm(tree: Any) -> jax.Array:
@@ -185,12 +235,15 @@ def jit_steps(graphdef, optimizer, config: Config, mesh: Mesh, state_shardings,
   schedule = optim.learning_rate_schedule(config.train)
   overrides = sharding.rule_overrides(config.mesh)
   train_step = jax.jit(sharding.traced_on(mesh, make_train_step(graphdef, optimizer, config.train.grad_accum,
-                                                                  schedule, mesh, config.mesh.gradient_sync, loss_fn),
+                                                                  schedule, mesh, config.mesh.gradient_sync, loss_fn,
+                                                                  loss_scale_lib.from_config(config),
+                                                                  config.mesh.pipeline_schedule),
                                           overrides),
                        in_shardings=(state_shardings, batch_sharding),
                        out_shardings=(state_shardings, sharding.replicated(mesh)), donate_argnums=0)
   eval_step = jax.jit(sharding.traced_on(mesh, eval_fn or make_eval_step(graphdef), overrides),
-                      in_shardings=(state_shardings["params"], batch_sharding), out_shardings=sharding.replicated(mesh))
+                      in_shardings=(model_params(state_shardings), batch_sharding),
+                      out_shardings=sharding.replicated(mesh))
   return train_step, eval_step
 
 

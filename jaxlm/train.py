@@ -20,7 +20,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxlm import data as data_lib
-from jaxlm import files, generate, optim, reliability, sharding, telemetry
+from jaxlm import files, fit, generate, optim, pipeline, reliability, sharding, telemetry
 from jaxlm import kernels as kernels_lib
 from jaxlm import steps as steps_lib
 from jaxlm.checkpoint import Checkpointer, abstract_with_shardings
@@ -109,6 +109,7 @@ def prepare_run(config: Config, workdir: str, causal: bool = True) -> tuple[Conf
 
 def language_model_task(config: Config, workdir: str, mesh: Mesh, kernels: Kernels) -> Task:
   """Pretraining a GPT on packed token sequences: next-token loss, held-out perplexity, a sample in the report."""
+  fit.require_fixed(config, "pretraining (packed token rows)")
   t = config.train
   datasets = data_lib.build_datasets(config.data, config.model.vocab_size, workdir, t.seed)
   optimizer = optim.make_optimizer(t)
@@ -123,8 +124,9 @@ def language_model_task(config: Config, workdir: str, mesh: Mesh, kernels: Kerne
     summary = {**end.last, **end.eval, **end.facts, **{f"average_{k}": v for k, v in end.rates.items()}}
     sample = None
     if config.log.sample_tokens:  # every process joins the jitted sampler; only process 0 writes the report
-      sample = sample_text(graphdef, end.state["params"], datasets.tokenizer, config.log.sample_prompt,
-                           config.log.sample_tokens, config.model.max_seq_len, t.seed, datasets.eos_id)
+      sample = sample_text(graphdef, steps_lib.model_params(end.state), datasets.tokenizer,
+                           config.log.sample_prompt, config.log.sample_tokens, config.model.max_seq_len, t.seed,
+                           datasets.eos_id)
     return Report(summary, sample_text=sample, data_stats=datasets.stats)
 
   return Task(
@@ -191,7 +193,10 @@ def run_loop(config: Config, workdir: str, mesh: Mesh, task: Task, stop: reliabi
       window_times.add(counts, now - clock)
       run_times.add(counts, now - clock)
     clock = now
-    failure = failure or nonfinite.update(step, bool(device_metrics["skipped_steps"]))
+    # An overflow skip (float16: finite loss, inf/nan gradients, scale above loss_scale.min) lowers the scale and
+    # is expected, not a divergence (jaxlm/loss_scale.py, docs/reliability.md).
+    failure = failure or nonfinite.update(step, bool(device_metrics["skipped_steps"]),
+                                          overflow=bool(device_metrics.get("overflow_steps", 0)))
     window.append(device_metrics)
     if not (step == start_step + 1 or step % config.log.every_steps == 0 or eval_metrics or step == t.steps):
       bar.update(step)
@@ -222,7 +227,7 @@ def run_loop(config: Config, workdir: str, mesh: Mesh, task: Task, stop: reliabi
       break
     eval_metrics = None
     if step == t.steps or (t.eval_every_steps and step % t.eval_every_steps == 0):
-      eval_metrics = final_eval = task.evaluate(step, state["params"])
+      eval_metrics = final_eval = task.evaluate(step, steps_lib.model_params(state))
       clock = time.perf_counter()  # eval time is not train time
     pending = (step, metrics, counts, eval_metrics)
     if reliability.should_stop(stop.requested, step) or step == stop_at_step:
@@ -242,12 +247,13 @@ def run_loop(config: Config, workdir: str, mesh: Mesh, task: Task, stop: reliabi
     return last
 
   if final_eval is None:  # resumed at the last step: evaluate the restored state
-    final_eval = task.evaluate(t.steps, state["params"])
+    final_eval = task.evaluate(t.steps, steps_lib.model_params(state))
   facts = {
       "steps": t.steps, "resumed_from_step": start_step, "devices": jax.device_count(),
       "mesh": "x".join(str(mesh.shape[a]) for a in sharding.MESH_AXES), "device_kind": jax.devices()[0].device_kind,
       "peak_flops_per_device": peak_per_device, "peak_flops_source": peak_source,
       "wall_time_sec": round(time.time() - started, 1),
+      **pipeline.report_facts(config, mesh, state),  # bubble and per-stage memory; empty without a pipeline
   }
   rates = {**run_times.rates(peak_flops), "timed_steps": run_times.steps} if run_times.steps else {}
   report = task.finish(RunEnd(state, last, final_eval, facts, rates))
@@ -261,11 +267,15 @@ def run_loop(config: Config, workdir: str, mesh: Mesh, task: Task, stop: reliabi
 def window_metrics(fetched: list[dict], renames: dict[str, str] | None = None) -> dict[str, float]:
   """One metrics line from the train-step metrics of the steps since the previous line: each metric's mean over
   the steps whose update was applied (a skipped step's NaN stays out), learning_rate and param_norm at the last
-  step, and skipped_steps as a count; `renames` maps train-step names to the line's."""
+  step, and skipped_steps as a count (float16 runs: overflow_steps too, loss_scale and overflow_steps_total at the last
+  step); `renames` maps train-step names to the line's."""
   applied = [m for m in fetched if not m["skipped_steps"]] or fetched
   line = {k: float(np.mean([m[k] for m in applied])) for k in fetched[-1]}
   line["skipped_steps"] = float(sum(m["skipped_steps"] for m in fetched))
-  line.update({k: float(fetched[-1][k]) for k in ("learning_rate", "param_norm")})
+  if "overflow_steps" in fetched[-1]:
+    line["overflow_steps"] = float(sum(m["overflow_steps"] for m in fetched))
+  last_values = ("learning_rate", "param_norm", "loss_scale", "overflow_steps_total")
+  line.update({k: float(fetched[-1][k]) for k in last_values if k in fetched[-1]})
   return {(renames or {}).get(k, k): v for k, v in line.items()}
 
 

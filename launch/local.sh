@@ -6,7 +6,9 @@
 #
 # Each process sees <devices_per_process> simulated CPU devices (or, with JAXLM_LOCAL_GPUS=1, its own slice of the
 # GPUs through CUDA_VISIBLE_DEVICES). Process 0 prints to the terminal; the others write <workdir or /tmp>/logs.
-# If any process fails, the others are stopped and the exit status is the first failure's.
+# If any process fails, the others are stopped and the exit status is the first failure's. SIGTERM or Ctrl-C stops
+# the run the way a preemption does: every process is sent SIGUSR1, saves a checkpoint and exits 0, and this script
+# waits for all of them (the same command again resumes).
 set -euo pipefail
 
 if [ $# -lt 3 ]; then
@@ -20,8 +22,10 @@ port=${JAXLM_PORT:-$((20000 + RANDOM % 20000))}
 logdir=$(mktemp -d "${TMPDIR:-/tmp}/jaxlm-local.XXXXXX")
 
 pids=()
-cleanup() { for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done; }
-trap cleanup INT TERM
+stop_others() { for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done; }
+# Ctrl-C reaches the processes directly too; SIGUSR1 beside it does not count as a second ("exit now") signal.
+pass_on_stop() { for pid in "${pids[@]}"; do kill -USR1 "$pid" 2>/dev/null || true; done; }
+trap pass_on_stop INT TERM
 
 for ((i = 0; i < processes; i++)); do
   env_vars=(JAXLM_COORDINATOR_ADDRESS=127.0.0.1:$port JAXLM_NUM_PROCESSES=$processes JAXLM_PROCESS_ID=$i)
@@ -44,18 +48,20 @@ for ((i = 0; i < processes; i++)); do
 done
 
 status=0
-remaining=${#pids[@]}
-while [ "$remaining" -gt 0 ]; do
+while [ "${#pids[@]}" -gt 0 ]; do
   code=0
   finished=""
   wait -n -p finished "${pids[@]}" || code=$?
-  remaining=$((remaining - 1))
+  if [ -z "${finished:-}" ]; then
+    if [ "$code" -gt 128 ]; then continue; fi  # a trapped signal cut the wait short; the processes still run
+    break
+  fi
   live=(); for pid in "${pids[@]}"; do [ "$pid" != "$finished" ] && live+=("$pid"); done; pids=("${live[@]}")
   if [ "$code" != 0 ] && [ "$status" = 0 ]; then
     status=$code
     echo "local.sh: process with pid $finished exited with status $code; stopping the others (logs: $logdir)" >&2
     tail -n 20 "$logdir"/process_*.log >&2 2>/dev/null || true
-    cleanup
+    stop_others
   fi
 done
 exit $status

@@ -22,3 +22,17 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 def xla_flags_without_device_count() -> str:
   """The suite's XLA flags (its cheaper compile settings) for a subprocess that chooses its own device count."""
   return re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", "")).strip()
+
+
+def load_script(relative_path: str):
+  """A script under experiments/ or benchmarks/ as the module `script_<name>`, loaded once per process. Its folder
+  never goes on sys.path, where experiments/lm_eval.py would shadow the lm-eval package."""
+  import importlib.util  # noqa: PLC0415
+  import sys  # noqa: PLC0415
+  name = "script_" + os.path.splitext(os.path.basename(relative_path))[0]
+  if name not in sys.modules:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location(name, os.path.join(root, relative_path))
+    sys.modules[name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sys.modules[name])
+  return sys.modules[name]

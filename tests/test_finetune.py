@@ -18,11 +18,10 @@ from jaxlm import finetune, hf
 from jaxlm.config import ModelConfig
 from jaxlm.models.bert import Bert, BertForSequenceClassification
 from jaxlm import steps as steps_lib
-from conftest import xla_flags_without_device_count
+from conftest import load_script, xla_flags_without_device_count
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "experiments"))
-import topics  # noqa: E402
+topics = load_script("experiments/topics.py")
 
 
 def _minilm_folder() -> str:
@@ -181,3 +180,31 @@ def test_classification_loss_accumulates_exactly_with_padding_and_zero_weights()
   assert max(float(np.abs(a - b).max()) for a, b in zip(one, jax.tree.leaves(params.to_pure_dict()))) > 1e-3
   for a, b in zip(one, two):
     np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-7)
+
+
+def test_defaults_fit_the_data_steps_seq_len_and_the_truncation_warning(tmp_path, tiny_hf_folder, capsys):
+  """train.steps=0 derives the steps from train.epochs, data.seq_len=0 the length from the tokenized training texts;
+  cutting many examples prints a warning. `classification_task` settles the run without training it."""
+  from jaxlm import fit, train
+  from jaxlm.data import classification as cls_data
+
+  def settle(name, **overrides):
+    config, mesh, kernels = train.prepare_run(_tiny_config(tmp_path, tiny_hf_folder, **overrides),
+                                              str(tmp_path / name), causal=False)
+    return finetune.classification_task(config, str(tmp_path / name), mesh, kernels)[0]
+
+  auto = settle("auto", **{"train.steps": 0, "train.epochs": 2.0, "train.warmup_steps": -1, "data.seq_len": 0})
+  assert auto.train.steps == 12  # 2 epochs of 48 examples at batch 8
+  tokenizer = cls_data.load_checkpoint_tokenizer(tiny_hf_folder)
+  with open(tmp_path / "train.csv") as f:
+    lengths = [len(tokenizer.encode(r["question"], r["answer"]).ids) for r in csv.DictReader(f)]
+  assert auto.data.seq_len == fit.choose_seq_len(np.array(lengths), 64) and auto.data.seq_len < 64
+  out = capsys.readouterr().out
+  assert "steps: 12 (train.epochs=2: 2 epochs of 48 examples at batch 8), warmup 1 steps" in out
+  assert "warning:" not in out
+
+  cut = settle("cut", **{"data.seq_len": 8})
+  assert cut.train.steps == 4 and cut.data.seq_len == 8  # explicit values win
+  assert ("warning: 100.0% of the examples (58 of 58) are longer than data.seq_len=8 tokens and are cut; raise "
+          "data.seq_len (the model has 64 positions) or set it to 0 to choose it from the data"
+          ) in capsys.readouterr().out

@@ -1,11 +1,9 @@
 """KV-cache decoding equals recomputing the whole sequence (1 and 4 devices, packed documents); sampling filters;
-batched generation of prompts of different lengths; stop tokens; the experiments/generate.py loader."""
+batched generation of prompts of different lengths; stop tokens; the int8 KV cache (logits near the float cache's,
+the same greedy tokens, with float and int8 weights; its bytes); the experiments/generate.py loader."""
 
 import dataclasses
-import importlib.util
 import json
-import os
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from conftest import load_script
 from jaxlm import generate, sharding
 from jaxlm.config import MeshConfig, ModelConfig
 from jaxlm.models.gpt import GPT
@@ -42,13 +41,13 @@ def _full(graphdef, params, tokens, positions, segments):
   return jax.jit(lambda p, t, pos, seg: nnx.merge(graphdef, p)(t, pos, seg))(params, tokens, positions, segments)
 
 
-def _cached(graphdef, params, tokens, positions, segments, chunks):
+def _cached(graphdef, params, tokens, positions, segments, chunks, quantized=False):
   """Logits from prefilling chunks[0] tokens, then feeding the rest in `chunks[1:]`-sized pieces."""
 
   @jax.jit
   def run(params, tokens, positions, segments):
     model = nnx.merge(graphdef, params)
-    cache = model.init_cache(tokens.shape[0], tokens.shape[1] + 3)  # spare slots stay empty and masked
+    cache = model.init_cache(tokens.shape[0], tokens.shape[1] + 3, quantized)  # spare slots stay empty and masked
     outs, start = [], 0
     for size in chunks:
       logits, cache = model.decode(tokens[:, start:start + size], cache, positions[:, start:start + size],
@@ -147,6 +146,53 @@ def test_kv_cache_and_generation_on_a_four_device_mesh_equal_one_device():
   assert generate.generate(graphdef, sharded, prompts, 6) == generate.generate(graphdef, params, prompts, 6)
 
 
+# Three prompts within one prompt bucket and six new tokens: the float run shares its compiled program with
+# test_greedy_batch_of_different_lengths_equals_each_prompt_recomputed_alone.
+PROMPT_SET = [[11], [200, 13, 7, 7, 91, 4, 150, 33, 2, 64, 18], [5, 250, 60, 9]]
+# Per-token absmax int8 rounds each cached key and value by at most 1/254 of its vector's largest entry; through
+# attention that moves these small models' logits by well under 1% of their largest magnitude.
+INT8_LOGIT_TOLERANCE = 0.01
+
+
+def test_int8_kv_cache_logits_are_near_the_float_cache():
+  graphdef, params = _split("llama_gqa")  # the cache path is the flavours' shared Attention.decode
+  float_cache = _cached(graphdef, params, TOKENS, POSITIONS, SEGMENTS, CHUNKS)
+  int8_cache = _cached(graphdef, params, TOKENS, POSITIONS, SEGMENTS, CHUNKS, quantized=True)
+  error = float(jnp.abs(int8_cache - float_cache).max())
+  assert 0 < error <= INT8_LOGIT_TOLERANCE * float(jnp.abs(float_cache).max())  # 0 < : the cache really is int8
+
+
+def test_int8_kv_cache_greedy_tokens_agree_with_float_and_int8_weights():
+  from jaxlm import quant
+
+  graphdef, params = _split("llama_gqa")
+  assert (generate.generate(graphdef, params, PROMPT_SET, 6, kv_cache="int8") ==
+          generate.generate(graphdef, params, PROMPT_SET, 6))
+  int8_def, int8_params = nnx.split(quant.quantize(nnx.merge(graphdef, params), "weight_only"))
+  assert (generate.generate(int8_def, int8_params, PROMPT_SET, 6, kv_cache="int8") ==
+          generate.generate(int8_def, int8_params, PROMPT_SET, 6))
+
+
+def test_int8_kv_cache_bytes_halve_bf16_and_quarter_f32():
+  # Shapes only (no compile): head_dim 64, where the f32 scale per token and head adds 4 bytes to 64 int8 values.
+  config = dataclasses.replace(LLAMA, d_model=256, num_heads=4, num_kv_heads=2, num_layers=3)
+  sizes = {}
+  for dtype in ("float32", "bfloat16"):
+    graphdef, params = nnx.split(nnx.eval_shape(lambda: GPT(dataclasses.replace(config, compute_dtype=dtype),
+                                                            rngs=nnx.Rngs(0))))
+    for kv_cache in generate.KV_CACHES:
+      sizes[dtype, kv_cache] = generate.kv_cache_bytes(graphdef, params, batch=4, slots=128, kv_cache=kv_cache)
+  segment_bytes = 4 * 128 * 4  # int32 segment id per slot, plus the 4-byte `end`
+  kv_values = 2 * 3 * 4 * 128 * 2 * 64  # keys and values: layers x batch x slots x kv heads x head dim
+  assert sizes["float32", "float"] == 4 * kv_values + segment_bytes + 4
+  assert sizes["bfloat16", "float"] == 2 * kv_values + segment_bytes + 4
+  assert sizes["float32", "int8"] == sizes["bfloat16", "int8"] == kv_values * (1 + 4 / 64) + segment_bytes + 4
+  assert 0.5 < sizes["bfloat16", "int8"] / sizes["bfloat16", "float"] < 0.55
+  assert 0.25 < sizes["float32", "int8"] / sizes["float32", "float"] < 0.28
+  with pytest.raises(ValueError, match="kv_cache='int4'"):
+    generate.generate(graphdef, params, [[1]], 1, kv_cache="int4")
+
+
 def test_sample_tokens_keeps_its_contract():
   graphdef, params = _split("gpt2")
   out = generate.sample_tokens(graphdef, params, list(range(20)), 10, max_len=16)
@@ -159,13 +205,7 @@ def test_experiment_script_loads_the_latest_checkpoint(tmp_path):
   from jaxlm.checkpoint import Checkpointer
   from jaxlm.config import Config, DataConfig, TrainConfig
 
-  # experiments/generate.py under its own module name (its absl flags are defined once per process).
-  path = os.path.join(os.path.dirname(__file__), "..", "experiments", "generate.py")
-  spec = importlib.util.spec_from_file_location("experiments_generate", path)
-  script = sys.modules.get("experiments_generate") or importlib.util.module_from_spec(spec)
-  if "experiments_generate" not in sys.modules:
-    sys.modules["experiments_generate"] = script
-    spec.loader.exec_module(script)
+  script = load_script("experiments/generate.py")  # loaded once per process: its absl flags are defined once
 
   config = Config(model=GPT2, data=DataConfig(seq_len=16), mesh=MeshConfig(data=1), train=TrainConfig(steps=1))
   graphdef, params = _split("gpt2")

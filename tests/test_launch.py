@@ -84,6 +84,13 @@ def test_kubernetes_jobset_sets_what_jaxlm_reads_and_runs_a_real_script():
   assert os.path.isfile(os.path.join(ROOT, script))
   config = next(f.split("=", 1)[1] for f in flags if f.startswith("--config="))
   assert os.path.isfile(os.path.join(ROOT, config))
+  # A pod that saved after SIGTERM exits with the code the Job replaces it for, not 0 (which would count as done).
+  stopped = next(f.split("=", 1)[1] for f in flags if f.startswith("--exit_code_when_stopped="))
+  ignored = [code for rule in job["podFailurePolicy"]["rules"] if rule["action"] == "Ignore"
+             for code in rule["onExitCodes"]["values"]]
+  assert int(stopped) in ignored and int(stopped) != 0
+  with open(os.path.join(ROOT, script)) as f:
+    assert '"exit_code_when_stopped"' in f.read()
 
 
 def test_skypilot_recipe_resumes_from_the_bucket_and_sets_what_jaxlm_reads():

@@ -44,7 +44,7 @@ def test_optimize_measures_every_variant_of_a_trained_lm(tmp_path):
   env["XLA_FLAGS"] = xla_flags_without_device_count()
   result = subprocess.run([sys.executable, os.path.join(ROOT, "experiments/optimize.py"), f"--workdir={workdir}",
                            "--repeats=2", "--calibration_batches=2", "--max_eval_batches=2",
-                           "--variants=int8_weight-only,int8_W8A8,2:4"],
+                           "--variants=int8_weight-only,int8_W8A8,int8_W8A8_smooth,2:4,2:4_wanda"],
                           env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert result.returncode == 0, result.stderr[-3000:]
   flat = json.loads(open(os.path.join(workdir, "optimize.json")).read())
@@ -53,10 +53,10 @@ def test_optimize_measures_every_variant_of_a_trained_lm(tmp_path):
   assert "bf16" not in variants  # not asked for
   fp32 = flat["fp32/perplexity"]
   assert np.isfinite(fp32) and fp32 < 320  # trained: better than uniform over the vocabulary
-  for name in ("int8_weight-only", "int8_W8A8"):
+  for name in ("int8_weight-only", "int8_W8A8", "int8_W8A8_smooth"):
     assert flat[f"{name}/perplexity"] == pytest.approx(fp32, rel=0.02), name
     assert flat[f"{name}/checkpoint_ratio_vs_fp32"] > 2.5, name  # 4x for the matmul weights, less overall here
-  for name in ("2:4",):
+  for name in ("2:4", "2:4_wanda"):
     assert flat[f"{name}/sparsity"] == pytest.approx(0.5, abs=0.01), name
     assert flat[f"{name}/perplexity"] == pytest.approx(fp32, rel=0.10), name
   report = open(os.path.join(workdir, "report.md")).read()
@@ -69,3 +69,24 @@ def test_optimize_measures_every_variant_of_a_trained_lm(tmp_path):
   assert unknown.returncode != 0
   assert "error: --variants: 'int4' is not a variant; known: fp32, bf16, int8_weight-only" in unknown.stderr
 
+
+  for flag, message in (("--smoothing=1.5", "--smoothing=1.5 is out of range: SmoothQuant's strength must be in"),
+                        ("--sparsity=1.0", "--sparsity=1.0 is out of range"),
+                        ("--calibration_batches=0", "--calibration_batches=0: W8A8 and Wanda need at least one")):
+    bad = subprocess.run([sys.executable, os.path.join(ROOT, "experiments/optimize.py"), f"--workdir={workdir}", flag],
+                         env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and message in bad.stderr, bad.stderr[-2000:]
+  assert os.path.exists(os.path.join(workdir, "optimize.json"))  # a refused run deletes nothing
+
+  # A run whose data.tokenizer is not the tokenizer.json it trained with: refused before any data is tokenized.
+  from jaxlm.data.tokenizer import train_bpe  # noqa: PLC0415
+  other = str(tmp_path / "other_tokenizer.json")
+  train_bpe(["entirely different text for another vocabulary"] * 20, 300, other)
+  config_path = os.path.join(workdir, "config.json")
+  run_config = json.loads(open(config_path).read())
+  run_config["data"]["tokenizer"] = other
+  open(config_path, "w").write(json.dumps(run_config))
+  mismatch = subprocess.run([sys.executable, os.path.join(ROOT, "experiments/optimize.py"), f"--workdir={workdir}"],
+                            env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert mismatch.returncode != 0
+  assert f"data.tokenizer='{other}' differs from {workdir}/tokenizer.json" in mismatch.stderr, mismatch.stderr[-2000:]

@@ -14,7 +14,7 @@ import jax
 import pytest
 
 from jaxlm import config as config_lib
-from jaxlm import plan
+from jaxlm import plan, telemetry
 from jaxlm.kernels import Kernels
 from conftest import xla_flags_without_device_count
 
@@ -38,8 +38,9 @@ def test_hardware_profiles_load_and_unknown_names_are_one_line_errors():
   profiles = {p.name: p for p in plan.load_hardware()}
   assert set(profiles) >= {"h100_80gb", "h200_141gb", "a100_40gb", "a100_80gb", "l4_24gb", "tpu_v5e"}
   for p in profiles.values():
-    assert p.memory_gib > 0 and p.bf16_flops > 0 and p.hbm_bytes_per_sec > 0 and p.interconnect_bytes_per_sec > 0
-    assert 0 < p.usd_per_hour_spot < p.usd_per_hour_on_demand
+    assert p.memory_gib > 0 and p.peak_flops(p.compute_dtype) > 0 and p.hbm_bytes_per_sec > 0
+    assert p.interconnect_bytes_per_sec > 0
+    assert p.owned or 0 < p.usd_per_hour_spot < p.usd_per_hour_on_demand
   assert profiles["h200_141gb"].memory_gib > profiles["h100_80gb"].memory_gib
   with pytest.raises(ValueError, match="--hardware=h1000 is not a profile in .*; known: h100_80gb"):
     plan.load_hardware(["h1000"])
@@ -209,13 +210,14 @@ def test_h200_step_time_prediction_against_measured_steps(name, batch):
 def test_gpt2_xl_does_not_fit_one_l4_and_the_plan_says_what_does():
   config = load_config("gpt2_xl")
   l4 = plan.load_hardware(["l4_24gb"])[0]
-  rows = plan.plan(config, [l4], device_counts=(1, 2, 4))
+  rows = plan.plan(config, [l4], device_counts=(1, 2, 4), pipelines=False)
   single = [r for r in rows if r["devices"] == 1][0]
   assert not single["fits"] and single["largest_local_micro_batch"] == 0
   message = plan.does_not_fit_message(rows, "l4_24gb")
   best = plan.recommend(rows, "l4_24gb")
   assert best is not None and best["devices"] > 1 and best["fsdp"] > 1
-  assert message.startswith("does not fit on one l4_24gb") and f"mesh data x fsdp x tensor = {best['mesh']}" in message
+  assert message.startswith("does not fit on one l4_24gb")
+  assert f"mesh data x fsdp x tensor x pipeline = {best['mesh']}" in message
 
 
 def test_planner_script_plans_8_simulated_devices(tmp_path):
@@ -241,3 +243,137 @@ def test_planner_script_plans_8_simulated_devices(tmp_path):
   assert {r["devices"] for r in written["rows"]} == {1, 2, 4, 8}
   assert all(r["fits"] for r in written["rows"])
   assert (tmp_path / "plan" / "plan.png").exists() and (tmp_path / "plan" / "plan.md").exists()
+
+
+# ----------------------------------------------------------------------------------------------- the machines users have
+
+
+def test_workstation_and_older_cloud_profiles_carry_datasheet_figures_dtype_and_price():
+  profiles = {p.name: p for p in plan.load_hardware()}
+  new = ("rtx_a6000_48gb", "v100_16gb", "t4_16gb", "l40s_48gb", "rtx_4090_24gb")
+  for name in new:
+    p = profiles[name]
+    assert p.platform == "gpu" and p.board_power_watts > 0 and p.memory_gib > 14
+  for name in ("v100_16gb", "t4_16gb"):  # no bf16 units: fp16 (with loss scaling in training)
+    assert profiles[name].compute_dtype == "float16" and not profiles[name].supports("bfloat16")
+  for name in ("rtx_a6000_48gb", "l40s_48gb", "rtx_4090_24gb", "l4_24gb", "h100_80gb"):
+    assert profiles[name].compute_dtype == "bfloat16" and profiles[name].supports("float16")
+  assert profiles["rtx_a6000_48gb"].owned and profiles["rtx_4090_24gb"].owned and not profiles["v100_16gb"].owned
+  # NVLink on the p3 V100s, PCIe on the workstation cards
+  assert profiles["v100_16gb"].interconnect_bytes_per_sec > 4 * profiles["rtx_a6000_48gb"].interconnect_bytes_per_sec
+  dtype, note = plan.planned_dtype("bfloat16", profiles["t4_16gb"])
+  assert dtype == "float16" and "t4_16gb has no bfloat16" in note and "compute_dtype=float16" in note
+  assert plan.planned_dtype("float32", profiles["t4_16gb"]) == ("float32", "")
+  dtype, note = plan.planned_dtype("float16", profiles["tpu_v5e"])  # fp16 where the planner knows it is missing
+  assert dtype == "bfloat16" and note.startswith("tpu_v5e has no float16")
+
+
+def test_fp16_only_hardware_plans_fp16_at_its_fp16_peak():
+  v100 = plan.load_hardware(["v100_16gb"])[0]
+  row = plan.plan_mesh(BF16, (1, 1, 1), v100, plan.RunAssumptions(1e6, 50))
+  assert row["compute_dtype"] == "float16" and "v100_16gb has no bfloat16" in row["hardware_note"]
+  fp16 = dataclasses.replace(BF16, model=dataclasses.replace(BF16.model, compute_dtype="float16"))
+  flops = telemetry.flops_per_token(fp16.model, 64) * 8 * 64
+  assert row["compute_sec"] == pytest.approx(flops / (125e12 * 0.7))
+  fp16 = dataclasses.replace(fp16, kernels=dataclasses.replace(fp16.kernels, attention="xla"))  # no cuDNN flash
+  assert row["kernels"] == plan.planned_kernels(fp16, (1, 1, 1), "gpu").describe()
+  assert "attention=xla" in row["kernels"]
+  assert "kernels.attention=xla" in row["hardware_note"]
+
+
+def test_owned_hardware_gives_hours_and_energy_not_dollars():
+  a6000, v100 = plan.load_hardware(["rtx_a6000_48gb", "v100_16gb"])
+  assumptions = plan.RunAssumptions(tokens=8 * 64 * 100, checkpoint_every_steps=50)
+  owned = plan.run_cost(2.0, a6000, 4, 8 * 64, 1e9, assumptions)
+  assert owned["on_demand_usd"] is None and owned["spot_usd"] is None and owned["spot_hours"] is None
+  assert owned["energy_kwh"] == pytest.approx(owned["on_demand_hours"] * 4 * 300 / 1000)
+  rented = plan.run_cost(2.0, v100, 4, 8 * 64, 1e9, assumptions)
+  assert rented["on_demand_usd"] == pytest.approx(rented["on_demand_hours"] * 4 * 3.06)
+  assert rented["energy_kwh"] == pytest.approx(owned["energy_kwh"])  # both boards are 300 W
+
+
+# Wide activations, few parameters: tensor parallelism all-reduces [b, T, D] six times per layer per micro-batch.
+WIDE = config_lib.Config(
+    model=config_lib.ModelConfig(vocab_size=256, num_layers=4, d_model=128, num_heads=4, max_seq_len=256,
+                                 compute_dtype="bfloat16"),
+    data=config_lib.DataConfig(seq_len=256), train=config_lib.TrainConfig(batch_size=32, steps=100),
+    checkpoint=config_lib.CheckpointConfig(every_steps=50))
+
+
+@pytest.fixture(scope="module")
+def wide_rows():
+  return plan.plan(WIDE, plan.load_hardware(["rtx_a6000_48gb", "h100_80gb"]), device_counts=(4,))
+
+
+def test_pcie_ranks_tensor_parallelism_below_data_fsdp_and_pipeline(wide_rows):
+  order = plan.ranked(wide_rows, "rtx_a6000_48gb", 4)
+  assert all(r["fits"] for r in order)
+  kinds = [r["layout"] for r in order]
+  assert kinds[-1] == "tensor" and order[0]["tensor"] == 1
+  tensor = order[-1]
+  best_pipeline = next(r for r in order if r["pipeline"] > 1)
+  assert kinds.index("tensor") > kinds.index(best_pipeline["layout"]) > kinds.index("data")
+  assert tensor["network_sec"] > tensor["compute_sec"]  # the per-layer all-reduces over PCIe dominate its step
+  nvlink = {r["layout"]: r for r in plan.ranked(wide_rows, "h100_80gb", 4)}
+  pcie = {r["layout"]: r for r in order}
+  slowdown = lambda rows: rows["tensor"]["step_time_sec"] / rows["data"]["step_time_sec"]
+  assert slowdown(pcie) > 1.5 * slowdown(nvlink)
+  text = plan.explain(wide_rows, plan.load_hardware(["rtx_a6000_48gb"])[0], 4)
+  assert text.startswith(f"4 x rtx_a6000_48gb (bfloat16): {order[0]['layout']} wins") and "tensor " in text
+  assert plan.recommend(wide_rows, "rtx_a6000_48gb")["on_demand_usd"] is None  # owned: the fastest
+
+
+def test_pipeline_layouts_appear_with_their_bubble_and_stash(wide_rows):
+  rows = [r for r in wide_rows if r["hardware"] == "rtx_a6000_48gb" and r["pipeline"] > 1]
+  assert {(r["pipeline"], r["schedule"]) for r in rows} == {(2, "gpipe"), (2, "1f1b"), (4, "gpipe"), (4, "1f1b")}
+  for r in rows:
+    stages, micro = r["pipeline"], r["grad_accum"]
+    assert micro >= stages and r["bubble_fraction"] == pytest.approx((stages - 1) / (micro + stages - 1))
+    assert r["memory_parts_gib"]["stash"] > 0 and r["bubble_sec"] > 0
+  sizes = (1, 1, 1, 4)
+  gpipe, one_f_one_b = (plan.pipeline_predict.predict_pipeline_memory(WIDE, sizes, 16, s, "gpu") for s in
+                        ("gpipe", "1f1b"))
+  assert one_f_one_b["stash"] == pytest.approx(gpipe["stash"] * 7 / 16)  # min(M, 2S - 1) of M inputs kept
+  single = plan.predict_memory(WIDE, (1, 1, 1), 16, "gpu")
+  assert gpipe["state"] < 0.6 * single["state"]  # a stage holds a quarter of the blocks (+ embeddings and head)
+  sends = plan.pipeline_predict.p2p_sends(4, 16, "gpipe")
+  assert sends == 2 * (16 + 4 - 1)
+  collective = plan.pipeline_predict.pipeline_collective_bytes(WIDE, sizes, 16, "gpipe", "gpu")
+  assert collective["p2p"] == sends * 2 * 256 * 128 * 2  # [b=2, T, D] bf16, as the compiled collective-permutes
+  # The replicated token and position tables and final norm are all-reduced over the 4 stages: a ring's 2 (S-1)/S.
+  assert collective["sync"] == 2 * 3 / 4 * 4 * (2 * 256 * 128 + 2 * 128)
+
+
+def test_lora_and_qlora_byte_accounting():
+  llama = config_lib.Config(
+      model=config_lib.ModelConfig(vocab_size=256, num_layers=2, d_model=128, num_heads=4, num_kv_heads=2,
+                                   flavour="llama", tie_embeddings=False, max_seq_len=64, compute_dtype="bfloat16"),
+      data=config_lib.DataConfig(seq_len=64), train=config_lib.TrainConfig(batch_size=8))
+  m = llama.model
+  # f32 embeddings, norms and each target's alpha/rank per layer
+  non_target = 4 * (2 * m.vocab_size * m.d_model + (2 * m.num_layers + 1) * m.d_model + 7 * m.num_layers)
+  parts = {}
+  for base in ("float", "int8", "nf4"):
+    config = dataclasses.replace(llama, lora=config_lib.LoRAConfig(rank=8, base=base))
+    parts[base] = plan.lora_predict.lora_state_bytes(config, (1, 1, 1), "gpu")
+  targets = parts["float"]["target_params"]
+  assert parts["float"]["frozen_base_bytes"] == non_target + 4 * targets
+  # int8: one byte per weight plus an f32 scale per output channel; nf4: half a byte plus an f32 absmax per 64
+  int8_targets = parts["int8"]["frozen_base_bytes"] - non_target
+  nf4_targets = parts["nf4"]["frozen_base_bytes"] - non_target
+  assert targets < int8_targets < 1.1 * targets and int8_targets / (4 * targets) == pytest.approx(1 / 4, rel=0.1)
+  assert nf4_targets == targets // 2 + targets // 64 * 4 and nf4_targets / (4 * targets) == pytest.approx(1 / 8,
+                                                                                                            rel=0.15)
+  config = dataclasses.replace(llama, lora=config_lib.LoRAConfig(rank=8, base="nf4"))
+  adapters = 8 * plan.lora_predict._adapter_width_per_layer(config) * m.num_layers
+  assert parts["nf4"]["trainable_params"] == adapters and parts["nf4"]["adapter_bytes"] == 4 * adapters
+  assert parts["nf4"]["optimizer_state_bytes"] == pytest.approx(2 * 4 * adapters, abs=64)  # Adam's two moments
+  memory = plan.lora_predict.predict_lora_memory(config, (1, 1, 1), 2, "gpu")
+  assert memory["frozen_base"] == parts["nf4"]["frozen_base_bytes"] and memory["gradients"] == 2 * 4 * adapters
+  assert memory["activations"] > 0
+  full = plan.predict_memory(llama, (1, 1, 1), 2, "gpu")
+  assert memory["frozen_base"] + memory["adapters"] + memory["optimizer"] < 0.35 * full["state"]
+  row = plan.plan_mesh(config, (1, 1, 1), plan.load_hardware(["l4_24gb"])[0], plan.RunAssumptions(1e6, 50))
+  assert row["fits"] and row["lora"] == "rank 8, base nf4" and set(row["memory_parts_gib"]) >= {
+      "frozen_base", "adapters", "optimizer", "activations"}
+  assert plan.mesh_problem(config, plan.Layout(1, 1, 1, 2, "gpipe"), "gpu").startswith("lora.rank=8")

@@ -1,5 +1,8 @@
 """Pruning (jaxlm/prune.py): exact target sparsity (global and per layer), valid 2:4 patterns, masks that survive a
-fine-tune, and int8 on top of pruning keeping the zeros."""
+fine-tune, int8 on top of pruning keeping the zeros, Wanda's activation-aware scores and masks (GPT-2, Llama, BERT),
+and the errors for bad input."""
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -9,20 +12,30 @@ from flax import nnx, traverse_util
 
 from jaxlm import prune, quant
 from jaxlm.config import ModelConfig
+from jaxlm.models.bert import BertForSequenceClassification
 from jaxlm.models.gpt import GPT
 from jaxlm import steps as steps_lib
 
 CONFIG = ModelConfig(vocab_size=64, num_layers=2, d_model=32, num_heads=4, max_seq_len=16, compute_dtype="float32",
                      init_std=0.1)
-_MODEL = []
+_MODELS = {}
+CALIBRATION = [np.random.default_rng(s).integers(0, CONFIG.vocab_size, (4, 16)).astype(np.int32) for s in (1, 2)]
 
 
-def _model():
-  if not _MODEL:  # initialised in one compiled program, shared by the tests
-    make = lambda: GPT(CONFIG, rngs=nnx.Rngs(0))
+def _model(name="gpt2"):
+  if name not in _MODELS:  # initialised in one compiled program, shared by the tests
+    make = {"gpt2": lambda: GPT(CONFIG, rngs=nnx.Rngs(0)),
+            "llama": lambda: GPT(dataclasses.replace(CONFIG, flavour="llama", num_kv_heads=2, d_ff=48,
+                                                     tie_embeddings=False), rngs=nnx.Rngs(0)),
+            "bert": lambda: BertForSequenceClassification(dataclasses.replace(CONFIG, flavour="bert"), 3,
+                                                          rngs=nnx.Rngs(0))}[name]
     graphdef, _ = nnx.split(nnx.eval_shape(make))
-    _MODEL.append(nnx.merge(graphdef, jax.jit(lambda: nnx.split(make())[1])()))
-  return _MODEL[0]
+    _MODELS[name] = nnx.merge(graphdef, jax.jit(lambda: nnx.split(make())[1])())
+  return _MODELS[name]
+
+
+def _forward(model, tokens):
+  return model(tokens)
 
 
 def _masked_values(model, masks):
@@ -104,3 +117,62 @@ def test_masks_survive_fine_tuning_and_int8_keeps_the_zeros():
   qflat = dict(nnx.to_flat_state(nnx.state(qmodel)))
   for path, m in traverse_util.flatten_dict(masks).items():
     assert bool(np.all(np.where(m, True, qflat[path].get_value().q.qvalue == 0))), path
+
+
+def test_wanda_scores_are_weight_magnitude_times_input_norm_by_hand():
+  model = _model()
+  masks = prune.wanda_masks(model, 0.5, CALIBRATION, _forward)
+  # The first layer's query projection reads LayerNorm(embeddings): its input, norms, scores and mask by hand.
+  block_def, block_state = nnx.split(model.blocks)
+  layer0 = nnx.merge(block_def, jax.tree.map(lambda v: v[0], block_state))
+  positions = np.broadcast_to(np.arange(16), (4, 16))
+  inputs = np.concatenate([np.asarray(layer0.attn_norm(model._embed(jnp.asarray(t), positions))).reshape(-1, 32)
+                           for t in CALIBRATION])  # [every token, D]
+  norms = np.sqrt(np.sum(inputs.astype(np.float64) ** 2, axis=0))  # ||X_j|| over all calibration tokens
+  w = np.asarray(nnx.state(model).to_pure_dict()["blocks"]["attn"]["w_q"][0])  # [D, H, K]
+  scores = np.abs(w) * norms[:, None, None]
+  np.testing.assert_allclose(prune.wanda_scores(jnp.asarray(w), norms, (0,), False), scores, rtol=1e-5)
+  # Each output (h, k) keeps its 16 highest-scoring of 32 inputs.
+  rows = scores.reshape(32, -1).T  # [outputs, inputs]
+  expected = np.zeros_like(rows, bool)
+  np.put_along_axis(expected, np.argsort(rows, axis=1)[:, 16:], True, axis=1)
+  np.testing.assert_array_equal(np.asarray(masks["blocks"]["attn"]["w_q"][0]).reshape(32, -1).T, expected)
+  # Not magnitude pruning in disguise: the input norms change which weights go.
+  assert not np.array_equal(expected, prune.row_mask(np.abs(w), (0,), 16).reshape(32, -1).T)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "bert"])
+def test_wanda_masks_prune_each_output_row_to_the_target_and_keep_the_two_four_pattern(name):
+  model = _model(name)
+  weights = prune.prunable(model)
+  for sparsity in (0.5, 0.25):
+    masks = traverse_util.flatten_dict(prune.wanda_masks(model, sparsity, CALIBRATION, _forward))
+    assert set(masks) == set(weights)
+    for path, (w, contracted, stacked) in weights.items():
+      m = np.asarray(masks[path])
+      outputs = [a for a in range(m.ndim) if a not in contracted]
+      rows = np.moveaxis(m, outputs, range(len(outputs))).reshape(int(np.prod([m.shape[a] for a in outputs])), -1)
+      assert bool(np.all((~rows).sum(axis=1) == round(sparsity * rows.shape[1]))), (path, sparsity)
+  masks = prune.wanda_masks(model, 0.5, CALIBRATION, _forward, pattern="2:4")
+  pruned = prune.apply_masks(model, masks)
+  for path, (w, m) in _masked_values(pruned, masks).items():
+    axis = max(weights[path][1])
+    assert prune.is_n_m(w, axis), path
+    assert bool(np.all(np.moveaxis(m, axis, -1).reshape(-1, 4).sum(-1) == 2)), path
+
+
+def test_bad_pruning_input_is_refused():
+  model = _model()
+  for sparsity in (1.0, -0.1):
+    with pytest.raises(ValueError, match=f"sparsity {sparsity} is out of range: it must be in \\[0, 1\\)"):
+      prune.wanda_masks(model, sparsity, CALIBRATION, _forward)
+    with pytest.raises(ValueError, match=f"sparsity {sparsity} is out of range"):
+      prune.magnitude_masks(model, sparsity)
+  with pytest.raises(ValueError, match="pruning pattern '4:8' is not one of unstructured, 2:4"):
+    prune.wanda_masks(model, 0.5, CALIBRATION, _forward, pattern="4:8")
+  with pytest.raises(ValueError, match="2:4 pruning zeroes exactly half of each row, not sparsity 0.3"):
+    prune.wanda_masks(model, 0.3, CALIBRATION, _forward, pattern="2:4")
+  with pytest.raises(ValueError, match="the calibration data is empty"):
+    prune.wanda_masks(model, 0.5, [], _forward)
+  with pytest.raises(ValueError, match="calibration batch 0 holds token id 64, outside the model's vocabulary"):
+    prune.wanda_masks(model, 0.5, [np.full((2, 8), 64, np.int32)], _forward)

@@ -42,6 +42,21 @@ def test_first_signal_sets_the_flag_second_interrupts_and_handlers_are_restored(
   assert signal.getsignal(signal.SIGTERM) is previous
 
 
+def test_a_notice_signal_stops_but_never_counts_as_the_second_signal():
+  """SIGUSR1 (what launch/slurm.sbatch and launch/local.sh pass on) beside the SIGTERM of the same preemption, in
+  either order, is one stop request; only a second SIGTERM/SIGINT interrupts."""
+  previous = signal.getsignal(signal.SIGUSR1)
+  for first, second in ((signal.SIGUSR1, signal.SIGTERM), (signal.SIGTERM, signal.SIGUSR1)):
+    with reliability.StopSignals(announce=False) as stop:
+      os.kill(os.getpid(), first)
+      os.kill(os.getpid(), signal.SIGUSR1)
+      os.kill(os.getpid(), second)
+      assert stop.requested and stop.signal_name == signal.Signals(first).name
+      with pytest.raises(KeyboardInterrupt, match="second stop signal"):
+        os.kill(os.getpid(), signal.SIGINT)
+  assert signal.getsignal(signal.SIGUSR1) is previous
+
+
 def test_multi_process_stop_agreement_runs_every_n_steps():
   # The collective path (an all-gather of the flags) on one process: only every `every` steps, then the OR.
   assert not reliability.should_stop(True, step=3, collective=True, every=10)

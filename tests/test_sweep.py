@@ -6,10 +6,10 @@ import subprocess
 import sys
 
 import pytest
+from conftest import load_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "experiments"))
-import sweep  # noqa: E402
+sweep = load_script("experiments/sweep.py")
 
 
 def test_grid_is_every_combination_and_random_draws_are_seeded():

@@ -11,6 +11,15 @@ Expected: >= 95% accuracy and macro-F1 on the 80 held-out topic sentences (unsee
           report.md (data statistics, per-class scores, confusion matrix) and best_model/ (an HF folder).
 
 The model's shape and tokenizer come from init_from; model.compute_dtype/param_dtype and kernels.* from here.
+
+Defaults: what a careful user would choose for a small labelled set (hundreds to a few thousand examples), so that
+setting only init_from, data.train_files and data.eval_files gives a good classifier:
+  train.epochs=3 (train.steps=0)      three passes over the training examples, whatever their number
+  data.seq_len=0                      the 99th percentile of the tokenized training lengths (at most the model's
+                                      positions): almost no example is cut, and a warning says when many are
+  learning_rate 5e-5, warmup 10%      of the derived steps (train.warmup_steps=-1), then cosine decay to 10%
+  batch 16, weight decay 0.01, Adam b2 0.999, bucketed batching (similar lengths together, little padding)
+Any of these set on the command line wins (e.g. --config.train.steps=200 --config.data.seq_len=64).
 """
 
 import os
@@ -37,18 +46,20 @@ def get_config():
   config.data.eval_files = ("runs/topics/eval.csv",)
   config.data.text_column = "text"
   config.data.label_column = "label"
-  config.data.seq_len = 32  # tokens per example; longer texts are cut and counted (truncation_rate)
+  config.data.seq_len = 0  # chosen from the data; longer texts are cut, counted (truncation_rate) and warned about
   config.data.batching = "bucket"
-  config.train.steps = 60
+  config.train.steps = 0  # derived from train.epochs
+  config.train.epochs = 3.0
   config.train.batch_size = 16
-  config.train.learning_rate = 1e-4
-  config.train.warmup_steps = 6
+  config.train.learning_rate = 5e-5
+  config.train.warmup_steps = -1  # train.warmup_fraction of the steps
+  config.train.warmup_fraction = 0.1
   config.train.weight_decay = 0.01
   config.train.b2 = 0.999
-  config.train.eval_every_steps = 20
+  config.train.eval_every_steps = 0  # at the end; set it to follow the held-out metrics during training
   config.train.best_metric = "f1_macro"
-  config.checkpoint.every_steps = 20
+  config.checkpoint.every_steps = 100
   config.checkpoint.keep = 1
-  config.log.every_steps = 5
+  config.log.every_steps = 10
   config.log.sample_tokens = 0
   return config

@@ -19,7 +19,7 @@ Handling of bad rows, every case counted in the statistics or raised as a one-li
   * a label outside the classes (negative id, id >= number of classes, a name not in `data.labels`, an eval label
     never seen in training, a fractional number): an error naming the file, row and value;
   * a text longer than `data.seq_len` tokens: cut (longest-first for pairs) and counted (`truncated_examples`,
-    `truncation_rate`);
+    `truncation_rate`); data.seq_len=0 chooses the length from the training texts (jaxlm/fit.py);
   * a file that is missing, empty, binary or not UTF-8: an error naming the file (and the byte offset).
 
 Batching (`data.batching`): each batch is padded to its longest example rounded up to a power of two (>= 16, at
@@ -41,6 +41,7 @@ import jax
 import numpy as np
 import tokenizers
 
+from jaxlm import fit
 from jaxlm.config import DataConfig
 
 _LOADER_BY_SUFFIX = {".csv": "csv", ".tsv": "csv", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
@@ -79,6 +80,7 @@ class ClassificationData:
   train: Examples
   eval: Examples
   stats: dict[str, Any]  # flat numbers for the report: counts, label distribution, token-length percentiles
+  seq_len: int = 0  # the length the examples were cut to: data.seq_len, or the one chosen from the data
 
 
 # ----------------------------------------------------------------------------------------------- reading rows
@@ -266,8 +268,11 @@ def tokenize(tokenizer: tokenizers.Tokenizer, texts: list[str], pairs: list[str]
 
 
 def build_classification_data(config: DataConfig, tokenizer: tokenizers.Tokenizer, seed: int,
-                              cache_dir: str | None = None, vocab_size: int | None = None) -> ClassificationData:
-  """Reads, validates, splits and tokenizes the labelled rows described by `config` (module docstring)."""
+                              cache_dir: str | None = None, vocab_size: int | None = None,
+                              max_positions: int = 512) -> ClassificationData:
+  """Reads, validates, splits and tokenizes the labelled rows described by `config` (module docstring).
+  data.seq_len=0 chooses the length from the training rows' tokenized lengths (`jaxlm.fit.choose_seq_len`, at most
+  `max_positions`)."""
   if vocab_size is not None and tokenizer.get_vocab_size(with_added_tokens=True) > vocab_size:
     raise ValueError(f"the tokenizer has {tokenizer.get_vocab_size(with_added_tokens=True)} tokens but the model's "
                      f"vocabulary holds {vocab_size}; use the tokenizer that came with init_from")
@@ -321,6 +326,12 @@ def build_classification_data(config: DataConfig, tokenizer: tokenizers.Tokenize
     raise ValueError(f"the training data holds a single class ({names}); classification needs >= 2 (set "
                      f"data.labels to all class names if some are missing from this data)")
   index = {name: i for i, name in enumerate(names)}
+  if config.seq_len == 0:
+    pairs = [r[3] for r in train_rows] if config.text_pair_column else None
+    texts = [r[2] for r in train_rows]
+    encode_inputs = list(zip(texts, pairs)) if pairs is not None else texts
+    lengths = np.array([len(e.ids) for e in tokenizer.encode_batch(encode_inputs)], np.int64)
+    config = dataclasses.replace(config, seq_len=fit.choose_seq_len(lengths, max_positions))
   splits, full_lengths = {}, []
   for split, rows in (("train", train_rows), ("eval", eval_rows)):
     examples, lengths = tokenize(tokenizer, [r[2] for r in rows],
@@ -330,7 +341,7 @@ def build_classification_data(config: DataConfig, tokenizer: tokenizers.Tokenize
     full_lengths.append(lengths)
   return ClassificationData(names, splits["train"], splits["eval"],
                             data_statistics(splits["train"], splits["eval"], np.concatenate(full_lengths), names,
-                                            config.seq_len, skipped))
+                                            config.seq_len, skipped), config.seq_len)
 
 
 def _is_text(value: Any) -> bool:

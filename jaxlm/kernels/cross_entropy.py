@@ -105,11 +105,12 @@ def fused_cross_entropy(x_ND: jax.Array, table_VD: jax.Array, targets_N: jax.Arr
   none). `einsum` runs the matmuls (the registry's weight einsum)."""
   shards = _batch_shards(x_ND.shape[0])
   chunk = min(chunk, x_ND.shape[0] // shards)  # fewer tokens than a chunk: one chunk of them, no padding
-  return _fused(x_ND, table_VD, targets_N, weights_N, chunk, shards, einsum)
+  return _fused(x_ND, table_VD, targets_N, weights_N, chunk, shards, einsum, (x_ND.dtype, table_VD.dtype))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _fused(x_ND, table_VD, targets_N, weights_N, chunk, shards, einsum):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _fused(x_ND, table_VD, targets_N, weights_N, chunk, shards, einsum, dtypes):
+  del dtypes  # the dtypes of the gradients the backward pass returns
   def body(totals, xs):
     x_PCD, targets_PC, weights_PC = xs
     loss, correct, *_ = _chunk_stats(x_PCD, table_VD, targets_PC, weights_PC, einsum)
@@ -121,7 +122,7 @@ def _fused(x_ND, table_VD, targets_N, weights_N, chunk, shards, einsum):
   return loss, correct
 
 
-def _forward(x_ND, table_VD, targets_N, weights_N, chunk, shards, einsum):
+def _forward(x_ND, table_VD, targets_N, weights_N, chunk, shards, einsum, dtypes):
   n, compute_dtype = x_ND.shape[0], x_ND.dtype
 
   def body(carry, xs):
@@ -140,16 +141,20 @@ def _forward(x_ND, table_VD, targets_N, weights_N, chunk, shards, einsum):
   xs = tuple(_blocks(a, shards, chunk) for a in (x_ND, targets_N, weights_N))
   (loss, correct, dtable_PVD), dx_KPCD = jax.lax.scan(body, (zero, zero, dtable_PVD), xs)
   dx_ND = _unblocks(dx_KPCD, n)
-  residuals = (dx_ND.astype(compute_dtype), dtable_PVD.sum(axis=0).astype(table_VD.dtype), targets_N, weights_N)
+  # float16: the saved gradients stay f32. They are computed at loss scale 1; rounded to float16 before the
+  # backward pass multiplies them by the loss scale (jaxlm/loss_scale.py), their small values would flush to zero.
+  saved = jnp.float32 if compute_dtype == jnp.float16 else None
+  residuals = (dx_ND.astype(saved or compute_dtype), dtable_PVD.sum(axis=0).astype(saved or table_VD.dtype),
+               targets_N, weights_N)
   return (loss, correct), residuals
 
 
-def _backward(chunk, shards, einsum, residuals, cotangents):
+def _backward(chunk, shards, einsum, dtypes, residuals, cotangents):
   del chunk, shards, einsum
   dx_ND, dtable_VD, targets_N, weights_N = residuals
   g_loss = cotangents[0]  # the accuracy output has no gradient
-  dx = (g_loss * dx_ND.astype(jnp.float32)).astype(dx_ND.dtype)
-  dtable = (g_loss * dtable_VD.astype(jnp.float32)).astype(dtable_VD.dtype)
+  dx = (g_loss * dx_ND.astype(jnp.float32)).astype(dtypes[0])
+  dtable = (g_loss * dtable_VD.astype(jnp.float32)).astype(dtypes[1])
   # Integer targets take a float0 cotangent; the weights are data (a mask), not differentiated.
   return dx, dtable, jnp.zeros(targets_N.shape, jax.dtypes.float0), jnp.zeros_like(weights_N)
 

@@ -42,8 +42,13 @@ def _compiler_missing() -> str | None:
 
 
 def _cudnn_missing() -> str | None:
-  version = getattr(jax.devices()[0].client, "platform_version", "cuda").lower()  # "cuda 12080", "rocm ..."
-  return None if "cuda" in version else f"needs an NVIDIA GPU with cuDNN (this GPU runs {version})"
+  device = jax.devices()[0]
+  version = getattr(device.client, "platform_version", "cuda").lower()  # "cuda 12080", "rocm ..."
+  if "cuda" not in version:
+    return f"needs an NVIDIA GPU with cuDNN (this GPU runs {version})"
+  # cuDNN's fused (flash) attention needs Ampere or newer: a V100 (7.0) or T4 (7.5) keeps the XLA reference.
+  capability = getattr(device, "compute_capability", "8.0")
+  return None if float(capability) >= 8.0 else f"needs compute capability >= 8.0 (this GPU has {capability})"
 
 
 class Target(NamedTuple):
@@ -161,6 +166,8 @@ class Kernels:
   def einsum(self, subscripts: str, x: jax.Array, w, **kwargs) -> jax.Array:
     """An activation x weight contraction. A weight that is not a plain array (jaxlm.quant's int8 weights) takes
     the XLA path, where quantization intercepts jnp.einsum."""
+    if hasattr(w, "lora_einsum"):  # a jaxlm.lora.LoRAWeight: its base matmul (through here) plus the adapters
+      return w.lora_einsum(subscripts, x, self.einsum, **kwargs)
     if self.matmul == "blas" and isinstance(w, jax.Array):
       return cpu.einsum(subscripts, x, w)
     return xla.einsum(subscripts, x, w, **kwargs)
@@ -206,7 +213,7 @@ class Kernels:
 
   def gated_linear_unit(self, x_BTD, w_gate_DF, w_up_DF) -> jax.Array:
     """silu(x @ w_gate) * (x @ w_up): the gated half of Llama's MLP."""
-    if self.glu == "tokamax":
+    if self.glu == "tokamax" and isinstance(w_gate_DF, jax.Array) and isinstance(w_up_DF, jax.Array):
       return gpu.tokamax_glu(x_BTD, w_gate_DF, w_up_DF)
     return xla.glu(x_BTD, w_gate_DF, w_up_DF, self.einsum)
 

@@ -22,8 +22,8 @@ from jaxlm import kernels as kernels_lib
 from jaxlm.config import ModelConfig
 from jaxlm.kernels import Kernels
 from jaxlm.models.masks import cache_mask, causal_mask
-from jaxlm.models.layers import (MLP, Attention, Embed, GatedMLP, KVCache, LayerNorm, RMSNorm, Rotary, rotary_tables,
-                                 scan_blocks, stacked)
+from jaxlm.models.layers import (MLP, Attention, Embed, GatedMLP, KVCache, LayerKV, LayerNorm, RMSNorm, Rotary,
+                                 rotary_tables, scan_blocks, stacked)
 from jaxlm.precision import Policy
 from jaxlm.sharding import constrain, gather_fsdp
 
@@ -54,11 +54,11 @@ class Block(nnx.Module):
     x_BTD = x_BTD + self.mlp(self.mlp_norm(x_BTD))
     return constrain(x_BTD, RESIDUAL_AXES)
 
-  def decode(self, x_BTD, mask_BTS, rotary, k_BSGK, v_BSGK, end):
-    attn_BTD, k_BSGK, v_BSGK = self.attn.decode(self.attn_norm(x_BTD), mask_BTS, rotary, k_BSGK, v_BSGK, end)
+  def decode(self, x_BTD, mask_BTS, rotary, kv: LayerKV, end):
+    attn_BTD, kv = self.attn.decode(self.attn_norm(x_BTD), mask_BTS, rotary, kv, end)
     x_BTD = x_BTD + attn_BTD
     x_BTD = x_BTD + self.mlp(self.mlp_norm(x_BTD))
-    return constrain(x_BTD, RESIDUAL_AXES), k_BSGK, v_BSGK
+    return constrain(x_BTD, RESIDUAL_AXES), kv
 
 
 class GPT(nnx.Module):
@@ -121,19 +121,34 @@ class GPT(nnx.Module):
                 segment_ids_BT: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """(sum of w * cross-entropy, sum of w * [argmax == target]) over every token: the training loss, computed by
     `kernels.cross_entropy_sums` from the final hidden states (without [B, T, V] logits where the kernel allows)."""
-    features_BTD = self.features(input_ids_BT, positions_BT, segment_ids_BT)
+    return self.hidden_loss_sums(self.features(input_ids_BT, positions_BT, segment_ids_BT, final_norm=False),
+                                 targets_BT, weights_BT)
+
+  def hidden_loss_sums(self, x_BTD: jax.Array, targets_BT: jax.Array,
+                       weights_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`loss_sums` from the last block's output: final norm, output table, cross-entropy (the pipeline's head)."""
+    features_BTD = self.final_norm(x_BTD)
     b, t, d = features_BTD.shape
     return self.kernels.cross_entropy_sums(features_BTD.reshape(b * t, d), self.output_table(),
                                            targets_BT.reshape(b * t), weights_BT.reshape(b * t))
 
   def features(self, input_ids_BT: jax.Array, positions_BT: jax.Array | None = None,
-               segment_ids_BT: jax.Array | None = None) -> jax.Array:
+               segment_ids_BT: jax.Array | None = None, final_norm: bool = True) -> jax.Array:
     """The final-normed hidden states [B, T, D] in the compute dtype, before the vocabulary projection (the training
     loss, `kernels.cross_entropy_sums`, takes these and `output_table()` rather than [B, T, V] logits)."""
     if positions_BT is None:
       positions_BT = jnp.broadcast_to(jnp.arange(input_ids_BT.shape[1]), input_ids_BT.shape)
     if segment_ids_BT is None:
       segment_ids_BT = jnp.ones_like(input_ids_BT)
+    x_BTD = self.run_blocks(self._embed(input_ids_BT, positions_BT), positions_BT, segment_ids_BT)
+    return self.final_norm(x_BTD) if final_norm else x_BTD
+
+  def embed(self, input_ids_BT: jax.Array, positions_BT: jax.Array) -> jax.Array:
+    """The first block's input [B, T, D] (the pipeline's first stage runs this, then `run_blocks`)."""
+    return self._embed(input_ids_BT, positions_BT)
+
+  def run_blocks(self, x_BTD: jax.Array, positions_BT: jax.Array, segment_ids_BT: jax.Array) -> jax.Array:
+    """`self.blocks` applied to x [B, T, D]: all layers, or one pipeline stage's (its slice of the stacked blocks)."""
     # Without document masking every row is one causal sequence (the library kernels then get no mask at all).
     mask_BTS = causal_mask(segment_ids_BT if self.config.document_mask else jnp.ones_like(segment_ids_BT))
 
@@ -142,14 +157,14 @@ class GPT(nnx.Module):
     def body(block, x_BTD, _):
       return block(x_BTD, mask_BTS, rotary), None
 
-    x_BTD, _ = scan_blocks(self.blocks, body, self._embed(input_ids_BT, positions_BT), self.kernels)
-    return self.final_norm(x_BTD)
+    x_BTD, _ = scan_blocks(self.blocks, body, x_BTD, self.kernels)
+    return x_BTD
 
-  def init_cache(self, batch: int, slots: int) -> KVCache:
-    """An empty KV cache of `slots` positions per row, in the compute dtype."""
+  def init_cache(self, batch: int, slots: int, quantized: bool = False) -> KVCache:
+    """An empty KV cache of `slots` positions per row, in the compute dtype (or int8 with per-token scales)."""
     c = self.config
     return KVCache.zeros(c.num_layers, batch, slots, c.num_kv_heads or c.num_heads, c.head_dim,
-                         self.policy.compute_dtype)
+                         self.policy.compute_dtype, quantized)
 
   def decode(self, input_ids_BT: jax.Array, cache: KVCache, positions_BT: jax.Array | None = None,
              segment_ids_BT: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
@@ -169,9 +184,9 @@ class GPT(nnx.Module):
     rotary = self._rotary(positions_BT)
 
     def body(block, x_BTD, kv):
-      x_BTD, k_BSGK, v_BSGK = block.decode(x_BTD, mask_BTS, rotary, *kv, cache.end)
-      return x_BTD, (k_BSGK, v_BSGK)
+      return block.decode(x_BTD, mask_BTS, rotary, kv, cache.end)
 
-    x_BTD, (k_LBSGK, v_LBSGK) = scan_blocks(self.blocks, body, self._embed(input_ids_BT, positions_BT),
-                                             self.kernels, (cache.k_LBSGK, cache.v_LBSGK), remat=False)
-    return self._logits(x_BTD), KVCache(k_LBSGK, v_LBSGK, cache_segments_BS, cache.end + t)
+    x_BTD, kv = scan_blocks(self.blocks, body, self._embed(input_ids_BT, positions_BT), self.kernels,
+                            cache.layers(), remat=False)
+    return self._logits(x_BTD), KVCache(kv.k_BSGK, kv.v_BSGK, cache_segments_BS, cache.end + t, kv.k_scale_BSG,
+                                        kv.v_scale_BSG)
