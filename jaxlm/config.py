@@ -140,6 +140,10 @@ class LogConfig:
   sample_prompt: str = "def "  # prompt for the report's text sample
 
 
+# Growth stops here: the scaled loss and the scale itself stay far inside float32's range on any run length.
+LOSS_SCALE_MAX = 2.0**24
+
+
 @dataclasses.dataclass(frozen=True)
 class LossScaleConfig:
   """Dynamic loss scaling (jaxlm/loss_scale.py): used only when model.compute_dtype=float16; bf16/f32 never scale."""
@@ -272,10 +276,9 @@ def validate(config: Config) -> None:
 
 
 def validate_loss_scale(c: LossScaleConfig) -> None:
-  from jaxlm.loss_scale import MAX_SCALE  # the ceiling growth stops at
-
-  if not 0 < c.min <= c.init <= MAX_SCALE:
-    raise ValueError(f"loss_scale.init={c.init} and loss_scale.min={c.min} need 0 < min <= init <= {MAX_SCALE:g}")
+  if not 0 < c.min <= c.init <= LOSS_SCALE_MAX:
+    raise ValueError(f"loss_scale.init={c.init} and loss_scale.min={c.min} need "
+                     f"0 < min <= init <= {LOSS_SCALE_MAX:g}")
   if c.growth_interval < 1:
     raise ValueError(f"loss_scale.growth_interval={c.growth_interval} must be >= 1")
   if not c.factor > 1:

@@ -8,7 +8,7 @@ optimizer update (which therefore see the true gradients). The scale adapts:
   overflow   the loss is finite but a gradient is inf/nan: the update is skipped (params and optimizer state keep
              their values), the scale is divided by `factor` (not below `min_scale`), the good-step count restarts
   good step  the update is applied: one more good step; after `growth_interval` of them the scale is multiplied by
-             `factor` (up to MAX_SCALE) and the count restarts
+             `factor` (up to LOSS_SCALE_MAX) and the count restarts
   other      a skip for another reason (a non-finite loss, i.e. the forward pass itself, or a non-finite update)
              leaves the scale alone: it is not the scale's doing
 
@@ -32,10 +32,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxlm import optim, sharding
-from jaxlm.config import Config
+from jaxlm.config import LOSS_SCALE_MAX, Config
 
-# Growth stops here: the scaled loss and the scale itself stay far inside float32's range on any run length.
-MAX_SCALE = 2.0**24
 
 LossScaleState = dict  # {"scale": f32 [], "good_steps": int32 [], "overflow_steps": int32 []}
 
@@ -76,7 +74,7 @@ class DynamicLossScale:
     overflow = gradient_overflow & (scale > self.min_scale)
     grow = applied & (good + 1 >= self.growth_interval)
     new_scale = jnp.where(gradient_overflow, jnp.maximum(scale / self.factor, self.min_scale),
-                          jnp.where(grow, jnp.minimum(scale * self.factor, MAX_SCALE), scale))
+                          jnp.where(grow, jnp.minimum(scale * self.factor, LOSS_SCALE_MAX), scale))
     new_good = jnp.where(applied & ~grow, good + 1, jnp.where(applied | gradient_overflow, 0, good))
     new_state = {"scale": new_scale.astype(jnp.float32), "good_steps": new_good.astype(jnp.int32),
                  "overflow_steps": state["overflow_steps"] + overflow.astype(jnp.int32)}

@@ -2,7 +2,7 @@
 compiling, from the layout jaxlm/pipeline.py runs:
 
   - stage s holds model.num_layers / S consecutive blocks; the embeddings, final norm and head are replicated over
-    the pipeline axis, so every stage's state is that of a model of L/S layers (`stage_model`), sharded over the
+    the pipeline axis, so every stage's state is that of a model of L/S layers (`stage_config`), sharded over the
     stage's data and FSDP axes;
   - the train.grad_accum = M micro-batches flow through the stages; between its forward and backward a stage keeps
     only the [b, T, D] input of each micro-batch in flight (`pipeline.stash_slots`: M for gpipe, at most 2S - 1 for

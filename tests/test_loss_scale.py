@@ -20,8 +20,9 @@ from jaxlm import kernels as kernels_lib
 from jaxlm import loss_scale, optim, reliability, sharding, train
 from jaxlm import steps as steps_lib
 from jaxlm.checkpoint import CheckpointMismatchError, Checkpointer
-from jaxlm.config import (CheckpointConfig, Config, DataConfig, KernelsConfig, LogConfig, LossScaleConfig,
-                          MeshConfig, ModelConfig, TrainConfig, from_config_dict, default_config)
+from jaxlm.config import (LOSS_SCALE_MAX, CheckpointConfig, Config, DataConfig, KernelsConfig, LogConfig,
+                          LossScaleConfig, MeshConfig, ModelConfig, TrainConfig, from_config_dict,
+                          default_config)
 from jaxlm.models.gpt import GPT
 
 MODEL = ModelConfig(vocab_size=320, num_layers=1, d_model=64, num_heads=4, max_seq_len=32, compute_dtype="float16",
@@ -90,8 +91,8 @@ def test_the_scale_falls_on_overflow_grows_after_n_good_steps_and_stays_within_f
   assert (scale, overflow) == (2.0, 0.0)
   assert int(state["overflow_steps"]) == 3
 
-  ceiling = dataclasses.replace(rule, initial_scale=loss_scale.MAX_SCALE, growth_interval=1)
-  assert float(ceiling.update(ceiling.init(), finite, finite, jnp.asarray(True))[0]["scale"]) == loss_scale.MAX_SCALE
+  ceiling = dataclasses.replace(rule, initial_scale=LOSS_SCALE_MAX, growth_interval=1)
+  assert float(ceiling.update(ceiling.init(), finite, finite, jnp.asarray(True))[0]["scale"]) == LOSS_SCALE_MAX
 
 
 def test_loss_scale_keys_are_validated_with_one_line_errors():
