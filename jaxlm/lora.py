@@ -27,7 +27,7 @@ import flax
 import jax
 import jax.numpy as jnp
 import optax
-from flax import nnx
+from flax import nnx, traverse_util
 from jax.sharding import Mesh, NamedSharding
 
 from jaxlm import quant, sharding
@@ -100,23 +100,8 @@ nnx.register_data_type(LoRAWeight)
 # ----------------------------------------------------------------------------------------------- the plan
 
 
-def _flat(tree: dict, prefix: str = "") -> dict[str, Any]:
-  out = {}
-  for key, value in tree.items():
-    path = f"{prefix}{key}"
-    out.update(_flat(value, path + "/") if isinstance(value, dict) else {path: value})
-  return out
-
-
-def _nested(flat: dict[str, Any]) -> dict:
-  tree: dict = {}
-  for path, value in flat.items():
-    node = tree
-    *parents, leaf = path.split("/")
-    for key in parents:
-      node = node.setdefault(key, {})
-    node[leaf] = value
-  return tree
+_flat = lambda tree: traverse_util.flatten_dict(tree, sep="/")  # {"a/b/c": leaf}
+_nested = lambda flat: traverse_util.unflatten_dict(flat, sep="/")
 
 
 def num_inputs(path: str) -> int:

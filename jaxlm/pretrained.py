@@ -14,12 +14,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import tokenizers
-from flax import nnx
+from flax import nnx, traverse_util
 from jax.sharding import Mesh
 
 from jaxlm import hf, sharding
@@ -143,20 +142,5 @@ def merge_pretrained(state_params: dict, pretrained: dict, shardings: dict, wher
   return _unflatten(flat_state), kept_random
 
 
-def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
-  out = {}
-  for key, value in tree.items():
-    path = f"{prefix}{key}"
-    out.update(_flatten(value, path + "/") if isinstance(value, dict) else {path: value})
-  return out
-
-
-def _unflatten(flat: dict[str, Any]) -> dict:
-  tree: dict = {}
-  for path, value in flat.items():
-    node = tree
-    *parents, leaf = path.split("/")
-    for key in parents:
-      node = node.setdefault(key, {})
-    node[leaf] = value
-  return tree
+_flatten = lambda tree: traverse_util.flatten_dict(tree, sep="/")  # {"a/b/c": leaf}
+_unflatten = lambda flat: traverse_util.unflatten_dict(flat, sep="/")
