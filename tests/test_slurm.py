@@ -28,6 +28,7 @@ from jaxlm import train
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SBIN_PATH = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])
 PROGRAMS = ("munged", "slurmctld", "slurmd", "sbatch", "scancel", "scontrol", "squeue", "sinfo")
+CRED_EXPIRE_S = 5  # seconds a killed job's credential stays revoked (slurm.conf AuthInfo; the default is 120)
 TIMEOUT_S = 300  # for any one wait below: generous, as a shared 2-core CI machine can be slow; a hang still ends
 
 OVERRIDES = {
@@ -82,7 +83,7 @@ SlurmdPort={slurmd_port}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
-AuthInfo=socket={dir}/munge/socket
+AuthInfo=socket={dir}/munge/socket,cred_expire={cred_expire_s}
 CredType=cred/munge
 StateSaveLocation={dir}/state
 SlurmdSpoolDir={dir}/spool
@@ -131,8 +132,9 @@ class Cluster:
     # Job ids set the port of JAX's coordinator (jax.distributed's SLURM detection); a random first id keeps two
     # runs of this module on one machine apart.
     with open(self.env["SLURM_CONF"], "w") as f:
-      f.write(SLURM_CONF.format(dir=self.folder, ctld_port=_free_port(), slurmd_port=_free_port(),
-                                cpus=os.cpu_count(), first_job_id=random.randrange(1000, 60000)))
+      f.write(SLURM_CONF.format(dir=self.folder, cred_expire_s=CRED_EXPIRE_S, ctld_port=_free_port(),
+                                slurmd_port=_free_port(), cpus=os.cpu_count(),
+                                first_job_id=random.randrange(1000, 60000)))
     self._daemon("slurmctld", "-D", "-f", self.env["SLURM_CONF"])
     self._daemon("slurmd", "-D", "-N", "localhost", "-f", self.env["SLURM_CONF"])
     _wait_until("the node to be idle", lambda: self.command("sinfo", "-h", "-o", "%t", check=False) == "idle")
@@ -273,7 +275,10 @@ def test_sigterm_to_the_job_saves_exits_0_and_the_requeued_job_resumes_with_the_
     assert "the training step exited with status 0" in log and f"job {job_id} requeued" in log, log
     assert str(stop_step) in os.listdir(workdir / "checkpoints")
 
-    # SLURM holds a requeued job back for a while; the test lets it start now.
+    # SLURM holds a requeued job back until its old credential expires (cred_expire, 120 s by default); started
+    # sooner, slurmd refuses it ("Job credential revoked", exit 1). Past that, the test starts it instead of
+    # waiting for the next scheduling pass.
+    time.sleep(CRED_EXPIRE_S + 1)
     cluster.command("scontrol", "update", f"JobId={job_id}", "StartTime=now")
     _wait_until("the requeued job to finish",
                 lambda: text().count("the training step exited") == 2 and cluster.job(job_id)["JobState"] in ENDED,
