@@ -36,3 +36,24 @@ def load_script(relative_path: str):
     sys.modules[name] = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(sys.modules[name])
   return sys.modules[name]
+
+
+def write_token_corpus(path) -> None:
+  """300 JSONL documents of 5-30 random code-like words: a tiny corpus for multi-process and launcher runs."""
+  import json  # noqa: PLC0415
+  import numpy as np  # noqa: PLC0415
+  rng = np.random.default_rng(0)
+  words = ["alpha", "beta", "gamma", "return", "def", "(", ")", ":", "=", "1"]
+  with open(path, "w") as f:
+    for _ in range(300):
+      f.write(json.dumps({"text": " ".join(rng.choice(words, size=rng.integers(5, 30)))}) + "\n")
+
+
+def demo_config(overrides: dict):
+  """experiments/configs/demo.py with `section.key` overrides (as the scripts' --config.section.key flags)."""
+  from jaxlm import config as config_lib  # noqa: PLC0415
+  cd = load_script("experiments/configs/demo.py").get_config()
+  for key, value in overrides.items():
+    section, name = key.split(".")
+    cd[section][name] = (value,) if name == "train_files" else value
+  return config_lib.from_config_dict(cd)

@@ -2,7 +2,6 @@
 after a collective checkpoint and resumed by a second launch, computes the same per-step losses as one process with
 four devices running straight through."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -10,7 +9,7 @@ import sys
 
 import numpy as np
 
-from jaxlm import config as config_lib
+from conftest import demo_config, write_token_corpus
 from jaxlm import distributed, train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -23,25 +22,6 @@ OVERRIDES = {
 }
 
 
-def _write_corpus(path):
-  rng = np.random.default_rng(0)
-  words = ["alpha", "beta", "gamma", "return", "def", "(", ")", ":", "=", "1"]
-  with open(path, "w") as f:
-    for _ in range(300):
-      f.write(json.dumps({"text": " ".join(rng.choice(words, size=rng.integers(5, 30)))}) + "\n")
-
-
-def _demo_config(overrides):
-  spec = importlib.util.spec_from_file_location("demo_config", os.path.join(ROOT, "experiments/configs/demo.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  cd = module.get_config()
-  for key, value in overrides.items():
-    section, name = key.split(".")
-    cd[section][name] = (value,) if name == "train_files" else value
-  return config_lib.from_config_dict(cd)
-
-
 def _losses(workdir):
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     return [json.loads(line)["loss"] for line in f]
@@ -49,7 +29,7 @@ def _losses(workdir):
 
 def test_two_processes_stopped_and_resumed_match_one_process(tmp_path):
   corpus = tmp_path / "corpus.jsonl"
-  _write_corpus(corpus)
+  write_token_corpus(corpus)
   overrides = dict(OVERRIDES, **{"data.train_files": str(corpus)})
   flags = [f"--config.{k}={v}" for k, v in overrides.items()]
   # local.sh replaces the device count in XLA_FLAGS and keeps the suite's cheaper compile settings (conftest.py).
@@ -64,7 +44,7 @@ def test_two_processes_stopped_and_resumed_match_one_process(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
   assert {"2", "4"} <= set(os.listdir(tmp_path / "two" / "checkpoints"))
 
-  train.train(_demo_config(overrides), str(tmp_path / "one"))
+  train.train(demo_config(overrides), str(tmp_path / "one"))
   one, two = _losses(tmp_path / "one"), _losses(tmp_path / "two")
   assert len(one) == len(two) == 4
   np.testing.assert_allclose(two, one, rtol=1e-5)

@@ -7,7 +7,6 @@ both tasks must save a checkpoint and exit 0, the job requeue itself, and its se
 per-step losses as one uninterrupted process.
 """
 
-import importlib.util
 import json
 import os
 import random
@@ -21,8 +20,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import xla_flags_without_device_count
-from jaxlm import config as config_lib
+from conftest import demo_config, write_token_corpus, xla_flags_without_device_count
 from jaxlm import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -203,25 +201,6 @@ def cluster(tmp_path_factory):
     cluster.stop()
 
 
-def _write_corpus(path):
-  rng = np.random.default_rng(0)
-  words = ["alpha", "beta", "gamma", "return", "def", "(", ")", ":", "=", "1"]
-  with open(path, "w") as f:
-    for _ in range(300):
-      f.write(json.dumps({"text": " ".join(rng.choice(words, size=rng.integers(5, 30)))}) + "\n")
-
-
-def _config(overrides):
-  spec = importlib.util.spec_from_file_location("demo_config", os.path.join(ROOT, "experiments/configs/demo.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  cd = module.get_config()
-  for key, value in overrides.items():
-    section, name = key.split(".")
-    cd[section][name] = (value,) if name == "train_files" else value
-  return config_lib.from_config_dict(cd)
-
-
 def _losses(workdir):
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     return {line["step"]: line["loss"] for line in map(json.loads, f)}
@@ -229,7 +208,7 @@ def _losses(workdir):
 
 def test_sigterm_to_the_job_saves_exits_0_and_the_requeued_job_resumes_with_the_same_losses(cluster, tmp_path):
   corpus = tmp_path / "corpus.jsonl"
-  _write_corpus(corpus)
+  write_token_corpus(corpus)
   overrides = dict(OVERRIDES, **{"data.train_files": str(corpus)})
   workdir = tmp_path / "run"
   (tmp_path / "slow_train_lm.py").write_text(SLOW_TRAIN_LM)
@@ -292,7 +271,7 @@ def test_sigterm_to_the_job_saves_exits_0_and_the_requeued_job_resumes_with_the_
   report = (workdir / "report.md").read_text()
   assert re.search(rf"resumed_from_step\W+{stop_step}\b", report), report
 
-  train.train(_config(overrides), str(tmp_path / "one"))  # one process, four devices, straight through
+  train.train(demo_config(overrides), str(tmp_path / "one"))  # one process, four devices, straight through
   one, two = _losses(tmp_path / "one"), _losses(workdir)
   assert sorted(two) == sorted(one) == list(range(1, OVERRIDES["train.steps"] + 1))
   np.testing.assert_allclose([two[s] for s in sorted(two)], [one[s] for s in sorted(one)], rtol=1e-5)
