@@ -7,8 +7,10 @@ Variants: fp32, bf16 (params and compute), int8 weight-only, int8 W8A8 (static i
 --calibration_batches training batches), int8 W8A8 dynamic (per-token scales), both again after SmoothQuant smoothing
 (strength --smoothing, measured on the same batches), --sparsity magnitude pruning (one global threshold, and per
 layer: each matrix of each layer), Wanda pruning (|W| * input norm per output row, on the same batches), 2:4 pruning by
-magnitude and by Wanda's score, and int8 weight-only on top of each pruning (--prune_finetune_steps > 0 first
-fine-tunes the pruned models with their masks kept; the rows then also give the metric before that fine-tune).
+magnitude and by Wanda's score, SparseGPT (per-row masks chosen with a per-layer reconstruction of the kept weights,
+on the same batches; 50% and 2:4), and int8 weight-only on top of each pruning (--prune_finetune_steps > 0 first
+fine-tunes the pruned models with their masks kept; the rows then also give the metric before that fine-tune, and
+"fp32 fine-tuned" is the same fine-tune of the dense model, the control).
 For each: the task metric on the run's held-out data, latency of one forward on an eval
 batch (best of --repeats after warm-up, on the run's mesh), throughput, parameter bytes and the orbax checkpoint's
 size on disk (written under <workdir>/optimize/<variant>/). Writes <workdir>/optimize.json (flat numbers and
@@ -31,6 +33,8 @@ _REPEATS = flags.DEFINE_integer("repeats", 10, "timed forwards per variant (afte
 _MAX_EVAL = flags.DEFINE_integer("max_eval_batches", 64, "LM: cap on held-out batches (each sequence once)")
 _PRUNE_STEPS = flags.DEFINE_integer("prune_finetune_steps", 0, "fine-tune steps after pruning (masks kept)")
 _PRUNE_LR = flags.DEFINE_float("prune_finetune_lr", 1e-4, "constant AdamW learning rate of that fine-tune")
+_PRUNE_SEED = flags.DEFINE_integer("prune_finetune_seed", 0, "classifier runs: seed of that fine-tune's batch order "
+                                   "(a second seed shows the noise of the comparison)")
 _KEEP = flags.DEFINE_bool("keep_checkpoints", False, "keep <workdir>/optimize/<variant> checkpoints")
 _SMOOTHING = flags.DEFINE_float("smoothing", 0.5, "SmoothQuant strength (alpha, in [0, 1]) of the smooth variants")
 _SPARSITY = flags.DEFINE_float("sparsity", 0.5, "fraction of weights the unstructured pruning variants zero")
@@ -44,8 +48,9 @@ flags.mark_flags_as_required(["workdir"])
 
 REPORT_BEGIN, REPORT_END = "<!-- optimize:begin -->", "<!-- optimize:end -->"
 VARIANTS = ("fp32", "bf16", "int8 weight-only", "int8 W8A8", "int8 W8A8 dynamic", "int8 W8A8 smooth",
-            "int8 W8A8 smooth dynamic", "50% magnitude", "50% magnitude per layer", "50% wanda", "2:4", "2:4 wanda",
-            "50% magnitude + int8", "50% per layer + int8", "50% wanda + int8", "2:4 + int8", "2:4 wanda + int8")
+            "int8 W8A8 smooth dynamic", "fp32 fine-tuned", "50% magnitude", "50% magnitude per layer", "50% wanda",
+            "50% sparsegpt", "2:4", "2:4 wanda", "2:4 sparsegpt", "50% magnitude + int8", "50% per layer + int8",
+            "50% wanda + int8", "50% sparsegpt + int8", "2:4 + int8", "2:4 wanda + int8", "2:4 sparsegpt + int8")
 
 
 def variant_names(sparsity: float) -> tuple[str, ...]:
@@ -167,7 +172,7 @@ def load_classifier(workdir: str, config) -> Task:
   stride = max(1, len(train_batches) // max(_CALIBRATION.value, 1))
   calibration = train_batches[::stride][:_CALIBRATION.value]
   steps = max(_PRUNE_STEPS.value, 1)
-  order = np.concatenate([np.random.default_rng(s).permutation(len(train_batches))
+  order = np.concatenate([np.random.default_rng(s + 1000 * _PRUNE_SEED.value).permutation(len(train_batches))
                           for s in range(-(-steps // len(train_batches)))])
   return Task("classifier", model.config,
               lambda c: BertForSequenceClassification(c, num_labels, rngs=nnx.Rngs(0)), model, mesh, evaluate,
@@ -191,10 +196,13 @@ def variants(task: Task):
     nnx.replace_by_pure_dict(abstract, cast)
     return nnx.merge(graphdef, abstract)
 
-  def pruned(make_masks):
+  def pruned(make_masks, reconstructs=False):
     def build():
-      masks = make_masks(task.model)
-      model = prune.apply_masks(task.model, masks)
+      if reconstructs:  # SparseGPT: the kept weights change too
+        model, masks = make_masks(task.model)
+      else:
+        masks = make_masks(task.model)
+        model = prune.apply_masks(task.model, masks)
       before = {}
       if task.train_batches:
         before = {f"{k}_before_finetune": v for k, v in task.evaluate(quant_io.place(model, task.mesh)).items()
@@ -225,6 +233,10 @@ def variants(task: Task):
   wanda_unstructured = cached("wanda", pruned(wanda("unstructured")))
   two_four = cached("2:4", pruned(prune.two_four_masks))
   wanda_two_four = cached("2:4 wanda", pruned(wanda("2:4")))
+  sparsegpt = lambda pattern: pruned(lambda m: prune.sparsegpt(  # noqa: E731
+      m, sparsity if pattern == "unstructured" else 0.5, task.calibration, task.forward, pattern), reconstructs=True)
+  sparsegpt_unstructured = cached("sparsegpt", sparsegpt("unstructured"))
+  sparsegpt_two_four = cached("2:4 sparsegpt", sparsegpt("2:4"))
   int8_on = lambda build: lambda: (quant.quantize(build()[0], "weight_only"), {})  # noqa: E731
   float_only = lambda build: lambda: (build(), {})  # noqa: E731
   builds = [
@@ -236,16 +248,22 @@ def variants(task: Task):
       ("int8 W8A8 smooth", float_only(lambda: quant.quantize(task.model, "w8a8", smoothing=smoothing, **calibrated))),
       ("int8 W8A8 smooth dynamic",
        float_only(lambda: quant.quantize(task.model, "w8a8_dynamic", smoothing=smoothing, **calibrated))),
+      # The control: the same fine-tune with nothing pruned, what the steps alone lift the model by.
+      ("fp32 fine-tuned", cached("dense", pruned(lambda m: prune.magnitude_masks(m, 0.0, per_layer=True)))),
       ("50% magnitude", magnitude),
       ("50% magnitude per layer", per_layer),
       ("50% wanda", wanda_unstructured),
+      ("50% sparsegpt", sparsegpt_unstructured),
       ("2:4", two_four),
       ("2:4 wanda", wanda_two_four),
+      ("2:4 sparsegpt", sparsegpt_two_four),
       ("50% magnitude + int8", int8_on(magnitude)),
       ("50% per layer + int8", int8_on(per_layer)),
       ("50% wanda + int8", int8_on(wanda_unstructured)),
+      ("50% sparsegpt + int8", int8_on(sparsegpt_unstructured)),
       ("2:4 + int8", int8_on(two_four)),
       ("2:4 wanda + int8", int8_on(wanda_two_four)),
+      ("2:4 sparsegpt + int8", int8_on(sparsegpt_two_four)),
   ]
   assert tuple(name for name, _ in builds) == VARIANTS
   return [(shown, build) for shown, (_, build) in zip(variant_names(sparsity), builds)]

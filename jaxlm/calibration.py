@@ -48,12 +48,15 @@ class InputStats(NamedTuple):
   absmax: np.ndarray  # [calls, L, *C]: each call's (batch's) input absmax per channel; no L when unstacked
   sumsq: np.ndarray  # [L, *C]: the input's sum of squares per channel over every call
   stacked: bool
+  gram: np.ndarray | None = None  # [L, n, n] (n = prod C, flattened): X^T X over every call, float64; if asked
 
 
-def input_statistics(model: nnx.Module, batches: list[Any], forward: Callable[[nnx.Module, Any], Any]) -> dict:
+def input_statistics(model: nnx.Module, batches: list[Any], forward: Callable[[nnx.Module, Any], Any],
+                     gram: bool = False) -> dict:
   """What every quantizable weight's matmul reads over `batches`, per input channel (the weight's contracted axes C):
 
-    {parameter path: InputStats}; weights no matmul read (lookup-only tables) are absent."""
+    {parameter path: InputStats}; weights no matmul read (lookup-only tables) are absent. `gram` also sums each
+    input's Gram matrix X^T X (SparseGPT's Hessian; a [C, C] transfer per matmul per batch, so only when asked)."""
   check_calibration(batches, getattr(getattr(model, "config", None), "vocab_size", None))
   graphdef, state = nnx.split(model)
   probed = jax.tree.map(lambda x: x, state)
@@ -67,18 +70,20 @@ def input_statistics(model: nnx.Module, batches: list[Any], forward: Callable[[n
     tag = jnp.arange(next_tag, next_tag + layers, dtype=jnp.int32) if layers else jnp.int32(next_tag)
     tags["/".join(map(str, path))] = (next_tag, layers)
     next_tag += max(layers, 1)
-    variable.set_value(quant.Probe(value, tag))
+    variable.set_value(quant.Probe(value, tag, gram))
   probe_def, probe_state = nnx.split(quant.with_interception(nnx.merge(graphdef, probed)))
   key = (probe_def, forward)
   if key not in _PROBE_RUNS:  # one compile per model structure and forward, whatever the batches or weights
     _PROBE_RUNS[key] = jax.jit(lambda s, batch: forward(nnx.merge(probe_def, s), batch))
   run = _PROBE_RUNS[key]
   quant.PROBE_RECORDS.clear()
+  quant.PROBE_GRAMS.clear()
   for batch in batches:
     jax.block_until_ready(run(probe_state, batch))
   jax.effects_barrier()
-  records = dict(quant.PROBE_RECORDS)
+  records, grams = dict(quant.PROBE_RECORDS), dict(quant.PROBE_GRAMS)
   quant.PROBE_RECORDS.clear()
+  quant.PROBE_GRAMS.clear()
   statistics = {}
   for name, (first, layers) in tags.items():
     per_tag = [records.get(t) for t in range(first, first + max(layers, 1))]
@@ -86,7 +91,11 @@ def input_statistics(model: nnx.Module, batches: list[Any], forward: Callable[[n
       continue  # never multiplied (a lookup-only table)
     absmax = np.stack([np.stack([a for a, _ in r]) for r in per_tag], axis=1)  # [calls, L or 1, *C]
     sumsq = np.stack([np.sum([q for _, q in r], axis=0) for r in per_tag])  # [L or 1, *C]
-    statistics[name] = InputStats(absmax if layers else absmax[:, 0], sumsq if layers else sumsq[0], bool(layers))
+    gram_matrices = np.stack([grams[t] for t in range(first, first + max(layers, 1))]) if gram else None
+    if gram_matrices is not None and not layers:
+      gram_matrices = gram_matrices[0]
+    statistics[name] = InputStats(absmax if layers else absmax[:, 0], sumsq if layers else sumsq[0], bool(layers),
+                                  gram_matrices)
   return statistics
 
 

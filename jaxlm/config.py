@@ -13,6 +13,9 @@ from typing import Any
 
 import ml_collections
 
+CLASSIFIER_POOLINGS = ("cls", "mean", "auto")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
   vocab_size: int = 8192  # tokens; the BPE tokenizer is trained to this size when none is given
@@ -32,6 +35,9 @@ class ModelConfig:
   rope_theta: float = 10000.0  # rotary position base of the llama flavour
   tie_embeddings: bool = True  # the output projection reuses the token embedding (GPT-2 always; Llama often not)
   type_vocab_size: int = 2  # bert: token types (sentence A/B) in the token-type embedding
+  classifier_pooling: str = "cls"  # bert classifiers: cls (HF's tanh pooler on [CLS]) | mean (mean of the tokens'
+                                   # last hidden states, as sentence-transformers models are trained) | auto (fine-
+                                   # tuning: what init_from was trained for: mean with a mean-pooling 1_Pooling/)
 
   @property
   def mlp_width(self) -> int:
@@ -118,6 +124,8 @@ class TrainConfig:
   b1: float = 0.9  # Adam beta1
   b2: float = 0.95  # Adam beta2
   eps: float = 1e-8  # Adam epsilon
+  layer_lr_decay: float = 1.0  # layer-wise learning-rate decay: block l of L learns at decay^(L-1-l) x the rate, the
+                               # embeddings at decay^L, the head at 1 (1 = off; fine-tuning's config uses 0.8)
   grad_clip: float = 1.0  # global-norm clipping threshold (0 = off)
   eval_every_steps: int = 0  # run eval on held-out data every N steps (0 = only at the end)
   eval_batches: int = 4  # batches per eval
@@ -239,6 +247,9 @@ def validate(config: Config) -> None:
     raise ValueError(f"train.batch_size={t.batch_size} is not divisible by train.grad_accum={t.grad_accum}")
   if m.flavour not in ("gpt2", "llama", "bert"):
     raise ValueError(f"model.flavour={m.flavour!r} is not one of gpt2, llama, bert")
+  if m.classifier_pooling not in CLASSIFIER_POOLINGS:
+    raise ValueError(f"model.classifier_pooling={m.classifier_pooling!r} is not one of "
+                     f"{', '.join(CLASSIFIER_POOLINGS)}")
   if m.num_kv_heads < 0 or m.num_heads % (m.num_kv_heads or m.num_heads):
     raise ValueError(f"model.num_heads={m.num_heads} is not divisible by model.num_kv_heads={m.num_kv_heads}")
   if m.flavour == "llama" and m.head_dim % 2:
@@ -264,6 +275,8 @@ def validate(config: Config) -> None:
     raise ValueError(f"train.steps={t.steps} must be >= 1, or 0 with train.epochs > 0 (steps from the data)")
   if t.epochs < 0:
     raise ValueError(f"train.epochs={t.epochs} must be >= 0")
+  if not 0 < t.layer_lr_decay <= 1:
+    raise ValueError(f"train.layer_lr_decay={t.layer_lr_decay} must be in (0, 1]; 1 turns it off")
   if t.warmup_steps < -1 or not 0 <= t.warmup_fraction < 1:
     raise ValueError(f"train.warmup_steps={t.warmup_steps} must be >= 0, or -1 with 0 <= train.warmup_fraction < 1 "
                      f"(it is {t.warmup_fraction})")

@@ -43,7 +43,7 @@ import tokenizers
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxlm import evaluate, files, fit, hf, lora, optim, peft_io, reliability, telemetry, train
+from jaxlm import evaluate, files, fit, hf, lora, lora_io, optim, peft_io, reliability, telemetry, train
 from jaxlm import pretrained as pretrained_lib
 from jaxlm.config import Config
 from jaxlm.kernels import Kernels
@@ -165,8 +165,8 @@ def classification_task(config: Config, workdir: str, mesh: Mesh, kernels: Kerne
           len(saved_names) == num_labels and saved_names == [f"LABEL_{i}" for i in range(num_labels)]))
       params = pretrained.params if head_fits else {"bert": pretrained.params["bert"]}
       if "frozen" in state:  # LoRA: the checkpoint becomes the frozen base (jaxlm/lora.py); adapters start fresh
-        state, kept_random = lora.load_base(state, state_shardings, config.lora, make_model, mesh, lambda p, s: (
-            pretrained_lib.merge_pretrained(p, params, s, config.init_from)))
+        state, kept_random = lora_io.load_base(state, state_shardings, config.lora, make_model, mesh, params,
+                                               config.init_from, t.seed, strict=False)  # one leaf at a time
       else:
         state["params"], kept_random = pretrained_lib.merge_pretrained(state["params"], params,
                                                                        state_shardings["params"], config.init_from)
@@ -190,7 +190,7 @@ def classification_task(config: Config, workdir: str, mesh: Mesh, kernels: Kerne
     value = latest[t.best_metric]
     if evaluate.is_better(t.best_metric, value, best[1]):
       best = (step, value)
-      _save_best(workdir, graphdef, lora.merge(params), class_names, pretrained.tokenizer,
+      _save_best(workdir, graphdef, params, class_names, pretrained.tokenizer,  # LoRA: merged weight by weight
                  {"step": step, t.best_metric: value, **latest})
     return {f"eval_{k}": v for k, v in latest.items()
             if not k.startswith(("confusion/", "support/", "precision/", "recall/"))}

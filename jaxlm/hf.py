@@ -15,6 +15,7 @@ layers) at a time.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -25,7 +26,6 @@ import numpy as np
 from flax import nnx, traverse_util
 from jax.sharding import Mesh
 from safetensors import safe_open
-from safetensors.numpy import save_file
 
 from jaxlm import sharding
 from jaxlm.config import ModelConfig
@@ -236,6 +236,9 @@ def _model_from_hf_config(hf: dict, where: str, weight_names: set[str], c_dtype:
       return lambda rngs: BertForMaskedLM(config, rngs=rngs)
     if arch == "BertForSequenceClassification":
       labels = len(hf["id2label"]) if hf.get("id2label") else get("num_labels", 2)
+      # classifier_pooling: written by jaxlm for a mean-pooling head (the key ModernBERT's HF config uses)
+      need(hf.get("classifier_pooling", "cls") in ("cls", "mean"), "classifier_pooling", "cls, mean")
+      config = dataclasses.replace(config, classifier_pooling=hf.get("classifier_pooling", "cls"))
       return lambda rngs: BertForSequenceClassification(config, labels, rngs=rngs)
     raise ValueError(f"{where}: architectures={hf.get('architectures')} is not supported for bert (jaxlm supports "
                      "BertModel, BertForMaskedLM, BertForPreTraining, BertForSequenceClassification)")
@@ -273,6 +276,8 @@ def _hf_config(model: nnx.Module) -> dict:
   if isinstance(model, BertForSequenceClassification):
     out["id2label"] = {str(i): f"LABEL_{i}" for i in range(model.num_labels)}
     out["label2id"] = {f"LABEL_{i}": i for i in range(model.num_labels)}
+    if c.classifier_pooling == "mean":  # transformers' BertForSequenceClassification ignores it and pools [CLS]
+      out["classifier_pooling"] = "mean"
   return out
 
 
@@ -320,10 +325,24 @@ class _Weights:
 
 def from_pretrained(folder: str, *, mesh: Mesh | None = None, compute_dtype: str = "float32",
                     param_dtype: str = "float32") -> nnx.Module:
-  """The jaxlm model of an HF checkpoint folder (config.json + safetensors) of GPT-2, Llama or BERT.
+  """The jaxlm model (GPT, Bert, BertForMaskedLM or BertForSequenceClassification) of an HF checkpoint folder
+  (config.json + safetensors) of GPT-2, Llama or BERT: with `mesh`, each parameter made directly in its sharding
+  (`jaxlm.sharding.RULES`), else on the default device; one parameter on the host at a time."""
+  abstract, readers, weights = lazy_pretrained(folder, compute_dtype, param_dtype)
+  graphdef, abstract_state = nnx.split(abstract)
+  shardings = _flat(sharding.param_shardings(abstract_state, mesh)) if mesh is not None else {}
+  values = {path: _place(read(), shardings.get(path)) for path, read in readers.items()}
+  unused = sorted(n for n in set(weights.file_of) - weights.used if not n.endswith(IGNORED_SUFFIXES))
+  if unused:
+    logging.getLogger(__name__).warning("%s: %d tensors not used, e.g. %s", folder, len(unused), unused[0])
+  abstract_state.replace_by_pure_dict(_nested(values))
+  return nnx.merge(graphdef, abstract_state)
 
-  With `mesh`, every parameter is created directly in its sharding (`jaxlm.sharding.RULES`); without, on the
-  default device. Returns GPT, Bert, BertForMaskedLM or BertForSequenceClassification."""
+
+def lazy_pretrained(folder: str, compute_dtype: str = "float32", param_dtype: str = "float32"
+                    ) -> tuple[nnx.Module, dict[str, Callable[[], np.ndarray]], _Weights]:
+  """(abstract model, {parameter path: read(layer=None) -> its host array in `param_dtype`}, the weights) of an HF
+  folder: each read holds one parameter (stacked over layers, or its `layer`) and one HF tensor, then unmaps."""
   where = os.path.join(folder, "config.json")
   if not os.path.exists(where):
     raise ValueError(f"{where} not found: from_pretrained needs an HF checkpoint folder (config.json + safetensors)")
@@ -332,33 +351,31 @@ def from_pretrained(folder: str, *, mesh: Mesh | None = None, compute_dtype: str
   weights = _Weights(folder)
   make = _model_from_hf_config(hf_config, where, set(weights.file_of), compute_dtype, param_dtype)
   abstract = nnx.eval_shape(lambda: make(nnx.Rngs(0)))
-  graphdef, abstract_state = nnx.split(abstract)
-  shapes = {k: v.shape for k, v in _flat(abstract_state.to_pure_dict()).items()}
-  shardings = _flat(sharding.param_shardings(abstract_state, mesh)) if mesh is not None else {}
+  shapes = {k: v.shape for k, v in _flat(nnx.split(abstract)[1].to_pure_dict()).items()}
   rules, base_prefix = _rules(abstract)
   # Checkpoints of a bare base model (GPT2Model, LlamaModel, BertModel) have no `transformer.` / `model.` prefix.
   first = rules[0][2].hf
   if base_prefix and base_prefix + first not in weights.file_of and first in weights.file_of:
     rules = [("" if p == base_prefix else p, jp, r) for p, jp, r in rules]
-  dtype = DTYPES[param_dtype]
-  values = {}
-  for hf_prefix, jax_prefix, rule in rules:
-    paths = [jax_prefix + p for p in rule.jax]
-    layer_shapes = [shapes[p][1:] if rule.per_layer else shapes[p] for p in paths]
-    per_layer = [_to_jax(rule, weights.read(hf_prefix + rule.hf.format(i=i), rule.shape), layer_shapes)
-                 for i in (range(abstract.config.num_layers) if rule.per_layer else [0])]
-    for j, path in enumerate(paths):
-      host = np.stack([arrays[j] for arrays in per_layer]) if rule.per_layer else per_layer[0][j]
-      values[path] = _place(host.astype(dtype), shardings.get(path))
-    del per_layer
-  missing = sorted(set(shapes) - set(values))
-  if missing:  # a table bug, not a user error
-    raise AssertionError(f"jaxlm.hf has no HF name for parameter {missing[0]}")
-  unused = sorted(n for n in set(weights.file_of) - weights.used if not n.endswith(IGNORED_SUFFIXES))
-  if unused:
-    logging.getLogger(__name__).warning("%s: %d tensors not used, e.g. %s", folder, len(unused), unused[0])
-  abstract_state.replace_by_pure_dict(_nested(values))
-  return nnx.merge(graphdef, abstract_state)
+
+  def read(hf_prefix: str, rule: Rule, paths: list[str], j: int, layer: int | None = None) -> np.ndarray:
+    """The parameter, or one layer of a stacked one; the files are unmapped after (the pages leave the process)."""
+    try:
+      if not rule.per_layer:  # the tensor itself when it needs no cast: no second copy
+        hf = weights.read(hf_prefix + rule.hf, rule.shape)
+        return _to_jax(rule, hf, [shapes[p] for p in paths])[j].astype(DTYPES[param_dtype], copy=False)
+      out = np.empty(shapes[paths[j]][0 if layer is None else 1:], DTYPES[param_dtype])
+      for i in [layer] if layer is not None else range(abstract.config.num_layers):
+        hf = weights.read(hf_prefix + rule.hf.format(i=i), rule.shape)
+        out[... if layer is not None else i] = _to_jax(rule, hf, [shapes[p][1:] for p in paths])[j]  # as astype
+      return out
+    finally:
+      weights.handles.clear()
+
+  readers = {path: functools.partial(read, hf_prefix, rule, [jax_prefix + p for p in rule.jax], j)
+             for hf_prefix, jax_prefix, rule in rules for j, path in enumerate(jax_prefix + p for p in rule.jax)}
+  assert set(readers) == set(shapes), f"jaxlm.hf's tables miss {sorted(set(shapes) - set(readers))[:1]}"
+  return abstract, readers, weights
 
 
 def _place(host: np.ndarray, target: jax.sharding.Sharding | None) -> jax.Array:
@@ -376,23 +393,8 @@ def _to_host(x: jax.Array) -> np.ndarray:
 
 
 def save_pretrained(model: nnx.Module, folder: str) -> None:
-  """Writes config.json and model.safetensors that transformers' `from_pretrained` loads (process 0 writes)."""
-  hf_config = _hf_config(model)
-  params = {k: _to_host(v) for k, v in _flat(nnx.state(model, nnx.Param).to_pure_dict()).items()}
-  rules, _ = _rules(model)
-  tensors, used = {}, set()
-  for hf_prefix, jax_prefix, rule in rules:
-    arrays = [params[jax_prefix + p] for p in rule.jax]
-    used.update(jax_prefix + p for p in rule.jax)
-    for i in range(model.config.num_layers) if rule.per_layer else [None]:
-      out = _to_hf(rule, [a[i] for a in arrays] if rule.per_layer else arrays)
-      if out.shape != rule.shape:
-        raise ValueError(f"parameter {rule.jax[0]} gives HF tensor {rule.hf} of shape {out.shape}, not {rule.shape}")
-      tensors[hf_prefix + rule.hf.format(i=i)] = np.ascontiguousarray(out)
-  if set(params) - used:
-    raise ValueError(f"parameter {sorted(set(params) - used)[0]} has no HF counterpart; cannot save this model")
-  if jax.process_index() == 0:
-    os.makedirs(folder, exist_ok=True)
-    save_file(tensors, os.path.join(folder, WEIGHTS), metadata={"format": "pt"})
-    with open(os.path.join(folder, "config.json"), "w") as f:
-      json.dump(hf_config, f, indent=2)
+  """Writes config.json and model.safetensors that transformers' `from_pretrained` loads (process 0 writes), one
+  tensor at a time (`jaxlm.lora_io.save_model`; LoRA weights are written merged)."""
+  from jaxlm import lora_io  # noqa: PLC0415 (it builds on this module's tables)
+
+  lora_io.save_model(model, folder)

@@ -32,7 +32,7 @@ import tokenizers
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxlm import files, fit, generate, hf, lora, optim, peft_io, reliability, telemetry, train
+from jaxlm import files, fit, generate, hf, lora, lora_io, optim, peft_io, reliability, telemetry, train
 from jaxlm import pretrained as pretrained_lib
 from jaxlm import steps as steps_lib
 from jaxlm.config import Config, ModelConfig
@@ -71,6 +71,10 @@ def load_decoder(config: Config, mesh: Mesh) -> Decoder:
 
   if os.path.isdir(os.path.join(source, "checkpoints")):
     model_config, params = pretrained_lib.read_jaxlm_checkpoint(source, mesh, precision, check)
+  elif config.lora.rank:  # LoRA: each parameter is read when the quantized base takes it (jaxlm/lora_io.py)
+    model, params = lora_io.hf_source(source, **precision)
+    check(model.config)
+    model_config = model.config
   else:
     model = hf.from_pretrained(source, mesh=mesh, **precision)
     check(model.config)
@@ -132,11 +136,11 @@ def instruction_task(config: Config, workdir: str, mesh: Mesh, kernels: Kernels)
 
   def start(state: steps_lib.TrainState, start_step: int) -> steps_lib.TrainState:
     if start_step == 0:
-      load = lambda params, shardings: (place_params(decoder.params, params, shardings, config.init_from), None)
-      if "frozen" in state:  # LoRA: the checkpoint becomes the frozen base (jaxlm/lora.py); adapters start fresh
-        state, _ = lora.load_base(state, state_shardings, config.lora, make_model, mesh, load)
+      if "frozen" in state:  # LoRA: the checkpoint becomes the frozen base, one leaf at a time (jaxlm/lora_io.py)
+        state, _ = lora_io.load_base(state, state_shardings, config.lora, make_model, mesh, decoder.params,
+                                     config.init_from, t.seed)
       else:
-        state["params"] = load(state["params"], state_shardings["params"])[0]
+        state["params"] = place_params(decoder.params, state["params"], state_shardings["params"], config.init_from)
       # The base model's held-out loss, kept in the workdir so that a resumed run still reports it.
       before = steps_lib.evaluate(eval_step, steps_lib.model_params(state), eval_batches, mesh)
       files.write_json_on_process_0(os.path.join(workdir, START_EVAL), before)
@@ -161,7 +165,7 @@ def instruction_task(config: Config, workdir: str, mesh: Mesh, kernels: Kernels)
     examples = generated_examples(graphdef, params, decoder.tokenizer, data, config.log.sample_tokens,
                                   model_config, t.seed)
     # Every process joins the gathers; process 0 writes. LoRA: hf_model/ holds the merged weights.
-    hf.save_pretrained(nnx.merge(graphdef, lora.merge(params)), os.path.join(workdir, HF_MODEL))
+    hf.save_pretrained(nnx.merge(graphdef, params), os.path.join(workdir, HF_MODEL))  # merged one weight at a time
     if jax.process_index() == 0:
       decoder.tokenizer.save(os.path.join(workdir, HF_MODEL, "tokenizer.json"))
     result: dict[str, Any] = {f"start_{k}": v for k, v in _read_json(os.path.join(workdir, START_EVAL)).items()}

@@ -303,15 +303,21 @@ def state_bytes(state: dict) -> dict[str, int]:
 
 
 def init_train_state(lora: LoRAConfig, seed: int, mesh: Mesh, optimizer, make_model, abstract_state: nnx.State,
-                     abstract_only: bool = False) -> tuple[Plan, dict, dict]:
+                     abstract_only: bool = False, empty_base: bool = False) -> tuple[Plan, dict, dict]:
   """(plan, state, shardings) of a LoRA run, initialised directly in their shardings (see the module docstring).
-  `abstract_only`: the state as ShapeDtypeStructs with shardings, nothing allocated (for memory estimates)."""
+  `abstract_only`: the state as ShapeDtypeStructs with shardings, nothing allocated (for memory estimates).
+  `empty_base`: the frozen weights start as zeros, for a checkpoint to fill (`lora_io.load_base`), so that no float
+  copy of the base is ever built (XLA drops the unused random init)."""
   plan = make_plan(abstract_state, lora)
 
   def init():
     params = nnx.split(make_model(nnx.Rngs(seed)))[1].to_pure_dict()
     trainable = init_adapters(plan, params, jax.random.fold_in(jax.random.key(seed), 0x10A))
-    return {"step": jnp.zeros((), jnp.int32), "params": trainable, "frozen": freeze(plan, params),
+    frozen = freeze(plan, params)
+    if empty_base:
+      frozen = _nested({p: v if p.endswith("/lora_scale") else jax.tree.map(jnp.zeros_like, v)
+                        for p, v in _flat(frozen).items()})
+    return {"step": jnp.zeros((), jnp.int32), "params": trainable, "frozen": frozen,
             "opt_state": optimizer.init(trainable)}
 
   abstract = jax.eval_shape(init)
@@ -348,7 +354,9 @@ def load_base(state: dict, shardings: dict, lora_config: LoRAConfig, make_model,
               ) -> tuple[dict, Any]:
   """A fresh LoRA state with a pretrained checkpoint as its frozen base: `merge_into(plain params, their
   shardings) -> (plain params, extra)` puts the checkpoint into the model's plain tree (e.g.
-  pretrained.merge_pretrained); the result is frozen (quantized as lora.base says). Returns (state, extra)."""
+  pretrained.merge_pretrained); the result is frozen (quantized as lora.base says). Returns (state, extra).
+  The whole float model is built on the way: runs load with jaxlm/lora_io.py (one leaf at a time, the same state);
+  this is the reference its tests and benchmarks/qlora_load_peak.py compare against."""
   abstract = nnx.split(nnx.eval_shape(lambda: make_model(nnx.Rngs(0))))[1]
   plain, extra = merge_into(plain_params(state), sharding.param_shardings(abstract, mesh))
   return refreeze(make_plan(abstract, lora_config), state, shardings, plain), extra

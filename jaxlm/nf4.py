@@ -59,8 +59,9 @@ def nf4_quantize(w: jax.Array, num_in: int, num_lead: int) -> NF4Weight:
   flat = w.astype(jnp.float32).reshape(lead + (-1, NF4_BLOCK) + out_shape)
   absmax = jnp.max(jnp.abs(flat), axis=num_lead + 1)
   normalized = flat / jnp.expand_dims(jnp.where(absmax > 0, absmax, 1.0), num_lead + 1)
-  midpoints = jnp.asarray((NF4_LEVELS[1:] + NF4_LEVELS[:-1]) / 2)
-  codes = jnp.searchsorted(midpoints, normalized).astype(jnp.uint8)
+  midpoints = (NF4_LEVELS[1:] + NF4_LEVELS[:-1]) / 2
+  # searchsorted's codes (the midpoints below each value) as fused compares: it needs weight-sized temporaries.
+  codes = sum((normalized > m).astype(jnp.uint8) for m in midpoints.astype(np.float32))
   codes = codes.reshape(lead + (-1, 2) + out_shape)
   packed = jnp.take(codes, 0, axis=num_lead + 1) | (jnp.take(codes, 1, axis=num_lead + 1) << 4)
   return NF4Weight(packed, absmax, tuple(in_shape), len(out_shape))

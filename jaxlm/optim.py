@@ -44,12 +44,49 @@ def _decay_mask(params: Any) -> Any:
   return jax.tree_util.tree_map_with_path(decays, params)
 
 
+EMBEDDING_MODULES = ("token_embed", "position_embed", "type_embed", "embed_norm")
+
+
+def layer_lr_scales(params: Any, decay: float) -> Any:
+  """Learning-rate factors of layer-wise decay, one per leaf: pretrained block l of L (stacked [L, ...]) gets
+  decay^(L-1-l), the embeddings below the blocks decay^L, everything above them (final norm, pooler, heads) 1. LoRA
+  adapters are new parameters, not pretrained features to protect: they learn at the full rate wherever they sit."""
+  def keys(path) -> list[str]:
+    return [str(getattr(k, "key", k)) for k in path]
+
+  depths = [x.shape[0] for p, x in jax.tree_util.tree_leaves_with_path(params) if "blocks" in keys(p)]
+  num_layers = depths[0] if depths else 0
+
+  def scale(path, x):
+    if any(k.startswith("lora_") for k in keys(path)):
+      return jnp.float32(1.0)
+    if "blocks" in keys(path):
+      powers = num_layers - 1 - jnp.arange(num_layers, dtype=jnp.float32)
+      return (decay ** powers).reshape((num_layers,) + (1,) * (x.ndim - 1))
+    if any(k in EMBEDDING_MODULES for k in keys(path)):
+      return jnp.float32(decay ** num_layers)
+    return jnp.float32(1.0)
+  return jax.tree_util.tree_map_with_path(scale, params)
+
+
+def scale_by_layer_depth(decay: float) -> optax.GradientTransformation:
+  """Multiplies each update by its layer_lr_scales factor (after AdamW: the rate and the weight decay both scale).
+  Written here because optax's per-group tools (multi_transform) give whole leaves one rate, not a stacked leaf's
+  layers one each."""
+  def update(updates, state, params=None):
+    del params
+    return jax.tree.map(lambda u, s: u * s.astype(u.dtype), updates, layer_lr_scales(updates, decay)), state
+  return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
 def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
   parts = []
   if config.grad_clip > 0:
     parts.append(optax.clip_by_global_norm(config.grad_clip))
   parts.append(optax.adamw(learning_rate_schedule(config), b1=config.b1, b2=config.b2, eps=config.eps,
                            weight_decay=config.weight_decay, mask=_decay_mask))
+  if config.layer_lr_decay != 1.0:
+    parts.append(scale_by_layer_depth(config.layer_lr_decay))
   return optax.chain(*parts)
 
 

@@ -15,6 +15,7 @@ Only safetensors are read; anything but plain LoRA (DoRA, rsLoRA, biases, other 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -30,6 +31,9 @@ from jaxlm.models.bert import Bert, BertForSequenceClassification
 from jaxlm.models.gpt import GPT
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+# PEFT's config has no field for a classifier's pooling: a mean-pooling head (model.classifier_pooling=mean) says so
+# in this file beside it, which peft ignores (its BertForSequenceClassification pools [CLS]).
+HEAD_FILE = "jaxlm_head.json"
 PREFIX = "base_model.model."
 # adapter_config.json keys whose non-default values change the function: jaxlm reads plain LoRA only.
 UNSUPPORTED = {"use_dora": False, "use_rslora": False, "lora_bias": False, "bias": "none", "layers_to_transform": None,
@@ -132,6 +136,9 @@ def save_adapters(model: nnx.Module, folder: str, base_model_name_or_path: str =
               metadata={"format": "pt"})
     with open(os.path.join(folder, CONFIG), "w") as f:
       json.dump(config, f, indent=2)
+    if isinstance(model, BertForSequenceClassification) and model.config.classifier_pooling == "mean":
+      with open(os.path.join(folder, HEAD_FILE), "w") as f:
+        json.dump({"classifier_pooling": "mean"}, f)
 
 
 def _number(x: float) -> float | int:
@@ -285,11 +292,15 @@ def from_pretrained(base_folder: str, adapter_folder: str, **kwargs) -> nnx.Modu
   `adapter_folder`. A SEQ_CLS adapter on a bare BERT encoder gives a BertForSequenceClassification."""
   base = hf.from_pretrained(base_folder, **kwargs)
   config = read_config(adapter_folder)
-  if config.get("modules_to_save") and isinstance(base, Bert):
+  pooling = head_pooling(adapter_folder)
+  if config.get("modules_to_save") and (isinstance(base, Bert) or (
+      isinstance(base, BertForSequenceClassification) and base.config.classifier_pooling != pooling)):
     # The head comes from the adapter (modules_to_save); until then zeros of its shape.
     labels = load_file(os.path.join(adapter_folder, WEIGHTS))[f"{PREFIX}classifier.weight"].shape[0]
-    encoder = lora._flat(nnx.state(base, nnx.Param).to_pure_dict())
-    classifier = nnx.eval_shape(lambda: BertForSequenceClassification(base.config, labels, rngs=nnx.Rngs(0)))
+    encoder = lora._flat(nnx.state(base if isinstance(base, Bert) else base.bert, nnx.Param).to_pure_dict())
+    encoder = {k: v for k, v in encoder.items() if pooling == "cls" or not k.startswith("pooler/")}
+    head_config = dataclasses.replace(base.config, classifier_pooling=pooling)
+    classifier = nnx.eval_shape(lambda: BertForSequenceClassification(head_config, labels, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(classifier)
     flat = {p: jax.numpy.zeros(v.shape, v.dtype) for p, v in lora._flat(state.to_pure_dict()).items()
             if p.startswith(lora.HEAD_PREFIXES)}
@@ -298,6 +309,18 @@ def from_pretrained(base_folder: str, adapter_folder: str, **kwargs) -> nnx.Modu
     base = nnx.merge(graphdef, state)
   trainable, scale = read_adapters(adapter_folder, base)
   return with_adapters(base, trainable, scale)
+
+
+def head_pooling(adapter_folder: str) -> str:
+  """The pooling of the classifier head an adapter folder was trained with: cls unless its HEAD_FILE says mean."""
+  path = os.path.join(adapter_folder, HEAD_FILE)
+  if not os.path.isfile(path):
+    return "cls"
+  with open(path) as f:
+    pooling = json.load(f).get("classifier_pooling", "cls")
+  if pooling not in ("cls", "mean"):
+    raise ValueError(f"{path}: classifier_pooling={pooling!r} is not cls or mean")
+  return pooling
 
 
 def merged_model(model: nnx.Module) -> nnx.Module:

@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxlm import kernels as kernels_lib
 from jaxlm import lora as lora_lib
-from jaxlm import optim, telemetry
+from jaxlm import optim, sharding, telemetry
 from jaxlm import steps as steps_lib
 from jaxlm.config import Config, LoRAConfig, ModelConfig, TrainConfig
 from jaxlm.hardware import Hardware
@@ -42,7 +42,8 @@ from jaxlm.predict import (BACKWARD_WORKING_FRACTION, ELEMENTWISE_PASSES, OPTIMI
 def lora_state_bytes(config: Config, sizes: tuple[int, int, int], platform: str | None = None) -> dict[str, float]:
   """Per-device bytes of a LoRA run's train state (jaxlm.lora.state_bytes of the abstract state), plus
   `target_params` (base weights with adapters, whole model), `target_layer_params` (one layer's, on one device of
-  the tensor axis), `frozen_whole_bytes` and `trainable_whole_bytes` (the same on a 1-device mesh)."""
+  the tensor axis), `frozen_whole_bytes` and `trainable_whole_bytes` (the same on a 1-device mesh), and
+  `load_peak_bytes`: the state plus what loading init_from or writing the merged model adds (jaxlm/lora_io.py)."""
   kernels = planned_kernels(config, sizes, platform)
   return dict(_lora_state_bytes(config.model, config.lora, kernels_lib.runnable_on(kernels, jax.default_backend()),
                                 dataclasses.replace(config.train, grad_accum=1, batch_size=1), tuple(sizes)))
@@ -67,8 +68,23 @@ def _lora_state_bytes(model: ModelConfig, lora: LoRAConfig, kernels: Kernels, tr
   per_layer = sum(math.prod(flat[p][1:] if p in plan.stacked else flat[p]) for p in plan.targets)
   parts = dict(parts, target_params=target_params, target_layer_params=per_layer / sizes[2],
                frozen_whole_bytes=whole["frozen_base_bytes"], trainable_whole_bytes=whole["trainable_bytes"],
-               base=lora.base)
+               base=lora.base, load_peak_bytes=parts["state_bytes"] + _load_extra_bytes(plan, abstract_params, sizes))
   return tuple(parts.items())
+
+
+def _load_extra_bytes(plan: lora_lib.Plan, abstract_params: nnx.State, sizes: tuple[int, int, int]) -> float:
+  """Per device, beyond the state, while jaxlm/lora_io.py loads a checkpoint or writes the merged model: one float
+  parameter that is no target weight, or one layer of a target weight in f32 twice (placed, then its f32 copy to
+  quantize; or merged)."""
+  shardings = lora_lib._flat(sharding.param_shardings(abstract_params, _abstract_mesh(sizes)))
+  extra = 0.0
+  for path, x in lora_lib._flat(abstract_params.to_pure_dict()).items():
+    shard = shardings[path].shard_shape(x.shape)
+    if path in plan.stacked:
+      extra = max(extra, 2 * 4 * math.prod(shard[1:]))
+    elif path not in plan.targets:
+      extra = max(extra, math.prod(shard) * jnp.dtype(x.dtype).itemsize)
+  return extra
 
 
 def predict_lora_memory(config: Config, sizes: tuple[int, int, int], grad_accum: int, platform: str | None = None

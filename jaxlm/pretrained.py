@@ -21,7 +21,7 @@ import tokenizers
 from flax import nnx, traverse_util
 from jax.sharding import Mesh
 
-from jaxlm import hf, sharding
+from jaxlm import hf, lora_io, sharding
 from jaxlm.config import Config, ModelConfig
 from jaxlm.data import classification as cls_data
 from jaxlm.models.bert import Bert, BertForMaskedLM, BertForSequenceClassification
@@ -34,6 +34,7 @@ class Pretrained:
   model_config: ModelConfig
   tokenizer: tokenizers.Tokenizer
   params: dict | None  # pure dict: {"bert": ...} and, when the checkpoint has one, {"classifier": ...}
+                      # (LoRA runs: lora_io.LazyLeaf leaves, read by lora_io.load_base)
   class_names: list[str] | None  # the classes of a checkpoint that already is a classifier
 
 
@@ -46,17 +47,21 @@ def load_pretrained(config: Config, mesh: Mesh) -> Pretrained:
                        f"init_from to a BERT checkpoint)")
     if not config.data.tokenizer:
       raise ValueError("fine-tuning without init_from needs data.tokenizer (a tokenizer.json or an HF folder)")
+    m = dataclasses.replace(m, classifier_pooling=classifier_pooling(m.classifier_pooling, "", None))
     return Pretrained(m, cls_data.load_checkpoint_tokenizer(config.data.tokenizer), None, None)
   if not os.path.isdir(source):
     raise FileNotFoundError(f"init_from={source!r} is not a folder; give an HF checkpoint folder (config.json + "
                             f"model.safetensors) or a jaxlm run workdir")
   if os.path.isdir(os.path.join(source, "checkpoints")):
-    return _load_jaxlm_workdir(source, mesh, precision)
-  model = hf.from_pretrained(source, mesh=mesh, compute_dtype=m.compute_dtype, param_dtype=m.param_dtype)
+    return _load_jaxlm_workdir(source, mesh, precision, m.classifier_pooling)
+  if config.lora.rank:  # LoRA: each parameter is read when the quantized base takes it (jaxlm/lora_io.py)
+    model, lazy = lora_io.hf_source(source, m.compute_dtype, m.param_dtype)
+  else:
+    model = hf.from_pretrained(source, mesh=mesh, compute_dtype=m.compute_dtype, param_dtype=m.param_dtype)
   if not isinstance(model, (Bert, BertForMaskedLM, BertForSequenceClassification)):
     raise ValueError(f"init_from={source!r} holds a {model.config.flavour} decoder; fine-tuning classifies with a "
                      f"BERT encoder (model_type bert)")
-  params = nnx.state(model, nnx.Param).to_pure_dict()
+  params = lazy if config.lora.rank else nnx.state(model, nnx.Param).to_pure_dict()
   class_names = None
   if isinstance(model, BertForSequenceClassification):
     class_names = _hf_class_names(source, model.num_labels)
@@ -65,7 +70,25 @@ def load_pretrained(config: Config, mesh: Mesh) -> Pretrained:
   else:
     params = {"bert": params}
   tokenizer = cls_data.load_checkpoint_tokenizer(config.data.tokenizer or source)
-  return Pretrained(dataclasses.replace(model.config, **precision), tokenizer, params, class_names)
+  pooling = classifier_pooling(m.classifier_pooling, source, model.config.classifier_pooling
+                               if isinstance(model, BertForSequenceClassification) else None)
+  return Pretrained(dataclasses.replace(model.config, **precision, classifier_pooling=pooling), tokenizer, params,
+                    class_names)
+
+
+def classifier_pooling(requested: str, folder: str, checkpoint_pooling: str | None) -> str:
+  """`model.classifier_pooling`, with `auto` resolved to what the checkpoint was trained for: its own classifier's
+  pooling; else mean for a sentence-transformers folder whose 1_Pooling/ pools by mean; else cls (HF's)."""
+  if requested != "auto":
+    return requested
+  if checkpoint_pooling is not None:
+    return checkpoint_pooling
+  pooling_config = os.path.join(folder, "1_Pooling", "config.json")
+  if os.path.isfile(pooling_config):
+    with open(pooling_config) as f:
+      if json.load(f).get("pooling_mode_mean_tokens"):
+        return "mean"
+  return "cls"
 
 
 def _hf_class_names(folder: str, num_labels: int) -> list[str]:
@@ -74,7 +97,7 @@ def _hf_class_names(folder: str, num_labels: int) -> list[str]:
   return [str(id2label.get(str(i), f"LABEL_{i}")) for i in range(num_labels)]
 
 
-def _load_jaxlm_workdir(workdir: str, mesh: Mesh, precision: dict) -> Pretrained:
+def _load_jaxlm_workdir(workdir: str, mesh: Mesh, precision: dict, requested_pooling: str) -> Pretrained:
   def check(model_config: ModelConfig) -> None:
     if model_config.flavour != "bert":
       raise ValueError(f"init_from={workdir!r} holds a {model_config.flavour} model; fine-tuning needs a BERT encoder")
@@ -82,6 +105,8 @@ def _load_jaxlm_workdir(workdir: str, mesh: Mesh, precision: dict) -> Pretrained
   model_config, params = read_jaxlm_checkpoint(workdir, mesh, precision, check)
   if "bert" not in params:  # a bare encoder
     params = {"bert": params}
+  model_config = dataclasses.replace(model_config, classifier_pooling=classifier_pooling(
+      requested_pooling, workdir, model_config.classifier_pooling if "classifier" in params else None))
   class_names = None
   labels_path = os.path.join(workdir, LABELS_FILE)
   if os.path.isfile(labels_path):

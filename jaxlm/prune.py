@@ -1,11 +1,13 @@
 """Magnitude pruning (global or per layer, to an exact sparsity), 2:4 semi-structured pruning, activation-aware
-(Wanda) pruning, and a short fine-tune that keeps the pruned weights at zero.
+(Wanda) pruning, SparseGPT (masks plus a per-layer reconstruction of the kept weights), and a short fine-tune that
+keeps the pruned weights at zero.
 
   masks = prune.magnitude_masks(model, 0.5)            # one threshold over all prunable weights
   masks = prune.magnitude_masks(model, 0.5, per_layer=True)   # each matrix of each layer to 50%
   masks = prune.two_four_masks(model)                  # in every 4 consecutive inputs of an output, keep 2
   masks = prune.wanda_masks(model, 0.5, batches, forward)                 # |W| * ||X_j||, 50% of each output row
   masks = prune.wanda_masks(model, 0.5, batches, forward, pattern="2:4")  # the same score, 2 of every 4 inputs
+  model, masks = prune.sparsegpt(model, 0.5, batches, forward)            # + reconstruction of the kept weights
   pruned = prune.apply_masks(model, masks)
   params = prune.finetune(graphdef, params, masks, loss_fn, batches, learning_rate=1e-4)
 
@@ -137,11 +139,7 @@ def wanda_masks(model: Any, sparsity: float, calibration: Iterable[Any],
   |W| * ||X_j|| go ("unstructured"), or the 2 lowest of every 4 consecutive inputs ("2:4", along the innermost
   contracted axis as `two_four_masks`; `sparsity` must then be 0.5). `forward(model, batch)` runs the model on a
   calibration batch (training data) as the task does."""
-  check_sparsity(sparsity)
-  if pattern not in PATTERNS:
-    raise ValueError(f"pruning pattern {pattern!r} is not one of {', '.join(PATTERNS)}")
-  if pattern == "2:4" and sparsity != 0.5:
-    raise ValueError(f"2:4 pruning zeroes exactly half of each row, not sparsity {sparsity}; give 0.5")
+  _check_pattern(sparsity, pattern)
   batches = list(calibration)
   statistics = calibration_lib.input_statistics(model, batches, forward)
   flat_masks = {}
@@ -157,6 +155,117 @@ def wanda_masks(model: Any, sparsity: float, calibration: Iterable[Any],
       per_row = int(np.prod([w.shape[a] for a in contracted]))
       flat_masks[path] = jnp.asarray(row_mask(scores, contracted, round(sparsity * per_row)))
   return traverse_util.unflatten_dict(flat_masks)
+
+
+def _check_pattern(sparsity: float, pattern: str) -> None:
+  check_sparsity(sparsity)
+  if pattern not in PATTERNS:
+    raise ValueError(f"pruning pattern {pattern!r} is not one of {', '.join(PATTERNS)}")
+  if pattern == "2:4" and sparsity != 0.5:
+    raise ValueError(f"2:4 pruning zeroes exactly half of each row, not sparsity {sparsity}; give 0.5")
+
+
+def sparsegpt_matrix(w: Any, gram: Any, sparsity: float, pattern: str = "unstructured", block_size: int = 128,
+                     damping: float = 0.01) -> tuple[np.ndarray, np.ndarray]:
+  """SparseGPT on one matrix `w` [n_in, n_out] whose input rows X have Gram matrix `gram` = X^T X [n_in, n_in]:
+  (pruned weight, keep mask), both [n_in, n_out] and float64 / bool.
+
+  Inputs are visited in blocks of `block_size`: at a block's start each output keeps its inputs with the largest
+  w^2 / [U]_jj^2 (U = the upper Cholesky factor of H^-1, H = gram + damping * mean diag), `round(sparsity * end)`
+  pruned up to the block's end (so each output loses exactly round(sparsity * n_in)); with "2:4" the 2 largest of
+  every 4 consecutive inputs, chosen as the loop reaches them. Each pruned column's error is then spread over the
+  inputs not yet visited through U's row (Optimal Brain Surgeon), which is what lowers ||X w - X w_pruned||."""
+  _check_pattern(sparsity, pattern)
+  w = np.array(w, np.float64).T  # [out, in]: the paper's rows are outputs
+  n_in = w.shape[1]
+  if pattern == "2:4" and n_in % 4:
+    raise ValueError(f"2:4 pruning needs the contracted axis ({n_in}) to be a multiple of 4")
+  h = np.array(gram, np.float64)
+  if h.shape != (n_in, n_in):
+    raise ValueError(f"the Gram matrix is {h.shape}, the weight has {n_in} inputs")
+  dead = np.diag(h) == 0  # inputs that were always zero: pruning them costs nothing
+  h[dead, dead] = 1.0
+  w[:, dead] = 0.0
+  h[np.diag_indices(n_in)] += damping * np.mean(np.diag(h))
+  u = np.linalg.cholesky(np.linalg.inv(h)).T  # upper: H^-1 = U^T U
+  keep = np.ones(w.shape, bool)
+  for start in range(0, n_in, block_size):
+    end = min(start + block_size, n_in)
+    block, u_block = w[:, start:end].copy(), u[start:end, start:end]
+    errors = np.zeros_like(block)
+    if pattern == "unstructured":
+      num_pruned = round(sparsity * end) - round(sparsity * start)
+      scores = block ** 2 / np.diag(u_block)[None] ** 2
+      lowest = np.argsort(scores, axis=1, kind="stable")[:, :num_pruned]
+      np.put_along_axis(keep[:, start:end], lowest, False, axis=1)
+    for i in range(end - start):
+      if pattern == "2:4" and i % 4 == 0:
+        scores = block[:, i:i + 4] ** 2 / np.diag(u_block)[None, i:i + 4] ** 2
+        lowest = np.argsort(scores, axis=1, kind="stable")[:, :2]
+        np.put_along_axis(keep[:, start + i:start + i + 4], lowest, False, axis=1)
+      column = block[:, i]
+      errors[:, i] = np.where(keep[:, start + i], 0.0, column) / u_block[i, i]
+      block[:, i:] -= errors[:, i:i + 1] * u_block[i:i + 1, i:]
+      block[:, i] = np.where(keep[:, start + i], block[:, i], 0.0)
+    w[:, start:end] = block
+    w[:, end:] -= errors @ u[start:end, end:]
+  return w.T, keep.T
+
+
+def _flat_matrix(w: np.ndarray, contracted: tuple[int, ...]) -> tuple[np.ndarray, Callable[[np.ndarray], np.ndarray]]:
+  """One layer's weight as [inputs, outputs] (contracted axes first, in order, flattened), and the inverse."""
+  moved = np.moveaxis(w, contracted, range(len(contracted)))
+  n_in = int(np.prod(moved.shape[:len(contracted)]))
+  back = lambda m: np.moveaxis(m.reshape(moved.shape), range(len(contracted)), contracted)  # noqa: E731
+  return moved.reshape(n_in, -1), back
+
+
+def sparsegpt(model: nnx.Module, sparsity: float, calibration: Iterable[Any],
+              forward: Callable[[nnx.Module, Any], Any], pattern: str = "unstructured",
+              sequential: bool = True) -> tuple[nnx.Module, Masks]:
+  """SparseGPT (Frantar & Alistarh, 2023): prunes each output row of each layer's matrix to `sparsity` (or 2:4) by
+  `sparsegpt_matrix`, which also updates the kept weights to reconstruct the layer's output on the calibration
+  inputs. Returns (pruned model, masks); the masks feed `finetune` like the others.
+
+  `sequential`: layer l's inputs are measured with layers < l already pruned (one calibration pass per layer, then
+  one for the unstacked heads), as the paper; within a layer every matrix sees the dense layer's inputs. False: one
+  pass, every layer calibrated on the dense model."""
+  _check_pattern(sparsity, pattern)
+  batches = list(calibration)
+  weights = prunable(model)
+  layers = max([w.shape[0] for w, _, stacked in weights.values() if stacked], default=0)
+  unstacked = any(not stacked for _, _, stacked in weights.values())
+  passes = [None] if not sequential else list(range(layers)) + (["heads"] if unstacked else [])
+  graphdef, state = nnx.split(model)
+  values = {path: np.array(w) for path, (w, _, _) in weights.items()}
+  keeps = {path: np.ones(w.shape, bool) for path, w in values.items()}
+  current = model
+  for stage in passes:
+    statistics = calibration_lib.input_statistics(current, batches, forward, gram=True)
+    for path, (_, contracted, stacked) in weights.items():
+      if stage is not None and (stage == "heads") == stacked:
+        continue
+      name = "/".join(map(str, path))
+      if name not in statistics:
+        raise ValueError(f"no calibration batch ran the matmul of {name}: forward(model, batch) must run the whole "
+                         "model as the task does")
+      gram = statistics[name].gram
+      slices = [stage] if isinstance(stage, int) else range(layers) if stacked else [None]
+      for layer in slices:
+        w = values[path] if layer is None else values[path][layer]
+        axes = tuple(a - 1 for a in contracted) if stacked else contracted
+        matrix, back = _flat_matrix(w, axes)
+        pruned, keep = sparsegpt_matrix(matrix, gram if layer is None else gram[layer], sparsity, pattern)
+        if layer is None:
+          values[path], keeps[path] = back(pruned).astype(w.dtype), back(keep)
+        else:
+          values[path][layer], keeps[path][layer] = back(pruned).astype(w.dtype), back(keep)
+    pure = traverse_util.flatten_dict(state.to_pure_dict())
+    pure.update({p: jnp.asarray(v) for p, v in values.items()})
+    new_state = jax.tree.map(lambda x: x, state)
+    nnx.replace_by_pure_dict(new_state, traverse_util.unflatten_dict(pure))
+    current = nnx.merge(graphdef, new_state)
+  return current, traverse_util.unflatten_dict({p: jnp.asarray(k) for p, k in keeps.items()})
 
 
 def is_n_m(w: jax.Array, axis: int, n: int = 2, m: int = 4) -> bool:

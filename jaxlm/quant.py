@@ -113,6 +113,7 @@ class Probe:
   """Calibration stand-in for a float weight: `tag` (one id per layer, sliced by scan) names whose input it saw."""
   w: jax.Array
   tag: jax.Array
+  gram: bool = flax.struct.field(pytree_node=False, default=False)  # also record X^T X (SparseGPT): off for W8A8/Wanda
   shape = property(lambda self: self.w.shape)
   ndim = property(lambda self: self.w.ndim)
   dtype = property(lambda self: self.w.dtype)
@@ -131,6 +132,13 @@ nnx.register_data_type(Probe)
 # Calibration: tag -> per call (input absmax per channel, input sum of squares per channel), host side. Channels are
 # the weight's contracted axes in its own order (w_o: [H, K]).
 PROBE_RECORDS: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
+# tag -> the input's Gram matrix X^T X [C, C] (C flattened), summed over calls in float64: only for Probe(gram=True).
+PROBE_GRAMS: dict[int, np.ndarray] = {}
+
+
+def _add_gram(tag, gram) -> None:
+  tag, gram = int(tag), np.asarray(gram, np.float64)
+  PROBE_GRAMS[tag] = PROBE_GRAMS[tag] + gram if tag in PROBE_GRAMS else gram
 
 
 # ----------------------------------------------------------------------------------------------- the interception
@@ -164,6 +172,15 @@ def _channel_stats(eq: str, x: jax.Array, w_ndim: int) -> tuple[jax.Array, jax.A
   x = jnp.moveaxis(x.astype(jnp.float32), [lhs_c[i] for i in weight_order], range(x.ndim - len(lhs_c), x.ndim))
   rows = tuple(range(x.ndim - len(lhs_c)))
   return jnp.max(jnp.abs(x), axis=rows), jnp.sum(jnp.square(x), axis=rows)
+
+
+def _channel_gram(eq: str, x: jax.Array, w_ndim: int) -> jax.Array:
+  """X^T X [C, C] of x's rows, its input channels flattened in the weight's contracted-axes order."""
+  lhs_c, rhs_c = _dot_dims(eq, x.ndim, w_ndim)
+  weight_order = sorted(range(len(rhs_c)), key=lambda i: rhs_c[i])
+  x = jnp.moveaxis(x.astype(jnp.float32), [lhs_c[i] for i in weight_order], range(x.ndim - len(lhs_c), x.ndim))
+  rows = x.reshape(-1, int(np.prod(x.shape[x.ndim - len(lhs_c):])))
+  return jnp.einsum("ti,tj->ij", rows, rows, precision=jax.lax.Precision.HIGHEST)
 
 
 def _quantize_input(eq: str, x: jax.Array, w: Int8Weight) -> jax.Array | qwix.QArray:
@@ -234,6 +251,8 @@ def _einsum(*args, **kwargs):
     absmax, sumsq = _channel_stats(eq, x, probe.ndim)
     jax.debug.callback(lambda tag, a, q: PROBE_RECORDS.setdefault(int(tag), []).append((np.asarray(a), np.asarray(q))),
                        probe.tag, absmax, sumsq)
+    if probe.gram:
+      jax.debug.callback(_add_gram, probe.tag, _channel_gram(eq, x, probe.ndim))
     return jnp.einsum(eq, x, probe.w, **kwargs)
   return jnp.einsum(*args, **kwargs)
 

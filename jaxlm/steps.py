@@ -58,8 +58,9 @@ def init_train_state(config: Config, mesh: Mesh, optimizer: optax.GradientTransf
     make_model = lambda rngs: GPT(config.model, kernels=kernels, rngs=rngs)
   graphdef, abstract_params = abstract_model(make_model)
   if config.lora.rank:  # adapters: the frozen base beside the trainable params, out of the optimizer (jaxlm/lora.py)
+    # With init_from the frozen base starts empty: the start loads the checkpoint into it leaf by leaf.
     _, state, state_shardings = lora.init_train_state(config.lora, config.train.seed, mesh, optimizer, make_model,
-                                                      abstract_params)
+                                                      abstract_params, empty_base=bool(config.init_from))
     return graphdef, *loss_scale_lib.with_loss_scale(config, mesh, state, state_shardings)
   param_shardings = sharding.param_shardings(abstract_params, mesh)
 

@@ -4,6 +4,7 @@ Parity is the max relative difference max|jaxlm - HF| / max|HF| over logits or h
 Run `pytest tests/test_hf.py -s` to see the measured numbers (lines starting with PARITY).
 """
 
+import dataclasses
 import json
 import os
 import shutil
@@ -187,6 +188,40 @@ def test_jaxlm_to_hf_to_jaxlm_is_bit_identical_and_transformers_agrees(hf_folder
   rel = _rel(got, expected)
   print(f"PARITY export {name} logits {rel:.2e}")
   assert rel <= TOL
+
+
+def test_mean_pooling_classifier_matches_hf_encoder_mean_and_round_trips(hf_folders, tmp_path):
+  """classifier_pooling=mean: logits = classifier(mean of the non-padding tokens of HF BertModel's last hidden
+  state); saved and read back it keeps its pooling (config.json) and its bits."""
+  encoder = hf.from_pretrained(hf_folders["bert"][0])
+  config = dataclasses.replace(encoder.config, classifier_pooling="mean")
+  model = BertForSequenceClassification(config, 3, rngs=nnx.Rngs(1))
+  assert model.bert.pooler is None
+  params = nnx.state(model, nnx.Param).to_pure_dict()
+  params["bert"] = {k: v for k, v in nnx.state(encoder, nnx.Param).to_pure_dict().items() if k != "pooler"}
+  nnx.update(model, params)
+  ids, mask, types = _bert_inputs(torch_too=True)
+  with torch.no_grad():
+    hidden = hf_folders["bert"][1](input_ids=ids, attention_mask=mask, token_type_ids=types).last_hidden_state
+  weights = mask[..., None].double()
+  pooled = ((hidden.double() * weights).sum(1) / weights.sum(1)).numpy()
+  w, b = (np.asarray(params["classifier"][k], np.float64) for k in ("w", "b"))
+  rel = _rel(model(*_bert_inputs()), pooled @ w + b)
+  print(f"PARITY bert mean-pooling classifier logits {rel:.2e}")
+  assert rel <= TOL
+
+  hf.save_pretrained(model, str(tmp_path))
+  loaded = hf.from_pretrained(str(tmp_path))
+  assert loaded.config.classifier_pooling == "mean" and loaded.bert.pooler is None
+  np.testing.assert_array_equal(loaded(*_bert_inputs()), model(*_bert_inputs()))
+
+
+def test_auto_pooling_follows_what_the_checkpoint_was_trained_for(hf_folders, tmp_path):
+  from jaxlm import pretrained  # noqa: PLC0415
+  assert pretrained.classifier_pooling("auto", _minilm_folder(), None) == "mean"  # sentence-transformers 1_Pooling
+  assert pretrained.classifier_pooling("auto", hf_folders["bert"][0], None) == "cls"
+  assert pretrained.classifier_pooling("auto", _minilm_folder(), "cls") == "cls"  # a classifier keeps its own
+  assert pretrained.classifier_pooling("cls", _minilm_folder(), None) == "cls"  # set explicitly: wins
 
 
 def test_sharded_loading_places_each_tensor_on_its_mesh_sharding(hf_folders):

@@ -42,6 +42,11 @@ def _make(model_config):
 def exported(request, tmp_path_factory):
   """A jaxlm model with trained-looking (non-zero) adapters, its base saved as an HF folder, the adapters exported."""
   model_config, targets, hf_class = FAMILIES[request.param]
+  folder = tmp_path_factory.mktemp(request.param)
+  return (request.param, folder, *_export(model_config, targets, folder), hf_class)
+
+
+def _export(model_config, targets, folder):
   make = _make(model_config)
   graphdef, abstract = nnx.split(nnx.eval_shape(lambda: make(nnx.Rngs(0))))
   plan = lora.make_plan(abstract, LoRAConfig(rank=4, alpha=8.0, targets=targets))
@@ -58,11 +63,9 @@ def exported(request, tmp_path_factory):
   params, trainable, ours = build()  # one program: init, adapters and the LoRA model's logits
   base = nnx.merge(graphdef, params)
   lora_model = peft_io.with_adapters(base, trainable, plan.scale)
-  ours = np.asarray(ours)
-  folder = tmp_path_factory.mktemp(request.param)
   hf.save_pretrained(base, str(folder / "base"))
   peft_io.save_adapters(lora_model, str(folder / "adapter"))
-  return request.param, folder, base, lora_model, trainable, plan, ours, hf_class
+  return base, lora_model, trainable, plan, np.asarray(ours)
 
 
 def _peft_logits(folder, hf_class, adapter="adapter"):
@@ -100,6 +103,23 @@ def test_the_merged_model_is_an_ordinary_hf_checkpoint_with_the_same_outputs(exp
   with torch.no_grad():
     theirs = merged.eval()(torch.tensor(IDS)).logits.numpy()
   assert np.abs(ours - theirs).max() <= 1e-4 * np.abs(theirs).max(), family
+
+
+def test_a_mean_pooling_head_exports_what_peft_reproduces_and_imports_back(tmp_path):
+  """peft's BertForSequenceClassification pools [CLS]; its adapted encoder's mean-pooled states through the
+  exported head give jaxlm's logits, and jaxlm reads the head's pooling back from the folder."""
+  config = ModelConfig(flavour="bert", classifier_pooling="mean", **SMALL)
+  base, _, _, _, ours = _export(config, "w_q,w_v,mlp", tmp_path)
+  assert base.bert.pooler is None and (tmp_path / "adapter" / peft_io.HEAD_FILE).is_file()
+  model = peft.PeftModel.from_pretrained(transformers.BertForSequenceClassification.from_pretrained(
+      str(tmp_path / "base")), str(tmp_path / "adapter")).eval()
+  with torch.no_grad():
+    hidden = model.base_model.model.bert(torch.tensor(IDS)).last_hidden_state.mean(1)
+    theirs = model.base_model.model.classifier(hidden).numpy()
+  assert np.abs(ours - theirs).max() <= 1e-4 * np.abs(theirs).max()
+  loaded = peft_io.from_pretrained(str(tmp_path / "base"), str(tmp_path / "adapter"))
+  assert loaded.config.classifier_pooling == "mean"
+  np.testing.assert_allclose(np.asarray(loaded(IDS)), ours, rtol=1e-5, atol=1e-6)
 
 
 def _broken_copy(exported, tmp_path, edit_config=None, edit_tensors=None):

@@ -368,6 +368,9 @@ def test_lora_and_qlora_byte_accounting():
   adapters = 8 * plan.lora_predict._adapter_width_per_layer(config) * m.num_layers
   assert parts["nf4"]["trainable_params"] == adapters and parts["nf4"]["adapter_bytes"] == 4 * adapters
   assert parts["nf4"]["optimizer_state_bytes"] == pytest.approx(2 * 4 * adapters, abs=64)  # Adam's two moments
+  # Loading or exporting (jaxlm/lora_io.py) adds one f32 embedding, or one target layer in f32 twice.
+  assert parts["nf4"]["load_peak_bytes"] == parts["nf4"]["state_bytes"] + max(
+      4 * m.vocab_size * m.d_model, 2 * 4 * m.d_model * max(m.mlp_width, m.num_heads * m.head_dim))
   memory = plan.lora_predict.predict_lora_memory(config, (1, 1, 1), 2, "gpu")
   assert memory["frozen_base"] == parts["nf4"]["frozen_base_bytes"] and memory["gradients"] == 2 * 4 * adapters
   assert memory["activations"] > 0

@@ -94,6 +94,37 @@ def test_mean_of_micro_batch_means_would_differ():
   assert len(set(counts.tolist())) > 1
 
 
+
+def test_layer_lr_decay_scales_each_layers_update_by_its_depth():
+  """train.layer_lr_decay=d: block l of L moves d^(L-1-l) as far as without it, the embeddings d^L, the head and
+  LoRA adapters 1."""
+  rng = np.random.default_rng(0)
+  params = {"bert": {"token_embed": {"embedding": rng.normal(size=(7, 4))},
+                     "blocks": {"mlp": {"w_in": rng.normal(size=(3, 4, 5)), "b_in": rng.normal(size=(3, 5))},
+                                "attn": {"w_q": {"lora_a": rng.normal(size=(3, 4, 2))}}}},
+            "classifier": {"w": rng.normal(size=(4, 2))}}
+  grads = jax.tree.map(lambda x: np.float32(rng.normal(size=x.shape)), params)
+  params = jax.tree.map(np.float32, params)
+
+  def first_update(decay):
+    optimizer = optim.make_optimizer(TrainConfig(steps=10, warmup_steps=0, layer_lr_decay=decay))
+    return optimizer.update(grads, optimizer.init(params), params)[0]
+
+  plain, decayed = first_update(1.0), first_update(0.5)
+  depth = np.array([0.25, 0.5, 1.0])
+  np.testing.assert_allclose(decayed["bert"]["blocks"]["mlp"]["w_in"],
+                             plain["bert"]["blocks"]["mlp"]["w_in"] * depth[:, None, None], rtol=1e-6)
+  np.testing.assert_allclose(decayed["bert"]["blocks"]["mlp"]["b_in"],
+                             plain["bert"]["blocks"]["mlp"]["b_in"] * depth[:, None], rtol=1e-6)
+  np.testing.assert_allclose(decayed["bert"]["token_embed"]["embedding"],
+                             plain["bert"]["token_embed"]["embedding"] * 0.125, rtol=1e-6)
+  np.testing.assert_array_equal(decayed["classifier"]["w"], plain["classifier"]["w"])
+  np.testing.assert_array_equal(decayed["bert"]["blocks"]["attn"]["w_q"]["lora_a"],  # new parameters: full rate
+                                plain["bert"]["blocks"]["attn"]["w_q"]["lora_a"])
+  with pytest.raises(ValueError, match="train.layer_lr_decay=1.5 must be in"):
+    from jaxlm import config as config_lib  # noqa: PLC0415
+    config_lib.validate(Config(train=TrainConfig(layer_lr_decay=1.5)))
+
 @pytest.mark.parametrize("mesh", [(1, 1, 1), (4, 1, 1), (1, 4, 1), (2, 1, 2)])
 def test_meshes_give_the_same_loss_and_update(mesh):
   config = _config(mesh=MeshConfig(*mesh))

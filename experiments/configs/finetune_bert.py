@@ -18,7 +18,11 @@ setting only init_from, data.train_files and data.eval_files gives a good classi
   data.seq_len=0                      the 99th percentile of the tokenized training lengths (at most the model's
                                       positions): almost no example is cut, and a warning says when many are
   learning_rate 5e-5, warmup 10%      of the derived steps (train.warmup_steps=-1), then cosine decay to 10%
+  train.layer_lr_decay=0.8            each block below the top learns at 0.8 x the rate of the one above it (the
+                                      embeddings at 0.8^L), so the pretrained lower layers change least
   batch 16, weight decay 0.01, Adam b2 0.999, bucketed batching (similar lengths together, little padding)
+  model.classifier_pooling=auto       pool as init_from was trained: the mean of the tokens for a sentence-
+                                      transformers model such as all-MiniLM-L6-v2, HF's [CLS] pooler otherwise
 Any of these set on the command line wins (e.g. --config.train.steps=200 --config.data.seq_len=64).
 """
 
@@ -40,6 +44,7 @@ def get_config():
   config = default_config()
   config.init_from = minilm_folder()
   config.model.flavour = "bert"
+  config.model.classifier_pooling = "auto"
   config.model.compute_dtype = "float32"  # bf16 matmuls are slower than f32 on CPUs; use bfloat16 on accelerators
   config.data.source = "files"
   config.data.train_files = ("runs/topics/train.csv",)
@@ -55,6 +60,7 @@ def get_config():
   config.train.warmup_steps = -1  # train.warmup_fraction of the steps
   config.train.warmup_fraction = 0.1
   config.train.weight_decay = 0.01
+  config.train.layer_lr_decay = 0.8
   config.train.b2 = 0.999
   config.train.eval_every_steps = 0  # at the end; set it to follow the held-out metrics during training
   config.train.best_metric = "f1_macro"

@@ -7,7 +7,8 @@ computed (and match HF's values) but no position attends to them.
   Bert                           model.encode(input_ids, attention_mask=..., token_type_ids=...) -> [B, T, D]
                                  model.pool(hidden) -> [B, D] (tanh(dense(first token)))
   BertForMaskedLM                model(input_ids, ...) -> logits [B, T, V] (decoder tied to the word embeddings)
-  BertForSequenceClassification  model(input_ids, ...) -> logits [B, num_labels] (from the pooled output)
+  BertForSequenceClassification  model(input_ids, ...) -> logits [B, num_labels], from the pooled output
+                                 (model.classifier_pooling=cls, as HF) or the mean over the tokens (mean, no pooler)
 """
 
 from __future__ import annotations
@@ -124,17 +125,29 @@ class BertForMaskedLM(nnx.Module):
     return constrain(logits_BTV, ("act_batch", "act_seq", "act_vocab"))
 
 
+def mean_pool(hidden_BTD: jax.Array, attention_mask_BT: jax.Array | None) -> jax.Array:
+  """[B, D]: the mean of each row's token states, padding left out (sentence-transformers' mean pooling)."""
+  if attention_mask_BT is None:
+    return hidden_BTD.mean(axis=1)
+  weights_BT1 = attention_mask_BT.astype(hidden_BTD.dtype)[..., None]
+  return (hidden_BTD * weights_BT1).sum(axis=1) / jnp.maximum(weights_BT1.sum(axis=1), 1.0)
+
+
 class BertForSequenceClassification(nnx.Module):
-  """Classifier on the pooled [CLS] output: logits [B, num_labels]."""
+  """Classifier on the pooled [CLS] output (`classifier_pooling="cls"`) or on the mean of the tokens' states
+  (`"mean"`: no pooler weights): logits [B, num_labels]."""
 
   def __init__(self, config: ModelConfig, num_labels: int, kernels: Kernels | None = None, *, rngs: nnx.Rngs):
     kernels = _check(config, kernels)
     if num_labels < 1:
       raise ValueError(f"num_labels={num_labels} must be >= 1")
+    if config.classifier_pooling not in ("cls", "mean"):
+      raise ValueError(f"model.classifier_pooling={config.classifier_pooling!r}: a classifier pools by cls or mean "
+                       "(auto is resolved from init_from when fine-tuning)")
     self.config = config
     self.num_labels = num_labels
     policy = Policy.from_model_config(config)
-    self.bert = Bert(config, kernels, with_pooler=True, rngs=rngs)
+    self.bert = Bert(config, kernels, with_pooler=config.classifier_pooling == "cls", rngs=rngs)
     self.classifier = Dense(config.d_model, num_labels, ("embed", None), policy, kernels, config.init_std,
                             rngs=rngs)
 
@@ -142,5 +155,9 @@ class BertForSequenceClassification(nnx.Module):
     return self.bert.encode(input_ids_BT, attention_mask, token_type_ids)
 
   def __call__(self, input_ids_BT, attention_mask=None, token_type_ids=None) -> jax.Array:
-    pooled_BD = self.bert.pool(self.encode(input_ids_BT, attention_mask, token_type_ids))
+    hidden_BTD = self.encode(input_ids_BT, attention_mask, token_type_ids)
+    if self.config.classifier_pooling == "mean":
+      pooled_BD = mean_pool(hidden_BTD, attention_mask)
+    else:
+      pooled_BD = self.bert.pool(hidden_BTD)
     return self.classifier(pooled_BD).astype(jnp.float32)
