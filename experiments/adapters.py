@@ -41,7 +41,7 @@ def main(argv):
   if _MERGED.value:
     if os.path.exists(_MERGED.value) and os.listdir(_MERGED.value):
       raise ValueError(f"--merged={_MERGED.value!r} exists and is not empty; choose a new folder")
-    hf.save_pretrained(model, _MERGED.value)  # each weight merged on its own (jaxlm.lora_io.save_model)
+    hf.save_pretrained(model, _MERGED.value)  # each weight merged on its own (jaxlm.hf.save_pretrained)
     for name in TOKENIZER_FILES:
       if os.path.isfile(os.path.join(_BASE.value, name)):
         shutil.copy(os.path.join(_BASE.value, name), _MERGED.value)

@@ -9,7 +9,8 @@ is ever run. Each architecture is one table of rules below: HF tensor names and 
 a pure reshape/transpose between them, so a jaxlm -> HF -> jaxlm round trip is bit-identical. Loading with a mesh
 builds the abstract model, computes shardings with `jaxlm.sharding.param_shardings`, and places every parameter with
 `jax.make_array_from_callback`: each device receives only its shard, and the host holds one parameter (stacked over
-layers) at a time.
+layers) at a time. Saving writes one HF tensor at a time (LoRA weights merged, layer by layer), so neither the host
+nor a device ever holds the whole float model. config.json's side is jaxlm/hf_config.py.
 """
 
 from __future__ import annotations
@@ -18,16 +19,20 @@ import dataclasses
 import functools
 import json
 import logging
+import math
 import os
-from typing import Any, Callable
+import struct
+from typing import Any, Callable, Iterator
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx, traverse_util
 from jax.sharding import Mesh
 from safetensors import safe_open
 
-from jaxlm import sharding
+from jaxlm import hf_config as hf_config_lib
+from jaxlm import lora, sharding
 from jaxlm.config import ModelConfig
 from jaxlm.models.bert import Bert, BertForMaskedLM, BertForSequenceClassification
 from jaxlm.models.gpt import GPT
@@ -37,6 +42,7 @@ _flat = lambda tree: traverse_util.flatten_dict(tree, sep="/")  # {"a/b/c": leaf
 _nested = lambda flat: traverse_util.unflatten_dict(flat, sep="/")
 
 WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
+SAFETENSORS_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 # Buffers some checkpoints carry that are not parameters (masks, rotary tables, position ids, tied copies).
 IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq", "embeddings.position_ids",
@@ -176,111 +182,6 @@ def _rules(model: nnx.Module) -> tuple[list[tuple[str, str, Rule]], str]:
   return [(prefix, jax_prefix, r) for r in base] + [("", "", r) for r in _head_rules(model)], prefix
 
 
-# ----------------------------------------------------------------------------------------------- configs
-
-
-def _model_from_hf_config(hf: dict, where: str, weight_names: set[str], c_dtype: str, p_dtype: str
-                          ) -> Callable[[nnx.Rngs], nnx.Module]:
-  """A constructor of the jaxlm model that config.json describes, or a one-line error naming the key."""
-
-  def get(key: str, default: Any = KeyError) -> Any:
-    if key not in hf and default is KeyError:
-      raise ValueError(f"{where}: missing key {key!r}")
-    return hf.get(key, default)
-
-  def need(ok: bool, key: str, supported: str) -> None:
-    if not ok:
-      raise ValueError(f"{where}: {key}={hf.get(key)!r} is not supported (jaxlm supports {supported})")
-
-  model_type, arch = hf.get("model_type"), (hf.get("architectures") or [None])[0]
-  if hf.get("auto_map"):
-    raise ValueError(f"{where}: auto_map names custom modelling code; jaxlm never runs remote code "
-                     "(trust_remote_code) and reads only gpt2, llama and bert")
-  common = dict(compute_dtype=c_dtype, param_dtype=p_dtype, vocab_size=get("vocab_size"),
-                init_std=get("initializer_range", 0.02))
-  if model_type == "gpt2":
-    need(get("activation_function", "gelu_new") in ("gelu_new", "gelu_pytorch_tanh"), "activation_function",
-         "gelu_new")
-    need(not hf.get("scale_attn_by_inverse_layer_idx"), "scale_attn_by_inverse_layer_idx", "false")
-    need(hf.get("scale_attn_weights", True), "scale_attn_weights", "true")
-    config = ModelConfig(flavour="gpt2", num_layers=get("n_layer"), d_model=get("n_embd"), num_heads=get("n_head"),
-                         d_ff=get("n_inner", None) or 0, max_seq_len=get("n_positions"),
-                         layer_norm_eps=get("layer_norm_epsilon", 1e-5),
-                         tie_embeddings=get("tie_word_embeddings", True), **common)
-    return lambda rngs: GPT(config, rngs=rngs)
-  if model_type == "llama":
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    need(rope.get("rope_type", rope.get("type", "default")) == "default",
-         "rope_parameters" if "rope_parameters" in hf else "rope_scaling", "default rotary positions, no scaling")
-    need(get("hidden_act", "silu") == "silu", "hidden_act", "silu")
-    need(not hf.get("attention_bias") and not hf.get("mlp_bias"), "attention_bias", "no biases")
-    d, h = get("hidden_size"), get("num_attention_heads")
-    need(hf.get("head_dim") in (None, d // h), "head_dim", "hidden_size / num_attention_heads")
-    config = ModelConfig(flavour="llama", num_layers=get("num_hidden_layers"), d_model=d, num_heads=h,
-                         num_kv_heads=get("num_key_value_heads", None) or h, d_ff=get("intermediate_size"),
-                         max_seq_len=get("max_position_embeddings", 2048), layer_norm_eps=get("rms_norm_eps", 1e-6),
-                         rope_theta=float(hf.get("rope_theta") or rope.get("rope_theta") or 10000.0),
-                         tie_embeddings=get("tie_word_embeddings", False), **common)
-    return lambda rngs: GPT(config, rngs=rngs)
-  if model_type == "bert":
-    need(get("hidden_act", "gelu") == "gelu", "hidden_act", "gelu")
-    need(get("position_embedding_type", "absolute") == "absolute", "position_embedding_type", "absolute")
-    config = ModelConfig(flavour="bert", num_layers=get("num_hidden_layers"), d_model=get("hidden_size"),
-                         num_heads=get("num_attention_heads"), d_ff=get("intermediate_size"),
-                         max_seq_len=get("max_position_embeddings"), layer_norm_eps=get("layer_norm_eps", 1e-12),
-                         type_vocab_size=get("type_vocab_size", 2), **common)
-    if arch in (None, "BertModel"):
-      pooler = any(n.endswith("pooler.dense.weight") for n in weight_names)
-      return lambda rngs: Bert(config, with_pooler=pooler, rngs=rngs)
-    if arch in ("BertForMaskedLM", "BertForPreTraining"):
-      return lambda rngs: BertForMaskedLM(config, rngs=rngs)
-    if arch == "BertForSequenceClassification":
-      labels = len(hf["id2label"]) if hf.get("id2label") else get("num_labels", 2)
-      # classifier_pooling: written by jaxlm for a mean-pooling head (the key ModernBERT's HF config uses)
-      need(hf.get("classifier_pooling", "cls") in ("cls", "mean"), "classifier_pooling", "cls, mean")
-      config = dataclasses.replace(config, classifier_pooling=hf.get("classifier_pooling", "cls"))
-      return lambda rngs: BertForSequenceClassification(config, labels, rngs=rngs)
-    raise ValueError(f"{where}: architectures={hf.get('architectures')} is not supported for bert (jaxlm supports "
-                     "BertModel, BertForMaskedLM, BertForPreTraining, BertForSequenceClassification)")
-  raise ValueError(f"{where}: model_type={model_type!r} (architectures={hf.get('architectures')}) is not supported; "
-                   "jaxlm reads gpt2, llama and bert")
-
-
-def _hf_config(model: nnx.Module) -> dict:
-  c = model.config
-  common = {"vocab_size": c.vocab_size, "initializer_range": c.init_std, "torch_dtype": c.param_dtype,
-            "bos_token_id": None, "eos_token_id": None}
-  if isinstance(model, GPT) and c.flavour == "gpt2":
-    if (c.num_kv_heads or c.num_heads) != c.num_heads:
-      raise ValueError(f"model.num_kv_heads={c.num_kv_heads}: HF GPT-2 has no grouped-query attention; use llama")
-    return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_layer": c.num_layers,
-            "n_embd": c.d_model, "n_head": c.num_heads, "n_inner": c.d_ff or None, "n_positions": c.max_seq_len,
-            "layer_norm_epsilon": c.layer_norm_eps, "activation_function": "gelu_new", "scale_attn_weights": True,
-            "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,  # jaxlm trains without dropout
-            "tie_word_embeddings": c.tie_embeddings, **common}
-  if isinstance(model, GPT):
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": c.num_layers,
-            "hidden_size": c.d_model, "num_attention_heads": c.num_heads,
-            "num_key_value_heads": c.num_kv_heads or c.num_heads, "head_dim": c.head_dim,
-            "intermediate_size": c.mlp_width, "hidden_act": "silu", "max_position_embeddings": c.max_seq_len,
-            "rms_norm_eps": c.layer_norm_eps, "rope_theta": c.rope_theta,  # transformers < 5 reads rope_theta
-            "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta}, "attention_bias": False,
-            "mlp_bias": False, "tie_word_embeddings": c.tie_embeddings, **common}
-  arch = {Bert: "BertModel", BertForMaskedLM: "BertForMaskedLM",
-          BertForSequenceClassification: "BertForSequenceClassification"}[type(model)]
-  out = {"architectures": [arch], "model_type": "bert", "num_hidden_layers": c.num_layers, "hidden_size": c.d_model,
-         "num_attention_heads": c.num_heads, "intermediate_size": c.mlp_width, "hidden_act": "gelu",
-         "max_position_embeddings": c.max_seq_len, "type_vocab_size": c.type_vocab_size,
-         "layer_norm_eps": c.layer_norm_eps, "position_embedding_type": "absolute", "pad_token_id": 0,
-         "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0, **common}
-  if isinstance(model, BertForSequenceClassification):
-    out["id2label"] = {str(i): f"LABEL_{i}" for i in range(model.num_labels)}
-    out["label2id"] = {f"LABEL_{i}": i for i in range(model.num_labels)}
-    if c.classifier_pooling == "mean":  # transformers' BertForSequenceClassification ignores it and pools [CLS]
-      out["classifier_pooling"] = "mean"
-  return out
-
-
 # ----------------------------------------------------------------------------------------------- load and save
 
 
@@ -349,7 +250,7 @@ def lazy_pretrained(folder: str, compute_dtype: str = "float32", param_dtype: st
   with open(where) as f:
     hf_config = json.load(f)
   weights = _Weights(folder)
-  make = _model_from_hf_config(hf_config, where, set(weights.file_of), compute_dtype, param_dtype)
+  make = hf_config_lib.model_from_hf_config(hf_config, where, set(weights.file_of), compute_dtype, param_dtype)
   abstract = nnx.eval_shape(lambda: make(nnx.Rngs(0)))
   shapes = {k: v.shape for k, v in _flat(nnx.split(abstract)[1].to_pure_dict()).items()}
   rules, base_prefix = _rules(abstract)
@@ -392,9 +293,74 @@ def _to_host(x: jax.Array) -> np.ndarray:
   return np.asarray(jax.device_get(x))
 
 
-def save_pretrained(model: nnx.Module, folder: str) -> None:
-  """Writes config.json and model.safetensors that transformers' `from_pretrained` loads (process 0 writes), one
-  tensor at a time (`jaxlm.lora_io.save_model`; LoRA weights are written merged)."""
-  from jaxlm import lora_io  # noqa: PLC0415 (it builds on this module's tables)
+@jax.jit
+def _merged_layer(value: lora.LoRAWeight, i: jax.Array) -> jax.Array:
+  """Layer i of W + scale * A B: lora.merge's values up to float32 rounding (its batched A B may round otherwise)."""
+  return lora.merge({"w": jax.tree.map(lambda x: x[i], value)})["w"]
 
-  lora_io.save_model(model, folder)
+
+def _hf_tensors(model: nnx.Module) -> tuple[list[tuple[str, tuple, np.dtype]], Callable[[], Iterator[np.ndarray]]]:
+  """([(HF name, shape, dtype)], a generator of those tensors in that order, each computed when asked for)."""
+  flat = _flat(nnx.state(model, nnx.Param).to_pure_dict())
+  rules, _ = _rules(model)
+  used = {jax_prefix + p for _, jax_prefix, rule in rules for p in rule.jax}
+  if set(flat) - used:
+    raise ValueError(f"parameter {sorted(set(flat) - used)[0]} has no HF counterpart; cannot save this model")
+  layers = lambda rule: range(model.config.num_layers) if rule.per_layer else [None]
+  merged_dtype = lambda v: jnp.float32 if isinstance(v, lora.LoRAWeight) else v.dtype  # lora.merge's
+  entries = [(hf_prefix + rule.hf.format(i=i), rule.shape,
+              np.dtype(jnp.result_type(*(merged_dtype(flat[jax_prefix + p]) for p in rule.jax))))
+             for hf_prefix, jax_prefix, rule in rules for i in layers(rule)]
+
+  def layer(value, host: np.ndarray | None, i: int | None) -> np.ndarray:
+    if host is not None:  # a plain parameter: read to the host once per rule
+      return host if i is None else host[i]
+    return _to_host(lora.merge({"w": value})["w"] if i is None else _merged_layer(value, jnp.int32(i)))
+
+  def tensors() -> Iterator[np.ndarray]:
+    for _, jax_prefix, rule in rules:
+      values = [flat[jax_prefix + p] for p in rule.jax]
+      hosts = [None if isinstance(v, lora.LoRAWeight) else _to_host(v) for v in values]
+      for i in layers(rule):
+        out = _to_hf(rule, [layer(v, h, i) for v, h in zip(values, hosts)])
+        if out.shape != rule.shape:
+          raise ValueError(f"parameter {rule.jax[0]} gives HF tensor {rule.hf} of shape {out.shape}, not {rule.shape}")
+        yield out
+  return entries, tensors
+
+
+def _write_safetensors(path: str, entries: list[tuple[str, tuple, np.dtype]], tensors: Iterator[np.ndarray],
+                      metadata: dict | None = None) -> None:
+  """A safetensors file written tensor by tensor: the header (names, shapes, dtypes, offsets) first, then each
+  tensor's bytes as `tensors` yields it, so only one tensor is ever in memory (safetensors' own `save_file` takes
+  them all at once)."""
+  header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
+  offset = 0
+  for name, shape, dtype in entries:
+    size = math.prod(shape) * np.dtype(dtype).itemsize
+    header[name] = {"dtype": SAFETENSORS_DTYPES[np.dtype(dtype).name], "shape": list(shape),
+                    "data_offsets": [offset, offset + size]}
+    offset += size
+  blob = json.dumps(header, separators=(",", ":")).encode()
+  blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned, as safetensors' own writer pads
+  with open(path, "wb") as f:
+    f.write(struct.pack("<Q", len(blob)) + blob)
+    for (name, shape, dtype), array in zip(entries, tensors, strict=True):
+      if tuple(array.shape) != tuple(shape) or array.dtype != np.dtype(dtype):
+        raise AssertionError(f"tensor {name}: {array.dtype}{list(array.shape)}, the header says {dtype}{list(shape)}")
+      f.write(np.ascontiguousarray(array).tobytes())  # little-endian hosts, as safetensors
+
+
+def save_pretrained(model: nnx.Module, folder: str) -> None:
+  """config.json and model.safetensors that transformers' `from_pretrained` loads (process 0 writes; every process
+  joins the gathers), one tensor at a time; LoRA weights are written merged (W + alpha/r A B, in f32)."""
+  hf_config = hf_config_lib.hf_config(model)
+  entries, tensors = _hf_tensors(model)
+  if jax.process_index() != 0:
+    for _ in tensors():
+      pass
+    return
+  os.makedirs(folder, exist_ok=True)
+  _write_safetensors(os.path.join(folder, WEIGHTS), entries, tensors(), metadata={"format": "pt"})
+  with open(os.path.join(folder, "config.json"), "w") as f:
+    json.dump(hf_config, f, indent=2)

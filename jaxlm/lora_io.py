@@ -3,16 +3,15 @@ on the host.
 
   abstract, source = lora_io.hf_source(folder, compute_dtype, param_dtype)   # a LazyLeaf per parameter
   state, kept_random = lora_io.load_base(state, shardings, config.lora, make_model, mesh, source, where, seed)
-  lora_io.save_merged(graphdef, params, folder)     # config.json + model.safetensors, W + alpha/r A B per weight
+  lora_io.save_merged(graphdef, params, folder)     # hf.save_pretrained of the model: W + alpha/r A B per weight
 
 Load: a stacked target weight is read, placed with its sharding and quantized one layer at a time into the state's
 base storage (updated in place); any other parameter is read whole (one HF tensor at a time into its host array)
 and placed. So the device holds the quantized base plus one float parameter that is no target weight (e.g. the
 embedding), or one layer of a target weight; the host likewise. The train state's base starts empty for it
 (`lora.init_train_state(..., empty_base=True)`); parameters the checkpoint lacks get the seeded random init, each
-from its own compiled init (XLA drops the rest of the model's). Export: each HF tensor (one layer of one weight) is
-dequantized and merged on the device, moved to the host and appended to the safetensors file, whose header is
-written first from the shapes. The load gives the whole-tree path's state (`lora.load_base`: the float model
+from its own compiled init (XLA drops the rest of the model's). Export is `jaxlm.hf.save_pretrained`, which writes
+one HF tensor (one layer of one weight) at a time, dequantized and merged on the device. The load gives the whole-tree path's state (`lora.load_base`: the float model
 merged into the dequantized state, quantized again) bit for bit; the export its weights (`lora.merge` of the whole
 tree) up to float32 rounding of the adapters' product (one ulp: the batched A B rounds some weights otherwise).
 """
@@ -20,11 +19,7 @@ tree) up to float32 rounding of the adapters' product (one ulp: the batched A B 
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
-import os
-import struct
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -36,7 +31,6 @@ from jaxlm import hf, lora, sharding
 from jaxlm.config import LoRAConfig
 
 _flat, _nested = lora._flat, lora._nested
-SAFETENSORS_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 
 
 def _place(host, dtype, target_sharding) -> jax.Array:
@@ -137,79 +131,7 @@ def load_base(state: dict, shardings: dict, lora_config: LoRAConfig, make_model,
 # ----------------------------------------------------------------------------------------------- export
 
 
-@jax.jit
-def _merged_layer(value: lora.LoRAWeight, i: jax.Array) -> jax.Array:
-  """Layer i of W + scale * A B: lora.merge's values up to float32 rounding (its batched A B may round otherwise)."""
-  return lora.merge({"w": jax.tree.map(lambda x: x[i], value)})["w"]
-
-
-def _hf_tensors(model: nnx.Module) -> tuple[list[tuple[str, tuple, np.dtype]], Callable[[], Iterator[np.ndarray]]]:
-  """([(HF name, shape, dtype)], a generator of those tensors in that order, each computed when asked for)."""
-  flat = _flat(nnx.state(model, nnx.Param).to_pure_dict())
-  rules, _ = hf._rules(model)
-  used = {jax_prefix + p for _, jax_prefix, rule in rules for p in rule.jax}
-  if set(flat) - used:
-    raise ValueError(f"parameter {sorted(set(flat) - used)[0]} has no HF counterpart; cannot save this model")
-  layers = lambda rule: range(model.config.num_layers) if rule.per_layer else [None]
-  merged_dtype = lambda v: jnp.float32 if isinstance(v, lora.LoRAWeight) else v.dtype  # lora.merge's
-  entries = [(hf_prefix + rule.hf.format(i=i), rule.shape,
-              np.dtype(jnp.result_type(*(merged_dtype(flat[jax_prefix + p]) for p in rule.jax))))
-             for hf_prefix, jax_prefix, rule in rules for i in layers(rule)]
-
-  def layer(value, host: np.ndarray | None, i: int | None) -> np.ndarray:
-    if host is not None:  # a plain parameter: read to the host once per rule
-      return host if i is None else host[i]
-    return hf._to_host(lora.merge({"w": value})["w"] if i is None else _merged_layer(value, jnp.int32(i)))
-
-  def tensors() -> Iterator[np.ndarray]:
-    for _, jax_prefix, rule in rules:
-      values = [flat[jax_prefix + p] for p in rule.jax]
-      hosts = [None if isinstance(v, lora.LoRAWeight) else hf._to_host(v) for v in values]
-      for i in layers(rule):
-        out = hf._to_hf(rule, [layer(v, h, i) for v, h in zip(values, hosts)])
-        if out.shape != rule.shape:
-          raise ValueError(f"parameter {rule.jax[0]} gives HF tensor {rule.hf} of shape {out.shape}, not {rule.shape}")
-        yield out
-  return entries, tensors
-
-
-def write_safetensors(path: str, entries: list[tuple[str, tuple, np.dtype]], tensors: Iterator[np.ndarray],
-                      metadata: dict | None = None) -> None:
-  """A safetensors file written tensor by tensor: the header (names, shapes, dtypes, offsets) first, then each
-  tensor's bytes as `tensors` yields it, so only one tensor is ever in memory."""
-  header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
-  offset = 0
-  for name, shape, dtype in entries:
-    size = math.prod(shape) * np.dtype(dtype).itemsize
-    header[name] = {"dtype": SAFETENSORS_DTYPES[np.dtype(dtype).name], "shape": list(shape),
-                    "data_offsets": [offset, offset + size]}
-    offset += size
-  blob = json.dumps(header, separators=(",", ":")).encode()
-  blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned, as safetensors' own writer pads
-  with open(path, "wb") as f:
-    f.write(struct.pack("<Q", len(blob)) + blob)
-    for (name, shape, dtype), array in zip(entries, tensors, strict=True):
-      if tuple(array.shape) != tuple(shape) or array.dtype != np.dtype(dtype):
-        raise AssertionError(f"tensor {name}: {array.dtype}{list(array.shape)}, the header says {dtype}{list(shape)}")
-      f.write(np.ascontiguousarray(array).tobytes())  # little-endian hosts, as safetensors
-
-
-def save_model(model: nnx.Module, folder: str) -> None:
-  """config.json and model.safetensors that transformers' `from_pretrained` loads (process 0 writes; every process
-  joins the gathers), one tensor at a time; LoRA weights are written merged (W + alpha/r A B, in f32)."""
-  hf_config = hf._hf_config(model)
-  entries, tensors = _hf_tensors(model)
-  if jax.process_index() != 0:
-    for _ in tensors():
-      pass
-    return
-  os.makedirs(folder, exist_ok=True)
-  write_safetensors(os.path.join(folder, hf.WEIGHTS), entries, tensors(), metadata={"format": "pt"})
-  with open(os.path.join(folder, "config.json"), "w") as f:
-    json.dump(hf_config, f, indent=2)
-
-
 def save_merged(graphdef: nnx.GraphDef, params: dict, folder: str) -> None:
   """The model of `params` (LoRAWeights or plain arrays, e.g. `steps.model_params(state)`) as an HF folder, each
   weight merged on its own: never the whole merged float model at once."""
-  save_model(nnx.merge(graphdef, params), folder)
+  hf.save_pretrained(nnx.merge(graphdef, params), folder)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxlm import hf, instruct, lora, lora_io, optim, pretrained, sharding
+from jaxlm import hf, hf_config, instruct, lora, lora_io, optim, pretrained, sharding
 from jaxlm.config import LoRAConfig, MeshConfig, ModelConfig, TrainConfig
 from jaxlm.kernels import Kernels
 from jaxlm.models.bert import Bert, BertForSequenceClassification
@@ -79,4 +79,4 @@ def test_streamed_load_and_merged_export_equal_the_whole_tree_path(model_config,
     np.testing.assert_allclose(lora._flat(written)[path], value, rtol=2e-7, atol=1e-8, err_msg=path)
     assert lora._flat(written)[path].dtype == value.dtype
   with open(tmp_path / "merged" / "config.json") as f:
-    assert json.load(f) == json.loads(json.dumps(hf._hf_config(merged_model)))
+    assert json.load(f) == json.loads(json.dumps(hf_config.hf_config(merged_model)))
