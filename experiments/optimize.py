@@ -33,6 +33,9 @@ _REPEATS = flags.DEFINE_integer("repeats", 10, "timed forwards per variant (afte
 _MAX_EVAL = flags.DEFINE_integer("max_eval_batches", 64, "LM: cap on held-out batches (each sequence once)")
 _PRUNE_STEPS = flags.DEFINE_integer("prune_finetune_steps", 0, "fine-tune steps after pruning (masks kept)")
 _PRUNE_LR = flags.DEFINE_float("prune_finetune_lr", 1e-4, "constant AdamW learning rate of that fine-tune")
+_PRUNE_LIKE_RUN = flags.DEFINE_bool("prune_finetune_like_run", False, "that fine-tune uses the run's own AdamW "
+                                     "(betas, weight decay, clipping, train.layer_lr_decay) at the constant "
+                                     "--prune_finetune_lr; default: a plain AdamW without weight decay")
 _PRUNE_SEED = flags.DEFINE_integer("prune_finetune_seed", 0, "classifier runs: seed of that fine-tune's batch order "
                                    "(a second seed shows the noise of the comparison)")
 _KEEP = flags.DEFINE_bool("keep_checkpoints", False, "keep <workdir>/optimize/<variant> checkpoints")
@@ -84,6 +87,7 @@ class Task:
   calibration: list
   loss_fn: Callable  # (graphdef) -> sum-loss fn, for the optional pruned fine-tune
   train_batches: list
+  train_config: Any  # the run's TrainConfig (--prune_finetune_like_run)
 
 
 def load_lm(workdir: str, config) -> Task:
@@ -130,7 +134,7 @@ def load_lm(workdir: str, config) -> Task:
   return Task("lm", config.model, lambda c: GPT(c, rngs=nnx.Rngs(0)), model, mesh, evaluate,
               lambda m, b: m(b["inputs"], b["positions"], b["segment_ids"]), eval_batches[0],
               batch * config.data.seq_len, "tokens", train_batches[:_CALIBRATION.value], steps_lib.make_loss_fn,
-              train_batches[:_PRUNE_STEPS.value])
+              train_batches[:_PRUNE_STEPS.value], config.train)
 
 
 def load_classifier(workdir: str, config) -> Task:
@@ -177,7 +181,8 @@ def load_classifier(workdir: str, config) -> Task:
   return Task("classifier", model.config,
               lambda c: BertForSequenceClassification(c, num_labels, rngs=nnx.Rngs(0)), model, mesh, evaluate,
               forward, timing, int(timing["input_ids"].shape[0]), "examples",
-              calibration, finetune.make_classification_loss_fn, [train_batches[i] for i in order][:_PRUNE_STEPS.value])
+              calibration, finetune.make_classification_loss_fn, [train_batches[i] for i in order][:_PRUNE_STEPS.value],
+              config.train)
 
 
 def variants(task: Task):
@@ -186,7 +191,7 @@ def variants(task: Task):
   import jax.numpy as jnp  # noqa: PLC0415
   from flax import nnx  # noqa: PLC0415
 
-  from jaxlm import prune, quant, quant_io  # noqa: PLC0415
+  from jaxlm import optim, prune, quant, quant_io  # noqa: PLC0415
 
   def bf16():
     config = dataclasses.replace(task.model_config, param_dtype="bfloat16", compute_dtype="bfloat16")
@@ -195,6 +200,14 @@ def variants(task: Task):
                         nnx.state(task.model).to_pure_dict())
     nnx.replace_by_pure_dict(abstract, cast)
     return nnx.merge(graphdef, abstract)
+
+  def finetune_optimizer():
+    if not _PRUNE_LIKE_RUN.value:
+      return None
+    # The run's optimizer with a constant rate: warm-up 0 and a cosine that ends where it starts.
+    constant = dataclasses.replace(task.train_config, learning_rate=_PRUNE_LR.value, steps=len(task.train_batches),
+                                   warmup_steps=0, min_lr_ratio=1.0)
+    return optim.make_optimizer(constant)
 
   def pruned(make_masks, reconstructs=False):
     def build():
@@ -209,7 +222,7 @@ def variants(task: Task):
                   if k in ("perplexity", "loss", "accuracy", "f1_macro")}
         graphdef, state = nnx.split(model)
         params = prune.finetune(graphdef, state.to_pure_dict(), masks, task.loss_fn(graphdef), task.train_batches,
-                                learning_rate=_PRUNE_LR.value)
+                                learning_rate=_PRUNE_LR.value, optimizer=finetune_optimizer())
         nnx.replace_by_pure_dict(state, params)
         model = nnx.merge(graphdef, state)
       return model, before

@@ -326,15 +326,17 @@ def keep_masks(masks: Any) -> optax.GradientTransformation:
 
 def finetune(graphdef: nnx.GraphDef, params: Any, masks: Masks,
              loss_fn: Callable[[Any, Any], tuple[jax.Array, Any]], batches: Iterable[Any], *,
-             learning_rate: float = 1e-4, weight_decay: float = 0.0) -> Any:
+             learning_rate: float = 1e-4, weight_decay: float = 0.0,
+             optimizer: optax.GradientTransformation | None = None) -> Any:
   """A short AdamW fine-tune of pruned `params` (a pure dict) that keeps the masks; returns the new params.
+  `optimizer` replaces the plain AdamW(learning_rate, weight_decay), e.g. with the run's own settings.
 
   `loss_fn(params, batch) -> (loss sum, (count, aux))` as `jaxlm.steps.make_loss_fn` builds; the loss is the sum
   divided by the count."""
   del graphdef  # the loss function closes over it; kept in the signature so calls read like the train step
   params = apply_masks(params, masks)
   mask_tree = full_masks(params, masks)
-  optimizer = optax.chain(optax.adamw(learning_rate, weight_decay=weight_decay), keep_masks(mask_tree))
+  optimizer = optax.chain(optimizer or optax.adamw(learning_rate, weight_decay=weight_decay), keep_masks(mask_tree))
   opt_state = optimizer.init(params)
 
   @jax.jit

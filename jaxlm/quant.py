@@ -241,7 +241,7 @@ def _einsum(*args, **kwargs):
     elif jax.default_backend() == "cpu":
       # Weight-only on the CPU: XLA fuses the dequantize into the dot and then runs a loop slower than its f32
       # GEMM; the barrier materialises this layer's float weight first. Accelerators keep qwix's fused path.
-      return jnp.einsum(eq, x, jax.lax.optimization_barrier(qwix.dequantize(w.q)), **kwargs)
+      return jnp.einsum(eq, lhs, jax.lax.optimization_barrier(qwix.dequantize(w.q)), **kwargs)  # lhs: smoothed
     return qwix.einsum(eq, lhs, w.q, **kwargs)
   if len(args) == 3 and isinstance(args[2], SmoothedWeight):
     eq, x, w = args

@@ -7,6 +7,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx, traverse_util
 
@@ -109,6 +110,9 @@ def test_masks_survive_fine_tuning_and_int8_keeps_the_zeros():
     assert bool(np.all(np.where(m, True, new == 0))), path  # pruned stay exactly zero
     assert float(np.mean(np.where(m, new != old, False)) / np.mean(m)) > 0.9, path  # the rest trained
   assert prune.sparsity(tuned, masks) == pytest.approx(0.5, abs=1e-6)
+  # A given optimizer replaces the plain AdamW (optimize.py's --prune_finetune_like_run): a zero rate moves nothing.
+  frozen = prune.finetune(graphdef, params, masks, loss_fn, batches[:1], optimizer=optax.sgd(0.0))
+  jax.tree.map(np.testing.assert_array_equal, frozen, before)
   # int8 on top of pruning: a zero weight quantizes to exactly zero.
   tuned_state = jax.tree.map(lambda x: x, state)
   nnx.replace_by_pure_dict(tuned_state, tuned)

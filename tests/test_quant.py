@@ -8,6 +8,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import qwix
 import numpy as np
 import pytest
 from flax import nnx
@@ -243,3 +244,14 @@ def test_bad_smoothing_and_calibration_input_are_refused():
   with pytest.raises(ValueError, match="calibration batch 0 holds token id -1"):
     quant.quantize(model, "w8a8", calibration=[{"inputs": -np.ones((2, 4), np.int32)}],
                    forward=lambda m, b: m(b["inputs"]))
+
+
+def test_a_weight_only_int8_weight_applies_its_smoothing_factor():
+  """An Int8Weight keeps SmoothQuant's 1/s when no earlier op could absorb it; weight-only must apply it too."""
+  rng = np.random.default_rng(0)
+  x, w = rng.normal(size=(3, 8)).astype(np.float32), rng.normal(size=(8, 5)).astype(np.float32)
+  smooth = rng.uniform(0.5, 2.0, size=(8,)).astype(np.float32)
+  weight = quant.Int8Weight(q=quant.quantize_array(w, (0,)), mode="weight_only", smooth=jnp.asarray(smooth))
+  got = quant._einsum("td,df->tf", jnp.asarray(x), weight)
+  expected = (x * smooth) @ np.asarray(qwix.dequantize(weight.q))
+  np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-5, atol=1e-5)
