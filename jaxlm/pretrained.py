@@ -84,7 +84,7 @@ def classifier_pooling(requested: str, folder: str, checkpoint_pooling: str | No
   if checkpoint_pooling is not None:
     return checkpoint_pooling
   pooling_config = os.path.join(folder, "1_Pooling", "config.json")
-  if os.path.isfile(pooling_config):
+  if folder and os.path.isfile(pooling_config):  # no folder (from scratch): never a path relative to the cwd
     with open(pooling_config) as f:
       if json.load(f).get("pooling_mode_mean_tokens"):
         return "mean"

@@ -49,6 +49,29 @@ def write_token_corpus(path) -> None:
       f.write(json.dumps({"text": " ".join(rng.choice(words, size=rng.integers(5, 30)))}) + "\n")
 
 
+def write_labelled_words(folder, train_rows: int, eval_rows: int) -> int:
+  """train.csv / eval.csv of random word strings labelled "many" (more than one "alpha") or "few", and a word-level
+  tokenizer.json of those words in `folder`; returns the vocabulary size."""
+  import csv  # noqa: PLC0415
+
+  import numpy as np  # noqa: PLC0415
+  import tokenizers  # noqa: PLC0415
+  rng = np.random.default_rng(0)
+  words = ["alpha", "beta", "gamma", "delta", "return", "def", "value", "one", "two"]
+  for split, rows in (("train", train_rows), ("eval", eval_rows)):
+    with open(os.path.join(folder, f"{split}.csv"), "w", newline="") as f:
+      writer = csv.writer(f)
+      writer.writerow(["text", "label"])
+      for _ in range(rows):
+        text = list(rng.choice(words, size=rng.integers(3, 12)))
+        writer.writerow([" ".join(text), "many" if text.count("alpha") > 1 else "few"])
+  vocab = {w: i for i, w in enumerate(["[PAD]", "[UNK]", *words])}
+  tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+  tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+  tokenizer.save(os.path.join(folder, "tokenizer.json"))
+  return len(vocab)
+
+
 def demo_config(overrides: dict):
   """experiments/configs/demo.py with `section.key` overrides (as the scripts' --config.section.key flags)."""
   from jaxlm import config as config_lib  # noqa: PLC0415

@@ -2,7 +2,6 @@
 of the optimizer, a step on a sharded mesh with accumulation equals the single-device unaccumulated one, merging
 equals base + adapters, QLoRA's state is small, resume is exact, and bad input is a one-line error."""
 
-import csv
 import dataclasses
 import json
 
@@ -11,9 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-import tokenizers
 from flax import nnx
 
+from conftest import write_labelled_words
 from jaxlm import finetune, lora, nf4, optim, quant, sharding
 from jaxlm.checkpoint import Checkpointer, abstract_with_shardings
 from jaxlm import steps as steps_lib
@@ -177,21 +176,9 @@ def test_quantized_bases_dequantize_close_to_the_float_weight():
 
 
 def _classifier_config(tmp_path, steps, **lora_kw):
-  rng = np.random.default_rng(0)
-  words = ["alpha", "beta", "gamma", "delta", "return", "def", "value", "one", "two"]
-  for split, rows in (("train", 32), ("eval", 8)):
-    with open(tmp_path / f"{split}.csv", "w", newline="") as f:
-      writer = csv.writer(f)
-      writer.writerow(["text", "label"])
-      for _ in range(rows):
-        text = list(rng.choice(words, size=rng.integers(3, 12)))
-        writer.writerow([" ".join(text), "many" if text.count("alpha") > 1 else "few"])
-  vocab = {w: i for i, w in enumerate(["[PAD]", "[UNK]", *words])}
-  tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
-  tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-  tokenizer.save(str(tmp_path / "tokenizer.json"))
+  vocab_size = write_labelled_words(tmp_path, 32, 8)
   return Config(
-      model=ModelConfig(flavour="bert", vocab_size=len(vocab), num_layers=1, d_model=128, num_heads=2, d_ff=128,
+      model=ModelConfig(flavour="bert", vocab_size=vocab_size, num_layers=1, d_model=128, num_heads=2, d_ff=128,
                         max_seq_len=16, compute_dtype="float32"),
       mesh=MeshConfig(data=4, fsdp=1, tensor=1), lora=LoRAConfig(rank=4, **lora_kw),
       data=DataConfig(source="files", train_files=(str(tmp_path / "train.csv"),),

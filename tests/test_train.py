@@ -1,7 +1,6 @@
 """Train steps: loss goes down, accumulation is exact, meshes agree; the loop's resume is bit-exact for pretraining
 and fine-tuning alike."""
 
-import csv
 import dataclasses
 import json
 import os
@@ -11,8 +10,8 @@ import chex
 import jax
 import numpy as np
 import pytest
-import tokenizers
 
+from conftest import write_labelled_words
 from jaxlm import finetune, optim, sharding, train
 from jaxlm.config import Config, DataConfig, LogConfig, MeshConfig, ModelConfig, TrainConfig, CheckpointConfig
 from jaxlm import steps as steps_lib
@@ -195,21 +194,9 @@ def _losses(workdir):
 
 def _classifier_config(tmp_path, steps):
   """A 1-layer BERT from scratch on labelled CSV rows, with a word-level tokenizer of the rows' words."""
-  rng = np.random.default_rng(0)
-  words = ["alpha", "beta", "gamma", "delta", "return", "def", "value", "one", "two"]
-  for split, rows in (("train", 48), ("eval", 12)):
-    with open(tmp_path / f"{split}.csv", "w", newline="") as f:
-      writer = csv.writer(f)
-      writer.writerow(["text", "label"])
-      for _ in range(rows):
-        text = list(rng.choice(words, size=rng.integers(3, 12)))
-        writer.writerow([" ".join(text), "many" if text.count("alpha") > 1 else "few"])
-  vocab = {w: i for i, w in enumerate(["[PAD]", "[UNK]", *words])}
-  tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
-  tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-  tokenizer.save(str(tmp_path / "tokenizer.json"))
+  vocab_size = write_labelled_words(tmp_path, 48, 12)
   return Config(
-      model=ModelConfig(flavour="bert", vocab_size=len(vocab), num_layers=1, d_model=32, num_heads=2, d_ff=64,
+      model=ModelConfig(flavour="bert", vocab_size=vocab_size, num_layers=1, d_model=32, num_heads=2, d_ff=64,
                         max_seq_len=16, compute_dtype="float32"),
       mesh=MeshConfig(data=4, fsdp=1, tensor=1),  # FSDP is the pretraining case's; here it only slows the CPU
       data=DataConfig(source="files", train_files=(str(tmp_path / "train.csv"),),
