@@ -11,7 +11,8 @@ magnitude and by Wanda's score, SparseGPT (per-row masks chosen with a per-layer
 on the same batches; 50% and 2:4), and int8 weight-only on top of each pruning (--prune_finetune_steps > 0 first
 fine-tunes the pruned models with their masks kept; the rows then also give the metric before that fine-tune, and
 "fp32 fine-tuned" is the same fine-tune of the dense model, the control).
-For each: the task metric on the run's held-out data, latency of one forward on an eval
+For each: the task metric on the run's held-out data (a classifier's rows also count the held-out predictions that
+differ from fp32's and give a 95% paired-bootstrap interval of the change), latency of one forward on an eval
 batch (best of --repeats after warm-up, on the run's mesh), throughput, parameter bytes and the orbax checkpoint's
 size on disk (written under <workdir>/optimize/<variant>/). Writes <workdir>/optimize.json (flat numbers and
 strings), optimize.png, and an "Optimization" section in <workdir>/report.md (replaced when re-run).
@@ -49,6 +50,7 @@ _VARIANTS = flags.DEFINE_list("variants", [], "variants to measure, as named in 
                               "int8_W8A8,2:4); empty = all; fp32, the baseline, always runs")
 flags.mark_flags_as_required(["workdir"])
 
+PREDICTIONS = "predictions"  # a classifier evaluation's (labels, predictions, classes): compared with fp32's, not saved
 REPORT_BEGIN, REPORT_END = "<!-- optimize:begin -->", "<!-- optimize:end -->"
 VARIANTS = ("fp32", "bf16", "int8 weight-only", "int8 W8A8", "int8 W8A8 dynamic", "int8 W8A8 smooth",
             "int8 W8A8 smooth dynamic", "fp32 fine-tuned", "50% magnitude", "50% magnitude per layer", "50% wanda",
@@ -164,9 +166,11 @@ def load_classifier(workdir: str, config) -> Task:
 
   def evaluate(m):
     g, p = nnx.split(m)
-    result = finetune.run_eval(jax.jit(finetune.make_eval_step(g)), p, eval_batches, data.eval, data.class_names, mesh)
+    result = finetune.run_eval(jax.jit(finetune.make_eval_step(g)), p, eval_batches, data.eval, data.class_names, mesh,
+                               with_predictions=True)
     return {"accuracy": result["accuracy"], "f1_macro": result["f1_macro"], "loss": result["loss"],
-            "eval_examples": result["examples"]}
+            "eval_examples": result["examples"],
+            PREDICTIONS: (result["labels"], result["predictions"], len(data.class_names))}
 
   forward = lambda m, b: m(b["input_ids"], b["attention_mask"], b["token_type_ids"])
   print(f"classifier run {workdir}: {len(data.eval.labels)} eval examples, classes {data.class_names}")
@@ -293,15 +297,27 @@ def selected_names(names: list[str], sparsity: float = 0.5) -> set[str]:
   return wanted | {"fp32"}
 
 
-def measure(task: Task, name: str, model, out_dir: str, extra: dict | None = None) -> dict:
+def measure(task: Task, name: str, model, out_dir: str, extra: dict | None = None, reference: dict | None = None
+            ) -> dict:
+  """One variant's row. A classifier's first row (fp32) leaves its predictions in `reference`; later rows get their
+  prediction flips and the 95% interval of their change vs fp32 from them (jaxlm.evaluate.paired_change)."""
   import jax  # noqa: PLC0415
   import numpy as np  # noqa: PLC0415
   from flax import nnx  # noqa: PLC0415
 
-  from jaxlm import prune, quant, quant_io  # noqa: PLC0415
+  from jaxlm import evaluate, prune, quant, quant_io  # noqa: PLC0415
 
   model = quant_io.place(model, task.mesh)
   row = dict(task.evaluate(model))
+  if PREDICTIONS in row and reference is not None:
+    labels, predictions, classes = row.pop(PREDICTIONS)
+    if PREDICTIONS not in reference:
+      reference[PREDICTIONS] = predictions
+    else:
+      change = evaluate.paired_change(labels, reference[PREDICTIONS], predictions, classes)
+      row["flips_vs_fp32"] = change.pop("flips")
+      row.update({k.replace("_change_", "_change_points_"): 100 * v for k, v in change.items()})
+  row.pop(PREDICTIONS, None)
   row.update(extra or {})
   if task.kind == "lm" and _LM_EVAL_TASKS.value:
     row.update(lm_eval_metrics(model))
@@ -385,9 +401,14 @@ def markdown_table(task: Task, rows: dict[str, dict]) -> str:
     cells = lambda r: (f"{r['perplexity']:.4f} | {100 * (r['perplexity'] / base['perplexity'] - 1):+.2f}% | "
                        f"{r['token_accuracy']:.4f} |")
   else:
-    head = "| variant | accuracy | vs fp32 (points) | macro-F1 | vs fp32 (points) |"
-    cells = lambda r: (f"{100 * r['accuracy']:.2f} | {100 * (r['accuracy'] - base['accuracy']):+.2f} | "
-                       f"{100 * r['f1_macro']:.2f} | {100 * (r['f1_macro'] - base['f1_macro']):+.2f} |")
+    head = "| variant | accuracy | vs fp32 (points) [95% CI] | macro-F1 | vs fp32 (points) [95% CI] | flips |"
+
+    def change(r, metric):
+      low, high = (r.get(f"{metric}_change_points_ci95_{end}") for end in ("low", "high"))
+      return f"{100 * (r[metric] - base[metric]):+.2f}" + (f" [{low:+.2f}, {high:+.2f}]" if low is not None else "")
+
+    cells = lambda r: (f"{100 * r['accuracy']:.2f} | {change(r, 'accuracy')} | {100 * r['f1_macro']:.2f} | "
+                       f"{change(r, 'f1_macro')} | {r.get('flips_vs_fp32', 0):.0f} |")
   head += f" latency ms/batch | {task.unit}/s | param MB | checkpoint MB | checkpoint vs fp32 |"
   before = any(k.endswith("_before_finetune") for r in rows.values() for k in r)
   if before:  # the pruned rows' metric before their masked fine-tune
@@ -458,13 +479,13 @@ def main(argv):
   else:
     task = load_lm(workdir, config)
   out_dir = os.path.join(workdir, "optimize")
-  rows = {}
+  rows, reference = {}, {}
   for name, build in variants(task):
     if name not in wanted:
       continue
     started = time.time()
     model, extra = build()
-    rows[name] = measure(task, name, model, out_dir, extra)
+    rows[name] = measure(task, name, model, out_dir, extra, reference)
     shown = {k: round(v, 5) if isinstance(v, float) else v for k, v in rows[name].items()}
     print(f"{name}: {shown} ({time.time() - started:.0f} s)", flush=True)
   if not _KEEP.value:

@@ -67,6 +67,33 @@ def classification_metrics(labels: np.ndarray, predictions: np.ndarray, num_clas
   return out
 
 
+def paired_change(labels: np.ndarray, reference: np.ndarray, predictions: np.ndarray, num_classes: int,
+                  samples: int = 2000, seed: int = 0) -> dict[str, float]:
+  """How far `predictions` are from `reference` predictions of the same examples: `flips` (examples predicted
+  differently) and 95% paired-bootstrap intervals of the accuracy and macro-F1 change (fractions; both models scored
+  on the same resampled examples, so the interval is the change's own noise, not each model's).
+
+  Ours, in numpy: one draw of example counts per resample scores both models at once (scipy's bootstrap would
+  resample an index array per statistic call)."""
+  labels, reference = _check_ids(labels, reference, num_classes)
+  _, predictions = _check_ids(labels, predictions, num_classes)
+  n = labels.size
+  counts = np.random.default_rng(seed).multinomial(n, np.full(n, 1.0 / n), size=samples).astype(np.float64)
+  one_hot = np.eye(num_classes)
+  support = counts @ one_hot[labels]  # [S, K] true count per class in each resample
+
+  def scores(pred):
+    tp = counts @ (one_hot[labels] * (labels == pred)[:, None])
+    f1 = _safe_divide(2 * tp, counts @ one_hot[pred] + support)
+    return tp.sum(axis=1) / n, f1.mean(axis=1)
+
+  (acc_ref, f1_ref), (acc, f1) = scores(reference), scores(predictions)
+  out = {"flips": float(np.sum(reference != predictions))}
+  for name, change in (("accuracy", acc - acc_ref), ("f1_macro", f1 - f1_ref)):
+    out[f"{name}_change_ci95_low"], out[f"{name}_change_ci95_high"] = map(float, np.percentile(change, [2.5, 97.5]))
+  return out
+
+
 def confusion_table(confusion_KK: np.ndarray, class_names: Sequence[str]) -> str:
   """The confusion matrix as a markdown table (rows: true class, columns: predicted)."""
   names = [str(n).replace("|", "\\|") for n in class_names]

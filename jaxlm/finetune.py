@@ -82,8 +82,9 @@ def make_eval_step(graphdef: nnx.GraphDef):
 
 
 def run_eval(eval_step, params, batches: list[dict], examples: cls_data.Examples, class_names: list[str],
-             mesh: Mesh) -> dict[str, float]:
-  """Classification metrics over every held-out example (the filler rows of the last batch are dropped)."""
+             mesh: Mesh, with_predictions: bool = False) -> dict[str, Any]:
+  """Classification metrics over every held-out example (the filler rows of the last batch are dropped);
+  `with_predictions` adds the `labels` and `predictions` arrays (in the examples' order)."""
   predictions, loss_sum = [], 0.0
   for batch in batches:
     out = jax.device_get(eval_step(params, steps_lib.to_global_batch(batch, mesh)))
@@ -93,6 +94,8 @@ def run_eval(eval_step, params, batches: list[dict], examples: cls_data.Examples
   predicted = np.concatenate(predictions)[: len(order)]
   metrics = evaluate.classification_metrics(examples.labels[order], predicted, len(class_names), class_names)
   metrics["loss"] = loss_sum / max(1, len(order))
+  if with_predictions:
+    metrics.update(labels=examples.labels[order], predictions=predicted)
   return metrics
 
 

@@ -52,6 +52,35 @@ def test_bad_ids_are_one_line_errors():
     evaluate.confusion_matrix(np.array([0.0, 1.0]), np.array([0, 1]), 2)
 
 
+def test_paired_change_is_a_bootstrap_of_both_models_on_the_same_resampled_examples():
+  rng = np.random.default_rng(3)
+  labels = rng.integers(0, 4, 300)
+  reference = np.where(rng.random(300) < 0.7, labels, rng.integers(0, 4, 300))
+  predictions = reference.copy()
+  changed = rng.choice(300, 12, replace=False)
+  predictions[changed] = (predictions[changed] + 1) % 4
+  out = evaluate.paired_change(labels, reference, predictions, 4, samples=300, seed=5)
+  assert out["flips"] == 12
+  # The reference: each resample drawn as in paired_change, both models scored by classification_metrics.
+  counts = np.random.default_rng(5).multinomial(300, np.full(300, 1 / 300), size=300)
+  changes = {"accuracy": [], "f1_macro": []}
+  for row in counts:
+    index = np.repeat(np.arange(300), row)
+    a = evaluate.classification_metrics(labels[index], reference[index], 4, per_class=False)
+    b = evaluate.classification_metrics(labels[index], predictions[index], 4, per_class=False)
+    for name in changes:
+      changes[name].append(b[name] - a[name])
+  for name, values in changes.items():
+    low, high = np.percentile(values, [2.5, 97.5])
+    np.testing.assert_allclose([out[f"{name}_change_ci95_low"], out[f"{name}_change_ci95_high"]], [low, high],
+                               rtol=1e-12, atol=1e-12)
+  observed = np.mean(predictions == labels) - np.mean(reference == labels)
+  assert out["accuracy_change_ci95_low"] <= observed <= out["accuracy_change_ci95_high"]
+  # The same predictions: no flips and an interval of exactly zero.
+  same = evaluate.paired_change(labels, reference, reference, 4)
+  assert same["flips"] == 0 and same["accuracy_change_ci95_low"] == same["f1_macro_change_ci95_high"] == 0.0
+
+
 def test_is_better_minimises_losses_and_maximises_scores():
   assert evaluate.is_better("f1_macro", 0.9, 0.8) and not evaluate.is_better("f1_macro", 0.7, 0.8)
   assert evaluate.is_better("eval_loss", 0.5, 0.6) and not evaluate.is_better("loss", 0.7, 0.6)
