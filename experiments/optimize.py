@@ -37,6 +37,9 @@ _PRUNE_LR = flags.DEFINE_float("prune_finetune_lr", 1e-4, "constant AdamW learni
 _PRUNE_LIKE_RUN = flags.DEFINE_bool("prune_finetune_like_run", False, "that fine-tune uses the run's own AdamW "
                                      "(betas, weight decay, clipping, train.layer_lr_decay) at the constant "
                                      "--prune_finetune_lr; default: a plain AdamW without weight decay")
+_PRUNE_SCHEDULE = flags.DEFINE_enum("prune_finetune_schedule", "constant", ["constant", "run"],
+                                    "with --prune_finetune_like_run: the rate constant, or the run's own warm-up share "
+                                    "and cosine decay over the fine-tune's steps, peaking at --prune_finetune_lr")
 _PRUNE_SEED = flags.DEFINE_integer("prune_finetune_seed", 0, "classifier runs: seed of that fine-tune's batch order "
                                    "(a second seed shows the noise of the comparison)")
 _KEEP = flags.DEFINE_bool("keep_checkpoints", False, "keep <workdir>/optimize/<variant> checkpoints")
@@ -70,8 +73,22 @@ def check_flags() -> None:
                      "(0.5 is the paper's)")
   if not 0.0 < _SPARSITY.value < 1.0:
     raise ValueError(f"--sparsity={_SPARSITY.value} is out of range: give the fraction of weights to zero, in (0, 1)")
+  if _PRUNE_SCHEDULE.value == "run" and not _PRUNE_LIKE_RUN.value:
+    raise ValueError("--prune_finetune_schedule=run is the run's own schedule: it needs --prune_finetune_like_run")
   if _CALIBRATION.value < 1:
     raise ValueError(f"--calibration_batches={_CALIBRATION.value}: W8A8 and Wanda need at least one calibration batch")
+
+
+def finetune_train_config(run: Any, learning_rate: float, steps: int, schedule: str) -> Any:
+  """The run's TrainConfig for the masked fine-tune (--prune_finetune_like_run): its AdamW settings, `steps` long,
+  peaking at `learning_rate`; `constant` holds that rate (no warm-up, a cosine ending where it starts), `run` keeps
+  the run's warm-up share and cosine end (train.min_lr_ratio) over the fine-tune's steps."""
+  from jaxlm import optim  # noqa: PLC0415 (the flags and their checks load no jax)
+
+  if schedule == "run":
+    warmup = round(optim.warmup_steps(run) * steps / max(run.steps, 1))
+    return dataclasses.replace(run, learning_rate=learning_rate, steps=steps, warmup_steps=warmup)
+  return dataclasses.replace(run, learning_rate=learning_rate, steps=steps, warmup_steps=0, min_lr_ratio=1.0)
 
 
 @dataclasses.dataclass
@@ -208,10 +225,8 @@ def variants(task: Task):
   def finetune_optimizer():
     if not _PRUNE_LIKE_RUN.value:
       return None
-    # The run's optimizer with a constant rate: warm-up 0 and a cosine that ends where it starts.
-    constant = dataclasses.replace(task.train_config, learning_rate=_PRUNE_LR.value, steps=len(task.train_batches),
-                                   warmup_steps=0, min_lr_ratio=1.0)
-    return optim.make_optimizer(constant)
+    return optim.make_optimizer(finetune_train_config(task.train_config, _PRUNE_LR.value, len(task.train_batches),
+                                                      _PRUNE_SCHEDULE.value))
 
   def pruned(make_masks, reconstructs=False):
     def build():
