@@ -79,18 +79,6 @@ def check_flags() -> None:
     raise ValueError(f"--calibration_batches={_CALIBRATION.value}: W8A8 and Wanda need at least one calibration batch")
 
 
-def finetune_train_config(run: Any, learning_rate: float, steps: int, schedule: str) -> Any:
-  """The run's TrainConfig for the masked fine-tune (--prune_finetune_like_run): its AdamW settings, `steps` long,
-  peaking at `learning_rate`; `constant` holds that rate (no warm-up, a cosine ending where it starts), `run` keeps
-  the run's warm-up share and cosine end (train.min_lr_ratio) over the fine-tune's steps."""
-  from jaxlm import optim  # noqa: PLC0415 (the flags and their checks load no jax)
-
-  if schedule == "run":
-    warmup = round(optim.warmup_steps(run) * steps / max(run.steps, 1))
-    return dataclasses.replace(run, learning_rate=learning_rate, steps=steps, warmup_steps=warmup)
-  return dataclasses.replace(run, learning_rate=learning_rate, steps=steps, warmup_steps=0, min_lr_ratio=1.0)
-
-
 @dataclasses.dataclass
 class Task:
   kind: str  # "lm" or "classifier"
@@ -225,8 +213,8 @@ def variants(task: Task):
   def finetune_optimizer():
     if not _PRUNE_LIKE_RUN.value:
       return None
-    return optim.make_optimizer(finetune_train_config(task.train_config, _PRUNE_LR.value, len(task.train_batches),
-                                                      _PRUNE_SCHEDULE.value))
+    return optim.make_optimizer(optim.follow_up_config(task.train_config, _PRUNE_LR.value, len(task.train_batches),
+                                                       _PRUNE_SCHEDULE.value))
 
   def pruned(make_masks, reconstructs=False):
     def build():

@@ -8,6 +8,8 @@ micro-batches give the same update as one batch k times larger, whatever the pad
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Any, Callable
 
 import jax
@@ -33,6 +35,18 @@ def learning_rate_schedule(config: TrainConfig) -> optax.Schedule:
   return optax.warmup_cosine_decay_schedule(
       init_value=0.0, peak_value=config.learning_rate, warmup_steps=warmup,
       decay_steps=max(config.steps, warmup + 1), end_value=config.learning_rate * config.min_lr_ratio)
+
+
+def follow_up_config(run: TrainConfig, learning_rate: float, steps: int, schedule: str = "constant") -> TrainConfig:
+  """The run's TrainConfig for a short follow-up training (e.g. the masked fine-tune after pruning): its AdamW
+  settings, `steps` long, peaking at `learning_rate`. `constant` holds that rate (no warm-up, a cosine that ends where
+  it starts); `run` keeps the run's warm-up share and cosine end (train.min_lr_ratio) over the new steps."""
+  if schedule == "run":
+    warmup = round(warmup_steps(run) * steps / max(run.steps, 1))
+    return dataclasses.replace(run, learning_rate=learning_rate, steps=steps, warmup_steps=warmup)
+  if schedule != "constant":
+    raise ValueError(f"follow-up schedule {schedule!r} is not one of constant, run")
+  return dataclasses.replace(run, learning_rate=learning_rate, steps=steps, warmup_steps=0, min_lr_ratio=1.0)
 
 
 def _decay_mask(params: Any) -> Any:

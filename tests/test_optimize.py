@@ -93,18 +93,3 @@ def test_optimize_measures_every_variant_of_a_trained_lm(tmp_path):
   assert mismatch.returncode != 0
   assert f"data.tokenizer='{other}' differs from {workdir}/tokenizer.json" in mismatch.stderr, mismatch.stderr[-2000:]
 
-
-def test_the_masked_finetune_follows_the_runs_schedule_or_holds_its_rate():
-  from conftest import load_script  # noqa: PLC0415
-  from jaxlm import optim  # noqa: PLC0415
-
-  optimize = load_script("experiments/optimize.py")
-  run = config_lib.TrainConfig(steps=300, learning_rate=5e-5, warmup_steps=-1, warmup_fraction=0.1, min_lr_ratio=0.1,
-                               weight_decay=0.01, layer_lr_decay=0.8)
-  like_run = optimize.finetune_train_config(run, 2e-5, 100, "run")
-  rate = optim.learning_rate_schedule(like_run)
-  assert (like_run.steps, optim.warmup_steps(like_run)) == (100, 10)  # the run's 10% warm-up share
-  assert float(rate(0)) == 0.0 and float(rate(10)) == pytest.approx(2e-5) and float(rate(100)) == pytest.approx(2e-6)
-  assert (like_run.weight_decay, like_run.layer_lr_decay) == (0.01, 0.8)  # the run's AdamW and layer decay
-  constant = optim.learning_rate_schedule(optimize.finetune_train_config(run, 2e-5, 100, "constant"))
-  assert all(float(constant(s)) == pytest.approx(2e-5) for s in (0, 50, 100))

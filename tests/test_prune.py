@@ -11,8 +11,8 @@ import optax
 import pytest
 from flax import nnx, traverse_util
 
-from jaxlm import prune, quant
-from jaxlm.config import ModelConfig
+from jaxlm import optim, prune, quant
+from jaxlm.config import ModelConfig, TrainConfig
 from jaxlm.models.bert import BertForSequenceClassification
 from jaxlm.models.gpt import GPT
 from jaxlm import steps as steps_lib
@@ -276,3 +276,15 @@ def test_sequential_sparsegpt_calibrates_later_layers_on_the_pruned_ones():
   np.testing.assert_array_equal(np.asarray(a[path][0]), np.asarray(b[path][0]))  # layer 0 sees the same inputs
   assert not np.array_equal(np.asarray(a[path][1]), np.asarray(b[path][1]))  # layer 1 sees pruned layer 0's output
   assert prune.sparsity(sequential, masks) == pytest.approx(0.5, abs=0)
+
+
+def test_the_masked_finetune_follows_the_runs_schedule_or_holds_its_rate():
+  run = TrainConfig(steps=300, learning_rate=5e-5, warmup_steps=-1, warmup_fraction=0.1, min_lr_ratio=0.1,
+                    weight_decay=0.01, layer_lr_decay=0.8)
+  like_run = optim.follow_up_config(run, 2e-5, 100, "run")
+  rate = optim.learning_rate_schedule(like_run)
+  assert (like_run.steps, optim.warmup_steps(like_run)) == (100, 10)  # the run's 10% warm-up share
+  assert float(rate(0)) == 0.0 and float(rate(10)) == pytest.approx(2e-5) and float(rate(100)) == pytest.approx(2e-6)
+  assert (like_run.weight_decay, like_run.layer_lr_decay) == (0.01, 0.8)  # the run's AdamW and layer decay
+  constant = optim.learning_rate_schedule(optim.follow_up_config(run, 2e-5, 100, "constant"))
+  assert all(float(constant(s)) == pytest.approx(2e-5) for s in (0, 50, 100))
