@@ -17,7 +17,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   # One persistent XLA cache for the session, shared by both xdist workers (children of the pytest process) and every
   # subprocess they start: the suite compiles the same small programs again and again (a run, its stop, its resume;
-  # each CLI subprocess), and a cache hit skips the compile (tests/test_train.py's kill-and-resume pair 42 -> 27 s).
+  # each CLI subprocess), and a cache hit skips the compile.
   _owner = os.getppid() if os.environ.get("PYTEST_XDIST_WORKER") else os.getpid()
   os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), f"jaxlm-test-xla-cache-{_owner}")
   os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
