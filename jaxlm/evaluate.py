@@ -9,6 +9,7 @@ and recall). Weighted averages weight each class by its support (true count).
 
   metrics = classification_metrics(labels, predictions, num_classes=3, class_names=["neg", "neu", "pos"])
   metrics["accuracy"], metrics["f1_macro"], metrics["f1/neg"], metrics["confusion/neg/pos"]
+  change = paired_change(labels, predictions_a, predictions_b, num_classes=3)  # flips, 95% interval of the change
 
 Every result is a flat dict of floats, ready for metrics.jsonl, TensorBoard and eval.json.
 """

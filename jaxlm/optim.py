@@ -9,7 +9,6 @@ micro-batches give the same update as one batch k times larger, whatever the pad
 from __future__ import annotations
 
 import dataclasses
-
 from typing import Any, Callable
 
 import jax
