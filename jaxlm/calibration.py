@@ -41,6 +41,11 @@ def check_calibration(batches: list[Any], vocab_size: int | None) -> None:
                          "with the model's own tokenizer.json")
 
 
+def token_mask(batch: Any) -> jax.Array | None:
+  """The batch's real tokens [B, S] (its `attention_mask`, the HF convention: 0 = padding), or None (no padding)."""
+  return jnp.asarray(batch["attention_mask"]) if isinstance(batch, dict) and "attention_mask" in batch else None
+
+
 _PROBE_RUNS: dict = {}  # (probe graphdef, forward) -> the jitted calibration forward
 
 
@@ -56,7 +61,8 @@ def input_statistics(model: nnx.Module, batches: list[Any], forward: Callable[[n
   """What every quantizable weight's matmul reads over `batches`, per input channel (the weight's contracted axes C):
 
     {parameter path: InputStats}; weights no matmul read (lookup-only tables) are absent. `gram` also sums each
-    input's Gram matrix X^T X (SparseGPT's Hessian; a [C, C] transfer per matmul per batch, so only when asked)."""
+    input's Gram matrix X^T X (SparseGPT's Hessian; a [C, C] transfer per matmul per batch, so only when asked).
+    Padding tokens (0 in a dict batch's `attention_mask`) count as zero rows: they are computed but never read."""
   check_calibration(batches, getattr(getattr(model, "config", None), "vocab_size", None))
   graphdef, state = nnx.split(model)
   probed = jax.tree.map(lambda x: x, state)
@@ -74,7 +80,13 @@ def input_statistics(model: nnx.Module, batches: list[Any], forward: Callable[[n
   probe_def, probe_state = nnx.split(quant.with_interception(nnx.merge(graphdef, probed)))
   key = (probe_def, forward)
   if key not in _PROBE_RUNS:  # one compile per model structure and forward, whatever the batches or weights
-    _PROBE_RUNS[key] = jax.jit(lambda s, batch: forward(nnx.merge(probe_def, s), batch))
+    def probed_forward(s, batch):
+      quant.PROBE_TOKENS[0] = token_mask(batch)
+      try:
+        return forward(nnx.merge(probe_def, s), batch)
+      finally:
+        quant.PROBE_TOKENS[0] = None
+    _PROBE_RUNS[key] = jax.jit(probed_forward)
   run = _PROBE_RUNS[key]
   quant.PROBE_RECORDS.clear()
   quant.PROBE_GRAMS.clear()

@@ -15,8 +15,9 @@ Wanda (Sun et al., 2024) scores weight W_ij (input j, output i) by |W_ij| * ||X_
 channel over every token of the calibration batches (`calibration.input_statistics`, the probe that calibrates
 W8A8), and compares weights within one output row: a large weight on a quiet input may go, a small one on a loud
 input stays.
-Prunable weights are the matmul weights of `jaxlm.quant.CONTRACTED_AXES` except the embedding tables (a pruned
-vocabulary row would delete a token). Masks are pure dicts of bool arrays over those parameters only. Ties at the
+Prunable weights are the matmul weights of `jaxlm.quant.CONTRACTED_AXES` inside the stacked transformer blocks: the
+embedding tables (a pruned vocabulary row would delete a token) and the small dense heads (BERT's pooler, classifier
+and MLM transform, under 0.1% of the weights, where every pruned weight is a class's feature) stay dense. Masks are pure dicts of bool arrays over those parameters only. Ties at the
 threshold are broken by position (a stable sort), so exactly round(sparsity * n) weights are zeroed. The 2:4 groups
 run along the contracted (input) axis, the one NVIDIA's sparse tensor cores compress; qwix's N:M mask helper groups
 along a matrix's last axis and returns a float mask, so ours is written for any contracted axis of our weights.
@@ -38,16 +39,14 @@ from jaxlm import calibration as calibration_lib, quant
 Masks = dict  # nested pure dict: parameter path -> bool array (True = kept)
 
 
-def prunable(model_or_state: Any) -> dict[tuple, tuple[jax.Array, tuple[int, ...], bool]]:
-  """{path: (value, contracted axes, stacked)} of the weights pruning may touch."""
+def prunable(model_or_state: Any) -> dict[tuple, tuple[jax.Array, tuple[int, ...]]]:
+  """{path: (value, contracted axes)} of the weights pruning may touch: the blocks' matmuls, [L, ...] each."""
   state = nnx.state(model_or_state) if isinstance(model_or_state, nnx.Module) else model_or_state
   out = {}
   for path, variable in nnx.to_flat_state(state):
     contracted = quant.quantizable(path, variable)
-    if contracted is None or path[-1] == "embedding":
-      continue
-    value = variable.get_value()
-    out[path] = (value, contracted, quant.is_stacked(variable, value))
+    if contracted is not None and path[-1] != "embedding" and quant.is_stacked(variable, variable.get_value()):
+      out[path] = (variable.get_value(), contracted)
   return out
 
 
@@ -72,16 +71,14 @@ def magnitude_masks(model: Any, sparsity: float, per_layer: bool = False) -> Mas
   weights = prunable(model)
   flat_masks = {}
   if per_layer:
-    for path, (w, _, stacked) in weights.items():
-      slices = w if stacked else w[None]
-      per_slice = round(sparsity * slices[0].size)
-      per = jax.vmap(lambda s: _keep_largest(jnp.abs(s), per_slice))(slices)
-      flat_masks[path] = per if stacked else per[0]
+    for path, (w, _) in weights.items():
+      per_layer_pruned = round(sparsity * w[0].size)
+      flat_masks[path] = jax.vmap(lambda s: _keep_largest(jnp.abs(s), per_layer_pruned))(w)
   else:
-    magnitudes = jnp.concatenate([jnp.abs(w.astype(jnp.float32)).reshape(-1) for w, _, _ in weights.values()])
+    magnitudes = jnp.concatenate([jnp.abs(w.astype(jnp.float32)).reshape(-1) for w, _ in weights.values()])
     keep = _keep_largest(magnitudes, round(sparsity * magnitudes.size))
     start = 0
-    for path, (w, _, _) in weights.items():
+    for path, (w, _) in weights.items():
       flat_masks[path] = keep[start:start + w.size].reshape(w.shape)
       start += w.size
   return traverse_util.unflatten_dict(flat_masks)
@@ -103,7 +100,7 @@ def n_m_mask(w: jax.Array, axis: int, n: int = 2, m: int = 4) -> jax.Array:
 def two_four_masks(model: Any) -> Masks:
   """2:4 masks along each weight's innermost contracted axis (for w_o [H, K, D]: along K)."""
   return traverse_util.unflatten_dict({path: n_m_mask(w, max(contracted))
-                                       for path, (w, contracted, _) in prunable(model).items()})
+                                       for path, (w, contracted) in prunable(model).items()})
 
 
 PATTERNS = ("unstructured", "2:4")
@@ -122,12 +119,11 @@ def row_mask(scores: Any, contracted: tuple[int, ...], num_pruned: int) -> np.nd
   return np.moveaxis(keep.reshape(moved.shape), tail, contracted)
 
 
-def wanda_scores(w: Any, input_norm: Any, contracted: tuple[int, ...], stacked: bool) -> np.ndarray:
-  """|W| * ||X_j||: `input_norm` [L?, *C] is the L2 norm of each input channel (the weight's contracted axes)."""
+def wanda_scores(w: Any, input_norm: Any, contracted: tuple[int, ...]) -> np.ndarray:
+  """|W| * ||X_j|| of a stacked weight [L, ...]: `input_norm` [L, *C] is the L2 norm of each layer's input channel
+  (the weight's contracted axes)."""
   w = np.asarray(w, np.float32)
-  shape = [1] * w.ndim
-  if stacked:
-    shape[0] = w.shape[0]
+  shape = [w.shape[0]] + [1] * (w.ndim - 1)
   for axis in contracted:
     shape[axis] = w.shape[axis]
   return np.abs(w) * np.asarray(input_norm, np.float32).reshape(shape)
@@ -143,12 +139,12 @@ def wanda_masks(model: Any, sparsity: float, calibration: Iterable[Any],
   batches = list(calibration)
   statistics = calibration_lib.input_statistics(model, batches, forward)
   flat_masks = {}
-  for path, (w, contracted, stacked) in prunable(model).items():
+  for path, (w, contracted) in prunable(model).items():
     name = "/".join(map(str, path))
     if name not in statistics:
       raise ValueError(f"no calibration batch ran the matmul of {name}: forward(model, batch) must run the whole "
                        "model as the task does")
-    scores = wanda_scores(w, np.sqrt(statistics[name].sumsq), contracted, stacked)
+    scores = wanda_scores(w, np.sqrt(statistics[name].sumsq), contracted)
     if pattern == "2:4":
       flat_masks[path] = n_m_mask(jnp.asarray(scores), max(contracted))
     else:
@@ -227,39 +223,29 @@ def sparsegpt(model: nnx.Module, sparsity: float, calibration: Iterable[Any],
   `sparsegpt_matrix`, which also updates the kept weights to reconstruct the layer's output on the calibration
   inputs. Returns (pruned model, masks); the masks feed `finetune` like the others.
 
-  `sequential`: layer l's inputs are measured with layers < l already pruned (one calibration pass per layer, then
-  one for the unstacked heads), as the paper; within a layer every matrix sees the dense layer's inputs. False: one
-  pass, every layer calibrated on the dense model."""
+  `sequential`: layer l's inputs are measured with layers < l already pruned (one calibration pass per layer), as
+  the paper; within a layer every matrix sees the dense layer's inputs. False: one pass, every layer calibrated on
+  the dense model."""
   _check_pattern(sparsity, pattern)
   batches = list(calibration)
   weights = prunable(model)
-  layers = max([w.shape[0] for w, _, stacked in weights.values() if stacked], default=0)
-  unstacked = any(not stacked for _, _, stacked in weights.values())
-  passes = [None] if not sequential else list(range(layers)) + (["heads"] if unstacked else [])
+  layers = next(iter(weights.values()))[0].shape[0]
+  passes = [range(layers)] if not sequential else [[layer] for layer in range(layers)]
   graphdef, state = nnx.split(model)
-  values = {path: np.array(w) for path, (w, _, _) in weights.items()}
+  values = {path: np.array(w) for path, (w, _) in weights.items()}
   keeps = {path: np.ones(w.shape, bool) for path, w in values.items()}
   current = model
   for stage in passes:
     statistics = calibration_lib.input_statistics(current, batches, forward, gram=True)
-    for path, (_, contracted, stacked) in weights.items():
-      if stage is not None and (stage == "heads") == stacked:
-        continue
+    for path, (_, contracted) in weights.items():
       name = "/".join(map(str, path))
       if name not in statistics:
         raise ValueError(f"no calibration batch ran the matmul of {name}: forward(model, batch) must run the whole "
                          "model as the task does")
-      gram = statistics[name].gram
-      slices = [stage] if isinstance(stage, int) else range(layers) if stacked else [None]
-      for layer in slices:
-        w = values[path] if layer is None else values[path][layer]
-        axes = tuple(a - 1 for a in contracted) if stacked else contracted
-        matrix, back = _flat_matrix(w, axes)
-        pruned, keep = sparsegpt_matrix(matrix, gram if layer is None else gram[layer], sparsity, pattern)
-        if layer is None:
-          values[path], keeps[path] = back(pruned).astype(w.dtype), back(keep)
-        else:
-          values[path][layer], keeps[path][layer] = back(pruned).astype(w.dtype), back(keep)
+      for layer in stage:
+        matrix, back = _flat_matrix(values[path][layer], tuple(a - 1 for a in contracted))
+        pruned, keep = sparsegpt_matrix(matrix, statistics[name].gram[layer], sparsity, pattern)
+        values[path][layer], keeps[path][layer] = back(pruned).astype(values[path].dtype), back(keep)
     pure = traverse_util.flatten_dict(state.to_pure_dict())
     pure.update({p: jnp.asarray(v) for p, v in values.items()})
     new_state = jax.tree.map(lambda x: x, state)
@@ -302,7 +288,7 @@ def sparsity(model_or_params: Any, masks: Masks) -> float:
 
 def weight_sparsity(model_or_state: Any) -> float:
   """Fraction of exact zeros among the prunable weights of a float model (no masks needed)."""
-  values = [np.asarray(w) for w, _, _ in prunable(model_or_state).values()]
+  values = [np.asarray(w) for w, _ in prunable(model_or_state).values()]
   return float(sum(int(np.sum(v == 0)) for v in values) / max(1, sum(v.size for v in values)))
 
 

@@ -136,6 +136,19 @@ PROBE_RECORDS: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
 PROBE_GRAMS: dict[int, np.ndarray] = {}
 
 
+# The calibration batch's token mask [B, S] (1 = a real token) while `calibration.input_statistics` traces a probed
+# forward, else None: padding rows are zeroed in the statistics, so no scale, factor or reconstruction fits pad tokens.
+PROBE_TOKENS: list = [None]
+
+
+def _real_tokens(x: jax.Array) -> jax.Array:
+  """x with its padding rows zeroed, when x is a per-token activation [B, S, ...channels] of the traced batch."""
+  mask = PROBE_TOKENS[0]
+  if mask is None or x.ndim < 3 or x.shape[:2] != mask.shape:
+    return x  # a pooled input [B, D] (a head's) has no padding rows
+  return x * mask.reshape(mask.shape + (1,) * (x.ndim - 2)).astype(x.dtype)
+
+
 def _add_gram(tag, gram) -> None:
   tag, gram = int(tag), np.asarray(gram, np.float64)
   PROBE_GRAMS[tag] = PROBE_GRAMS[tag] + gram if tag in PROBE_GRAMS else gram
@@ -248,11 +261,12 @@ def _einsum(*args, **kwargs):
     return jnp.einsum(eq, x * _per_input_channel(w.inv_scale, eq, x.ndim, w.ndim).astype(x.dtype), w.w, **kwargs)
   if len(args) == 3 and isinstance(args[2], Probe):
     eq, x, probe = args
-    absmax, sumsq = _channel_stats(eq, x, probe.ndim)
+    real = _real_tokens(x)
+    absmax, sumsq = _channel_stats(eq, real, probe.ndim)
     jax.debug.callback(lambda tag, a, q: PROBE_RECORDS.setdefault(int(tag), []).append((np.asarray(a), np.asarray(q))),
                        probe.tag, absmax, sumsq)
     if probe.gram:
-      jax.debug.callback(_add_gram, probe.tag, _channel_gram(eq, x, probe.ndim))
+      jax.debug.callback(_add_gram, probe.tag, _channel_gram(eq, real, probe.ndim))
     return jnp.einsum(eq, x, probe.w, **kwargs)
   return jnp.einsum(*args, **kwargs)
 

@@ -135,7 +135,7 @@ def test_wanda_scores_are_weight_magnitude_times_input_norm_by_hand():
   norms = np.sqrt(np.sum(inputs.astype(np.float64) ** 2, axis=0))  # ||X_j|| over all calibration tokens
   w = np.asarray(nnx.state(model).to_pure_dict()["blocks"]["attn"]["w_q"][0])  # [D, H, K]
   scores = np.abs(w) * norms[:, None, None]
-  np.testing.assert_allclose(prune.wanda_scores(jnp.asarray(w), norms, (0,), False), scores, rtol=1e-5)
+  np.testing.assert_allclose(prune.wanda_scores(jnp.asarray(w)[None], norms[None], (1,))[0], scores, rtol=1e-5)
   # Each output (h, k) keeps its 16 highest-scoring of 32 inputs.
   rows = scores.reshape(32, -1).T  # [outputs, inputs]
   expected = np.zeros_like(rows, bool)
@@ -149,10 +149,11 @@ def test_wanda_scores_are_weight_magnitude_times_input_norm_by_hand():
 def test_wanda_masks_prune_each_output_row_to_the_target_and_keep_the_two_four_pattern(name):
   model = _model(name)
   weights = prune.prunable(model)
+  assert all("blocks" in path for path in weights)  # embeddings and heads (BERT's classifier) stay dense
   for sparsity in (0.5, 0.25):
     masks = traverse_util.flatten_dict(prune.wanda_masks(model, sparsity, CALIBRATION, _forward))
     assert set(masks) == set(weights)
-    for path, (w, contracted, stacked) in weights.items():
+    for path, (w, contracted) in weights.items():
       m = np.asarray(masks[path])
       outputs = [a for a in range(m.ndim) if a not in contracted]
       rows = np.moveaxis(m, outputs, range(len(outputs))).reshape(int(np.prod([m.shape[a] for a in outputs])), -1)
@@ -203,7 +204,7 @@ def test_sparsegpt_keeps_the_row_sparsity_and_2_4_and_reconstructs_better_than_m
     pruned = traverse_util.flatten_dict(nnx.state(pruned_model).to_pure_dict())
     assert set(masks) == set(weights)
     total = wanda_total = 0.0
-    for path, (w, contracted, stacked) in weights.items():
+    for path, (w, contracted) in weights.items():
       m, p = np.asarray(masks[path]), np.asarray(pruned[path])
       assert bool(np.all(p[~m] == 0)), path  # pruned weights are exactly zero
       outputs = [a for a in range(m.ndim) if a not in contracted]
@@ -215,15 +216,15 @@ def test_sparsegpt_keeps_the_row_sparsity_and_2_4_and_reconstructs_better_than_m
         assert bool(np.all(np.moveaxis(m, axis, -1).reshape(-1, 4).sum(-1) == 2)), path
       stats = statistics["/".join(map(str, path))]
       np.testing.assert_allclose(np.diagonal(stats.gram, axis1=-2, axis2=-1),  # X^T X's diagonal is the sum of squares
-                                 stats.sumsq.reshape(stats.sumsq.shape[:1] * stacked + (-1,)), rtol=1e-4)
-      gram, scores = stats.gram, prune.wanda_scores(w, np.sqrt(stats.sumsq), contracted, stacked)
+                                 stats.sumsq.reshape(stats.sumsq.shape[0], -1), rtol=1e-4)
+      gram, scores = stats.gram, prune.wanda_scores(w, np.sqrt(stats.sumsq), contracted)
       wanda = (prune.n_m_mask(jnp.asarray(scores), max(contracted)) if pattern == "2:4"
                else prune.row_mask(scores, contracted, rows.shape[1] // 2))
       assert np.asarray(wanda).sum() == m.sum()  # the same sparsity
-      for layer in range(w.shape[0]) if stacked else [None]:
-        axes = tuple(a - 1 for a in contracted) if stacked else contracted
-        pick = (lambda a: np.asarray(a)[layer]) if stacked else np.asarray  # noqa: E731
-        g = gram[layer] if stacked else gram
+      for layer in range(w.shape[0]):
+        axes = tuple(a - 1 for a in contracted)
+        pick = lambda a: np.asarray(a)[layer]  # noqa: E731
+        g = gram[layer]
         ours = _reconstruction_error(pick(w), pick(p), g, axes)
         assert ours < _reconstruction_error(pick(w), np.where(pick(m), pick(w), 0), g, axes), (path, layer)
         total += ours

@@ -127,6 +127,27 @@ def test_calibrated_scales_are_per_layer_input_ranges():
   np.testing.assert_allclose(float(scales["blocks/attn/w_q"][0]), expected, rtol=1e-5)
 
 
+def test_calibration_statistics_leave_out_padding_tokens():
+  # Two texts of 5 and 9 tokens padded to 12 in one batch read as the same texts run one by one without padding.
+  model = _model("bert")
+  bert_forward = lambda m, b: m(b["input_ids"], b["attention_mask"], b["token_type_ids"])  # noqa: E731
+  texts = [np.random.default_rng(7).integers(1, BERT.vocab_size, n).astype(np.int32) for n in (5, 9)]
+  padded = {"input_ids": np.zeros((2, 12), np.int32), "attention_mask": np.zeros((2, 12), np.int32),
+            "token_type_ids": np.zeros((2, 12), np.int32)}
+  for row, text in enumerate(texts):
+    padded["input_ids"][row, :len(text)], padded["attention_mask"][row, :len(text)] = text, 1
+  alone = [{"input_ids": t[None], "attention_mask": np.ones((1, len(t)), np.int32),
+            "token_type_ids": np.zeros((1, len(t)), np.int32)} for t in texts]
+  together = calibration.input_statistics(model, [padded], bert_forward, gram=True)
+  one_by_one = calibration.input_statistics(model, alone, bert_forward, gram=True)
+  assert "bert/blocks/mlp/w_in" in together and "classifier/w" in together
+  for name, stats in together.items():
+    reference = one_by_one[name]
+    np.testing.assert_allclose(stats.absmax[0], reference.absmax.max(axis=0), rtol=1e-4, atol=1e-6, err_msg=name)
+    np.testing.assert_allclose(stats.sumsq, reference.sumsq, rtol=1e-4, atol=1e-6, err_msg=name)
+    np.testing.assert_allclose(stats.gram, reference.gram, rtol=1e-4, atol=1e-5, err_msg=name)
+
+
 def test_int8_checkpoint_round_trip_onto_a_mesh_and_generate(tmp_path):
   model = _model("gpt2")
   # Smoothed: GPT-2's MLP output projection keeps its 1/s in the int8 weight, which must round trip too.
