@@ -42,6 +42,8 @@ _PRUNE_SCHEDULE = flags.DEFINE_enum("prune_finetune_schedule", "constant", ["con
                                     "and cosine decay over the fine-tune's steps, peaking at --prune_finetune_lr")
 _PRUNE_SEED = flags.DEFINE_integer("prune_finetune_seed", 0, "classifier runs: seed of that fine-tune's batch order "
                                    "(a second seed shows the noise of the comparison)")
+_PRUNE_SOUP = flags.DEFINE_integer("prune_finetune_soup", 1, "masked fine-tunes per pruned model, each in its own "
+                                   "batch order (seeds prune_finetune_seed + k), averaged into one (a sparse soup)")
 _KEEP = flags.DEFINE_bool("keep_checkpoints", False, "keep <workdir>/optimize/<variant> checkpoints")
 _SMOOTHING = flags.DEFINE_float("smoothing", 0.5, "SmoothQuant strength (alpha, in [0, 1]) of the smooth variants")
 _SPARSITY = flags.DEFINE_float("sparsity", 0.5, "fraction of weights the unstructured pruning variants zero")
@@ -77,6 +79,9 @@ def check_flags() -> None:
     raise ValueError("--prune_finetune_schedule=run is the run's own schedule: it needs --prune_finetune_like_run")
   if _CALIBRATION.value < 1:
     raise ValueError(f"--calibration_batches={_CALIBRATION.value}: W8A8 and Wanda need at least one calibration batch")
+  if _PRUNE_SOUP.value < 1:
+    raise ValueError(f"--prune_finetune_soup={_PRUNE_SOUP.value}: give the number of masked fine-tunes to average, "
+                     "at least 1")
 
 
 @dataclasses.dataclass
@@ -93,7 +98,7 @@ class Task:
   unit: str
   calibration: list
   loss_fn: Callable  # (graphdef) -> sum-loss fn, for the optional pruned fine-tune
-  train_batches: list
+  finetune_orders: list  # [--prune_finetune_soup][steps] training batches: one order per masked fine-tune
   train_config: Any  # the run's TrainConfig (--prune_finetune_like_run)
 
 
@@ -128,8 +133,10 @@ def load_lm(workdir: str, config) -> Task:
   batch = config.train.batch_size
   eval_batches = data_lib.eval_batches(datasets.eval, batch, max(1, min(_MAX_EVAL.value, len(datasets.eval) // batch)))
   # Shuffled training batches (the run's seed): the first rows in order would be a few neighbouring source files.
-  iterator = data_lib.make_train_iterator(datasets.train, batch, config.train.seed, shuffle=True)
-  train_batches = [next(iterator) for _ in range(max(_CALIBRATION.value, _PRUNE_STEPS.value, 1))]
+  def shuffled(seed, count):
+    iterator = data_lib.make_train_iterator(datasets.train, batch, seed, shuffle=True)
+    return [next(iterator) for _ in range(count)]
+  orders = [shuffled(config.train.seed + k, _PRUNE_STEPS.value) for k in range(_PRUNE_SOUP.value)]
 
   def evaluate(m):
     g, p = nnx.split(m)
@@ -140,8 +147,8 @@ def load_lm(workdir: str, config) -> Task:
   print(f"LM run {workdir}: step {step}, {len(eval_batches)} eval batches of {batch} x {config.data.seq_len}")
   return Task("lm", config.model, lambda c: GPT(c, rngs=nnx.Rngs(0)), model, mesh, evaluate,
               lambda m, b: m(b["inputs"], b["positions"], b["segment_ids"]), eval_batches[0],
-              batch * config.data.seq_len, "tokens", train_batches[:_CALIBRATION.value], steps_lib.make_loss_fn,
-              train_batches[:_PRUNE_STEPS.value], config.train)
+              batch * config.data.seq_len, "tokens", shuffled(config.train.seed, _CALIBRATION.value),
+              steps_lib.make_loss_fn, orders, config.train)
 
 
 def load_classifier(workdir: str, config) -> Task:
@@ -185,12 +192,17 @@ def load_classifier(workdir: str, config) -> Task:
   stride = max(1, len(train_batches) // max(_CALIBRATION.value, 1))
   calibration = train_batches[::stride][:_CALIBRATION.value]
   steps = max(_PRUNE_STEPS.value, 1)
-  order = np.concatenate([np.random.default_rng(s + 1000 * _PRUNE_SEED.value).permutation(len(train_batches))
-                          for s in range(-(-steps // len(train_batches)))])
+
+  def order(seed):
+    indices = np.concatenate([np.random.default_rng(s + 1000 * seed).permutation(len(train_batches))
+                              for s in range(-(-steps // len(train_batches)))])
+    return [train_batches[i] for i in indices][:_PRUNE_STEPS.value]
+
   return Task("classifier", model.config,
               lambda c: BertForSequenceClassification(c, num_labels, rngs=nnx.Rngs(0)), model, mesh, evaluate,
               forward, timing, int(timing["input_ids"].shape[0]), "examples",
-              calibration, finetune.make_classification_loss_fn, [train_batches[i] for i in order][:_PRUNE_STEPS.value],
+              calibration, finetune.make_classification_loss_fn,
+              [order(_PRUNE_SEED.value + k) for k in range(_PRUNE_SOUP.value)],
               config.train)
 
 
@@ -213,7 +225,7 @@ def variants(task: Task):
   def finetune_optimizer():
     if not _PRUNE_LIKE_RUN.value:
       return None
-    return optim.make_optimizer(optim.follow_up_config(task.train_config, _PRUNE_LR.value, len(task.train_batches),
+    return optim.make_optimizer(optim.follow_up_config(task.train_config, _PRUNE_LR.value, _PRUNE_STEPS.value,
                                                        _PRUNE_SCHEDULE.value))
 
   def pruned(make_masks, reconstructs=False):
@@ -224,12 +236,14 @@ def variants(task: Task):
         masks = make_masks(task.model)
         model = prune.apply_masks(task.model, masks)
       before = {}
-      if task.train_batches:
+      if _PRUNE_STEPS.value:
         before = {f"{k}_before_finetune": v for k, v in task.evaluate(quant_io.place(model, task.mesh)).items()
                   if k in ("perplexity", "loss", "accuracy", "f1_macro")}
         graphdef, state = nnx.split(model)
-        params = prune.finetune(graphdef, state.to_pure_dict(), masks, task.loss_fn(graphdef), task.train_batches,
-                                learning_rate=_PRUNE_LR.value, optimizer=finetune_optimizer())
+        start = state.to_pure_dict()
+        params = prune.soup([prune.finetune(graphdef, start, masks, task.loss_fn(graphdef), batches,
+                                            learning_rate=_PRUNE_LR.value, optimizer=finetune_optimizer())
+                             for batches in task.finetune_orders])
         nnx.replace_by_pure_dict(state, params)
         model = nnx.merge(graphdef, state)
       return model, before

@@ -1,6 +1,6 @@
 """Magnitude pruning (global or per layer, to an exact sparsity), 2:4 semi-structured pruning, activation-aware
 (Wanda) pruning, SparseGPT (masks plus a per-layer reconstruction of the kept weights), and a short fine-tune that
-keeps the pruned weights at zero.
+keeps the pruned weights at zero, alone or several averaged (a sparse soup).
 
   masks = prune.magnitude_masks(model, 0.5)            # one threshold over all prunable weights
   masks = prune.magnitude_masks(model, 0.5, per_layer=True)   # each matrix of each layer to 50%
@@ -10,6 +10,7 @@ keeps the pruned weights at zero.
   model, masks = prune.sparsegpt(model, 0.5, batches, forward)            # + reconstruction of the kept weights
   pruned = prune.apply_masks(model, masks)
   params = prune.finetune(graphdef, params, masks, loss_fn, batches, learning_rate=1e-4)
+  params = prune.soup([prune.finetune(graphdef, params, masks, loss_fn, order) for order in batch_orders])
 
 Wanda (Sun et al., 2024) scores weight W_ij (input j, output i) by |W_ij| * ||X_j||_2, the L2 norm of its input
 channel over every token of the calibration batches (`calibration.input_statistics`, the probe that calibrates
@@ -341,6 +342,15 @@ def finetune(graphdef: nnx.GraphDef, params: Any, masks: Masks,
     # (XLA aborts after a 40 s rendezvous timeout), as jaxlm.train notes.
     jax.block_until_ready(loss)
   return params
+
+
+def soup(members: list[Any]) -> Any:
+  """The mean of several masked fine-tunes of one pruned model (a sparse model soup, Zimmer et al., 2024): they share
+  one mask, so the pruned weights stay exactly zero, and fine-tunes that differ only in batch order average into a
+  model better than most of them alone."""
+  if not members:
+    raise ValueError("a soup needs at least one fine-tuned parameter tree")
+  return jax.tree.map(lambda *leaves: sum(leaves[1:], leaves[0]) / len(leaves), *members)
 
 
 def count_nonzero(tree: Any) -> int:

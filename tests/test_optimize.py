@@ -44,6 +44,7 @@ def test_optimize_measures_every_variant_of_a_trained_lm(tmp_path):
   env["XLA_FLAGS"] = xla_flags_without_device_count()
   result = subprocess.run([sys.executable, os.path.join(ROOT, "experiments/optimize.py"), f"--workdir={workdir}",
                            "--repeats=2", "--calibration_batches=2", "--max_eval_batches=2",
+                           "--prune_finetune_steps=1", "--prune_finetune_soup=2",  # a soup of two masked fine-tunes
                            "--variants=int8_weight-only,int8_W8A8,int8_W8A8_smooth,2:4,2:4_wanda"],
                           env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert result.returncode == 0, result.stderr[-3000:]
@@ -59,6 +60,7 @@ def test_optimize_measures_every_variant_of_a_trained_lm(tmp_path):
   for name in ("2:4", "2:4_wanda"):
     assert flat[f"{name}/sparsity"] == pytest.approx(0.5, abs=0.01), name
     assert flat[f"{name}/perplexity"] == pytest.approx(fp32, rel=0.10), name
+    assert flat[f"{name}/perplexity"] != flat[f"{name}/perplexity_before_finetune"], name  # the soup moved it
   report = open(os.path.join(workdir, "report.md")).read()
   assert report.count("<!-- optimize:begin -->") == 1 and "optimize.png" in report
   assert os.path.exists(os.path.join(workdir, "optimize.png"))
@@ -73,6 +75,7 @@ def test_optimize_measures_every_variant_of_a_trained_lm(tmp_path):
   for flag, message in (("--smoothing=1.5", "--smoothing=1.5 is out of range: SmoothQuant's strength must be in"),
                         ("--sparsity=1.0", "--sparsity=1.0 is out of range"),
                         ("--calibration_batches=0", "--calibration_batches=0: W8A8 and Wanda need at least one"),
+                        ("--prune_finetune_soup=0", "--prune_finetune_soup=0: give the number of masked fine-tunes"),
                         ("--prune_finetune_schedule=run", "--prune_finetune_schedule=run is the run's own schedule: it "
                          "needs --prune_finetune_like_run")):
     bad = subprocess.run([sys.executable, os.path.join(ROOT, "experiments/optimize.py"), f"--workdir={workdir}", flag],

@@ -113,6 +113,15 @@ def test_masks_survive_fine_tuning_and_int8_keeps_the_zeros():
   # A given optimizer replaces the plain AdamW (optimize.py's --prune_finetune_like_run): a zero rate moves nothing.
   frozen = prune.finetune(graphdef, params, masks, loss_fn, batches[:1], optimizer=optax.sgd(0.0))
   jax.tree.map(np.testing.assert_array_equal, frozen, before)
+  # A soup of fine-tunes in two batch orders: their element-wise mean (by hand in float64), zeros kept exactly.
+  other = prune.finetune(graphdef, params, masks, loss_fn, batches[::-1], learning_rate=1e-2, weight_decay=0.1)
+  soup = prune.soup([tuned, other])
+  jax.tree.map(lambda s, a, b: np.testing.assert_allclose(
+      s, (np.asarray(a, np.float64) + np.asarray(b, np.float64)) / 2, rtol=1e-6, atol=1e-7), soup, tuned, other)
+  assert prune.sparsity(soup, masks) == pytest.approx(0.5, abs=1e-6)
+  assert not np.allclose(traverse_util.flatten_dict(soup)[("blocks", "mlp", "w_in")],
+                         traverse_util.flatten_dict(tuned)[("blocks", "mlp", "w_in")])
+  jax.tree.map(np.testing.assert_array_equal, prune.soup([tuned]), tuned)
   # int8 on top of pruning: a zero weight quantizes to exactly zero.
   tuned_state = jax.tree.map(lambda x: x, state)
   nnx.replace_by_pure_dict(tuned_state, tuned)
