@@ -44,6 +44,9 @@ _PRUNE_SEED = flags.DEFINE_integer("prune_finetune_seed", 0, "classifier runs: s
                                    "(a second seed shows the noise of the comparison)")
 _PRUNE_SOUP = flags.DEFINE_integer("prune_finetune_soup", 1, "masked fine-tunes per pruned model, each in its own "
                                    "batch order (seeds prune_finetune_seed + k), averaged into one (a sparse soup)")
+_ATTENTION_RATIO = flags.DEFINE_float("prune_attention_ratio", 1.0, "unstructured per-matrix pruning (per-layer "
+                                       "magnitude, Wanda, SparseGPT): the attention projections' sparsity over "
+                                       "--sparsity; the MLP matrices take what keeps --sparsity overall")
 _KEEP = flags.DEFINE_bool("keep_checkpoints", False, "keep <workdir>/optimize/<variant> checkpoints")
 _SMOOTHING = flags.DEFINE_float("smoothing", 0.5, "SmoothQuant strength (alpha, in [0, 1]) of the smooth variants")
 _SPARSITY = flags.DEFINE_float("sparsity", 0.5, "fraction of weights the unstructured pruning variants zero")
@@ -79,6 +82,9 @@ def check_flags() -> None:
     raise ValueError("--prune_finetune_schedule=run is the run's own schedule: it needs --prune_finetune_like_run")
   if _CALIBRATION.value < 1:
     raise ValueError(f"--calibration_batches={_CALIBRATION.value}: W8A8 and Wanda need at least one calibration batch")
+  if not 0.0 < _ATTENTION_RATIO.value * _SPARSITY.value < 1.0:
+    raise ValueError(f"--prune_attention_ratio={_ATTENTION_RATIO.value} at --sparsity={_SPARSITY.value} puts the "
+                     "attention sparsity outside (0, 1); pick a ratio nearer 1")
   if _PRUNE_SOUP.value < 1:
     raise ValueError(f"--prune_finetune_soup={_PRUNE_SOUP.value}: give the number of masked fine-tunes to average, "
                      "at least 1")
@@ -260,15 +266,20 @@ def variants(task: Task):
 
   sparsity, smoothing = _SPARSITY.value, _SMOOTHING.value
   calibrated = dict(calibration=task.calibration, forward=task.forward)
-  wanda = lambda pattern: lambda m: prune.wanda_masks(m, sparsity if pattern == "unstructured" else 0.5,  # noqa: E731
-                                                      task.calibration, task.forward, pattern)
+  # The unstructured per-matrix variants share one allocation over attention and MLP (--prune_attention_ratio).
+  unstructured = lambda pattern: dict(sparsity=sparsity, attention_ratio=_ATTENTION_RATIO.value) if (  # noqa: E731
+      pattern == "unstructured") else dict(sparsity=0.5)
+  wanda = lambda pattern: lambda m: prune.wanda_masks(m, calibration=task.calibration,  # noqa: E731
+                                                      forward=task.forward, pattern=pattern, **unstructured(pattern))
   magnitude = cached("magnitude", pruned(lambda m: prune.magnitude_masks(m, sparsity)))
-  per_layer = cached("per layer", pruned(lambda m: prune.magnitude_masks(m, sparsity, per_layer=True)))
+  per_layer = cached("per layer", pruned(lambda m: prune.magnitude_masks(m, per_layer=True,
+                                                                           **unstructured("unstructured"))))
   wanda_unstructured = cached("wanda", pruned(wanda("unstructured")))
   two_four = cached("2:4", pruned(prune.two_four_masks))
   wanda_two_four = cached("2:4 wanda", pruned(wanda("2:4")))
   sparsegpt = lambda pattern: pruned(lambda m: prune.sparsegpt(  # noqa: E731
-      m, sparsity if pattern == "unstructured" else 0.5, task.calibration, task.forward, pattern), reconstructs=True)
+      m, calibration=task.calibration, forward=task.forward, pattern=pattern, **unstructured(pattern)),
+      reconstructs=True)
   sparsegpt_unstructured = cached("sparsegpt", sparsegpt("unstructured"))
   sparsegpt_two_four = cached("2:4 sparsegpt", sparsegpt("2:4"))
   int8_on = lambda build: lambda: (quant.quantize(build()[0], "weight_only"), {})  # noqa: E731

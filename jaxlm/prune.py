@@ -65,15 +65,34 @@ def check_sparsity(sparsity: float) -> None:
     raise ValueError(f"sparsity {sparsity} is out of range: it must be in [0, 1) (the fraction of weights set to zero)")
 
 
-def magnitude_masks(model: Any, sparsity: float, per_layer: bool = False) -> Masks:
+ATTENTION = ("w_q", "w_k", "w_v", "w_o")  # the other prunable matrices are the MLP's
+
+
+def allocation(model: Any, sparsity: float, attention_ratio: float = 1.0) -> dict[tuple, float]:
+  """{path: sparsity} of each prunable matrix, `sparsity` over them all: the attention projections at
+  `attention_ratio` x `sparsity`, the MLP matrices at the rate that keeps the total (1.0: every matrix alike)."""
+  check_sparsity(sparsity)
+  sizes = {path: w.size for path, (w, _) in prunable(model).items()}
+  attention = sum(n for path, n in sizes.items() if path[-1] in ATTENTION)
+  attention_sparsity = attention_ratio * sparsity
+  mlp_sparsity = (sparsity * sum(sizes.values()) - attention_sparsity * attention) / (sum(sizes.values()) - attention)
+  if not (0.0 <= attention_sparsity < 1.0 and 0.0 <= mlp_sparsity < 1.0):
+    raise ValueError(f"attention ratio {attention_ratio} at sparsity {sparsity} gives attention "
+                     f"{attention_sparsity:.3f} and MLP {mlp_sparsity:.3f}: both must be in [0, 1); pick a ratio "
+                     "nearer 1")
+  return {path: attention_sparsity if path[-1] in ATTENTION else mlp_sparsity for path in sizes}
+
+
+def magnitude_masks(model: Any, sparsity: float, per_layer: bool = False, attention_ratio: float = 1.0) -> Masks:
   """Masks zeroing the smallest-|w| fraction `sparsity`: over all prunable weights at once (global), or within
-  each weight matrix of each layer (`per_layer`)."""
+  each weight matrix of each layer (`per_layer`, at `allocation`'s rate per matrix)."""
   check_sparsity(sparsity)
   weights = prunable(model)
   flat_masks = {}
   if per_layer:
+    rates = allocation(model, sparsity, attention_ratio)
     for path, (w, _) in weights.items():
-      per_layer_pruned = round(sparsity * w[0].size)
+      per_layer_pruned = round(rates[path] * w[0].size)
       flat_masks[path] = jax.vmap(lambda s: _keep_largest(jnp.abs(s), per_layer_pruned))(w)
   else:
     magnitudes = jnp.concatenate([jnp.abs(w.astype(jnp.float32)).reshape(-1) for w, _ in weights.values()])
@@ -131,12 +150,14 @@ def wanda_scores(w: Any, input_norm: Any, contracted: tuple[int, ...]) -> np.nda
 
 
 def wanda_masks(model: Any, sparsity: float, calibration: Iterable[Any],
-                forward: Callable[[nnx.Module, Any], Any], pattern: str = "unstructured") -> Masks:
+                forward: Callable[[nnx.Module, Any], Any], pattern: str = "unstructured",
+                attention_ratio: float = 1.0) -> Masks:
   """Wanda masks: in each output row of each layer's matrix, the `sparsity` fraction of inputs with the lowest
   |W| * ||X_j|| go ("unstructured"), or the 2 lowest of every 4 consecutive inputs ("2:4", along the innermost
   contracted axis as `two_four_masks`; `sparsity` must then be 0.5). `forward(model, batch)` runs the model on a
-  calibration batch (training data) as the task does."""
-  _check_pattern(sparsity, pattern)
+  calibration batch (training data) as the task does. `attention_ratio`: as `allocation` (unstructured only)."""
+  _check_pattern(sparsity, pattern, attention_ratio)
+  rates = allocation(model, sparsity, attention_ratio)
   batches = list(calibration)
   statistics = calibration_lib.input_statistics(model, batches, forward)
   flat_masks = {}
@@ -150,16 +171,19 @@ def wanda_masks(model: Any, sparsity: float, calibration: Iterable[Any],
       flat_masks[path] = n_m_mask(jnp.asarray(scores), max(contracted))
     else:
       per_row = int(np.prod([w.shape[a] for a in contracted]))
-      flat_masks[path] = jnp.asarray(row_mask(scores, contracted, round(sparsity * per_row)))
+      flat_masks[path] = jnp.asarray(row_mask(scores, contracted, round(rates[path] * per_row)))
   return traverse_util.unflatten_dict(flat_masks)
 
 
-def _check_pattern(sparsity: float, pattern: str) -> None:
+def _check_pattern(sparsity: float, pattern: str, attention_ratio: float = 1.0) -> None:
   check_sparsity(sparsity)
   if pattern not in PATTERNS:
     raise ValueError(f"pruning pattern {pattern!r} is not one of {', '.join(PATTERNS)}")
   if pattern == "2:4" and sparsity != 0.5:
     raise ValueError(f"2:4 pruning zeroes exactly half of each row, not sparsity {sparsity}; give 0.5")
+  if pattern == "2:4" and attention_ratio != 1.0:
+    raise ValueError(f"2:4 pruning zeroes half of every matrix: attention ratio {attention_ratio} applies to "
+                     "unstructured pruning only; give 1.0")
 
 
 def sparsegpt_matrix(w: Any, gram: Any, sparsity: float, pattern: str = "unstructured", block_size: int = 128,
@@ -219,15 +243,16 @@ def _flat_matrix(w: np.ndarray, contracted: tuple[int, ...]) -> tuple[np.ndarray
 
 def sparsegpt(model: nnx.Module, sparsity: float, calibration: Iterable[Any],
               forward: Callable[[nnx.Module, Any], Any], pattern: str = "unstructured",
-              sequential: bool = True) -> tuple[nnx.Module, Masks]:
+              sequential: bool = True, attention_ratio: float = 1.0) -> tuple[nnx.Module, Masks]:
   """SparseGPT (Frantar & Alistarh, 2023): prunes each output row of each layer's matrix to `sparsity` (or 2:4) by
   `sparsegpt_matrix`, which also updates the kept weights to reconstruct the layer's output on the calibration
   inputs. Returns (pruned model, masks); the masks feed `finetune` like the others.
 
   `sequential`: layer l's inputs are measured with layers < l already pruned (one calibration pass per layer), as
   the paper; within a layer every matrix sees the dense layer's inputs. False: one pass, every layer calibrated on
-  the dense model."""
-  _check_pattern(sparsity, pattern)
+  the dense model. `attention_ratio`: as `allocation` (unstructured only)."""
+  _check_pattern(sparsity, pattern, attention_ratio)
+  rates = allocation(model, sparsity, attention_ratio)
   batches = list(calibration)
   weights = prunable(model)
   layers = next(iter(weights.values()))[0].shape[0]
@@ -245,7 +270,7 @@ def sparsegpt(model: nnx.Module, sparsity: float, calibration: Iterable[Any],
                          "model as the task does")
       for layer in stage:
         matrix, back = _flat_matrix(values[path][layer], tuple(a - 1 for a in contracted))
-        pruned, keep = sparsegpt_matrix(matrix, statistics[name].gram[layer], sparsity, pattern)
+        pruned, keep = sparsegpt_matrix(matrix, statistics[name].gram[layer], rates[path], pattern)
         values[path][layer], keeps[path][layer] = back(pruned).astype(values[path].dtype), back(keep)
     pure = traverse_util.flatten_dict(state.to_pure_dict())
     pure.update({p: jnp.asarray(v) for p, v in values.items()})

@@ -175,6 +175,33 @@ def test_wanda_masks_prune_each_output_row_to_the_target_and_keep_the_two_four_p
     assert bool(np.all(np.moveaxis(m, axis, -1).reshape(-1, 4).sum(-1) == 2)), path
 
 
+@pytest.mark.parametrize("name", ["llama", "bert"])
+def test_attention_ratio_moves_sparsity_from_the_mlp_to_attention_and_keeps_the_total(name):
+  model = _model(name)
+  weights = prune.prunable(model)
+  rates = prune.allocation(model, 0.5, attention_ratio=1.2)
+  assert {rates[p] for p in weights if p[-1] in prune.ATTENTION} == {0.6}
+  total = sum(w.size for w, _ in weights.values())
+  assert sum(rates[p] * w.size for p, (w, _) in weights.items()) == pytest.approx(0.5 * total)
+  assert set(prune.allocation(model, 0.5).values()) == {0.5}
+  _, sparsegpt_masks = prune.sparsegpt(model, 0.5, CALIBRATION, _forward, attention_ratio=1.2)
+  per_row = [sparsegpt_masks, prune.wanda_masks(model, 0.5, CALIBRATION, _forward, attention_ratio=1.2)]
+  per_matrix = prune.magnitude_masks(model, 0.5, per_layer=True, attention_ratio=1.2)
+  for masks in per_row + [per_matrix]:
+    for path, (w, contracted) in weights.items():
+      m = np.asarray(traverse_util.flatten_dict(masks)[path])
+      outputs = [a for a in range(m.ndim) if a not in contracted]
+      rows = np.moveaxis(m, outputs, range(len(outputs))).reshape(int(np.prod([m.shape[a] for a in outputs])), -1)
+      if masks is per_matrix:  # each layer's matrix to its rate, rounded once
+        assert bool(np.all((~m).reshape(m.shape[0], -1).sum(1) == round(rates[path] * m[0].size))), path
+      else:  # each output row to its rate
+        assert bool(np.all((~rows).sum(axis=1) == round(rates[path] * rows.shape[1]))), path
+  with pytest.raises(ValueError, match="attention ratio 2.5 at sparsity 0.5 gives attention 1.250"):
+    prune.allocation(model, 0.5, attention_ratio=2.5)
+  with pytest.raises(ValueError, match="attention ratio 1.2 applies to unstructured pruning only"):
+    prune.sparsegpt(model, 0.5, CALIBRATION, _forward, pattern="2:4", attention_ratio=1.2)
+
+
 def test_bad_pruning_input_is_refused():
   model = _model()
   for sparsity in (1.0, -0.1):
