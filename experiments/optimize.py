@@ -246,10 +246,9 @@ def variants(task: Task):
         before = {f"{k}_before_finetune": v for k, v in task.evaluate(quant_io.place(model, task.mesh)).items()
                   if k in ("perplexity", "loss", "accuracy", "f1_macro")}
         graphdef, state = nnx.split(model)
-        start = state.to_pure_dict()
-        params = prune.soup([prune.finetune(graphdef, start, masks, task.loss_fn(graphdef), batches,
-                                            learning_rate=_PRUNE_LR.value, optimizer=finetune_optimizer())
-                             for batches in task.finetune_orders])
+        params = prune.finetune_soup(graphdef, state.to_pure_dict(), masks, task.loss_fn(graphdef),
+                                     task.finetune_orders, learning_rate=_PRUNE_LR.value,
+                                     optimizer=finetune_optimizer())
         nnx.replace_by_pure_dict(state, params)
         model = nnx.merge(graphdef, state)
       return model, before

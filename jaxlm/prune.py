@@ -10,7 +10,7 @@ keeps the pruned weights at zero, alone or several averaged (a sparse soup).
   model, masks = prune.sparsegpt(model, 0.5, batches, forward)            # + reconstruction of the kept weights
   pruned = prune.apply_masks(model, masks)
   params = prune.finetune(graphdef, params, masks, loss_fn, batches, learning_rate=1e-4)
-  params = prune.soup([prune.finetune(graphdef, params, masks, loss_fn, order) for order in batch_orders])
+  params = prune.finetune_soup(graphdef, params, masks, loss_fn, batch_orders)  # one fine-tune per order, averaged
 
 Wanda (Sun et al., 2024) scores weight W_ij (input j, output i) by |W_ij| * ||X_j||_2, the L2 norm of its input
 channel over every token of the calibration batches (`calibration.input_statistics`, the probe that calibrates
@@ -345,11 +345,20 @@ def finetune(graphdef: nnx.GraphDef, params: Any, masks: Masks,
 
   `loss_fn(params, batch) -> (loss sum, (count, aux))` as `jaxlm.steps.make_loss_fn` builds; the loss is the sum
   divided by the count."""
+  return finetune_soup(graphdef, params, masks, loss_fn, [batches], learning_rate=learning_rate,
+                       weight_decay=weight_decay, optimizer=optimizer)
+
+
+def finetune_soup(graphdef: nnx.GraphDef, params: Any, masks: Masks,
+                  loss_fn: Callable[[Any, Any], tuple[jax.Array, Any]], orders: list[Iterable[Any]], *,
+                  learning_rate: float = 1e-4, weight_decay: float = 0.0,
+                  optimizer: optax.GradientTransformation | None = None) -> Any:
+  """`finetune` once per batch order in `orders`, each from `params` with a fresh optimizer state, and their `soup`;
+  one compiled step serves every order."""
   del graphdef  # the loss function closes over it; kept in the signature so calls read like the train step
   params = apply_masks(params, masks)
   mask_tree = full_masks(params, masks)
   optimizer = optax.chain(optimizer or optax.adamw(learning_rate, weight_decay=weight_decay), keep_masks(mask_tree))
-  opt_state = optimizer.init(params)
 
   @jax.jit
   def step(params, opt_state, batch):
@@ -361,12 +370,16 @@ def finetune(graphdef: nnx.GraphDef, params: Any, masks: Masks,
     updates, opt_state = optimizer.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
 
-  for batch in batches:
-    params, opt_state, loss = step(params, opt_state, batch)
-    # One step in flight: on simulated CPU devices, queued multi-device steps can starve each other's collectives
-    # (XLA aborts after a 40 s rendezvous timeout), as jaxlm.train notes.
-    jax.block_until_ready(loss)
-  return params
+  members = []
+  for batches in orders:
+    tuned, opt_state = params, optimizer.init(params)
+    for batch in batches:
+      tuned, opt_state, loss = step(tuned, opt_state, batch)
+      # One step in flight: on simulated CPU devices, queued multi-device steps can starve each other's collectives
+      # (XLA aborts after a 40 s rendezvous timeout), as jaxlm.train notes.
+      jax.block_until_ready(loss)
+    members.append(tuned)
+  return members[0] if len(members) == 1 else soup(members)
 
 
 def soup(members: list[Any]) -> Any:

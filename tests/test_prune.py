@@ -122,6 +122,10 @@ def test_masks_survive_fine_tuning_and_int8_keeps_the_zeros():
   assert not np.allclose(traverse_util.flatten_dict(soup)[("blocks", "mlp", "w_in")],
                          traverse_util.flatten_dict(tuned)[("blocks", "mlp", "w_in")])
   jax.tree.map(np.testing.assert_array_equal, prune.soup([tuned]), tuned)
+  # finetune_soup: the same fine-tunes with one compiled step, averaged.
+  together = prune.finetune_soup(graphdef, params, masks, loss_fn, [batches, batches[::-1]], learning_rate=1e-2,
+                                 weight_decay=0.1)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), together, soup)
   # int8 on top of pruning: a zero weight quantizes to exactly zero.
   tuned_state = jax.tree.map(lambda x: x, state)
   nnx.replace_by_pure_dict(tuned_state, tuned)
