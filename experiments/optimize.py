@@ -142,7 +142,9 @@ def load_lm(workdir: str, config) -> Task:
   def shuffled(seed, count):
     iterator = data_lib.make_train_iterator(datasets.train, batch, seed, shuffle=True)
     return [next(iterator) for _ in range(count)]
-  orders = [shuffled(config.train.seed + k, _PRUNE_STEPS.value) for k in range(_PRUNE_SOUP.value)]
+  first = shuffled(config.train.seed, max(_CALIBRATION.value, _PRUNE_STEPS.value))  # calibration and order 0
+  orders = [first[:_PRUNE_STEPS.value]] + [shuffled(config.train.seed + k, _PRUNE_STEPS.value)
+                                           for k in range(1, _PRUNE_SOUP.value)]
 
   def evaluate(m):
     g, p = nnx.split(m)
@@ -153,7 +155,7 @@ def load_lm(workdir: str, config) -> Task:
   print(f"LM run {workdir}: step {step}, {len(eval_batches)} eval batches of {batch} x {config.data.seq_len}")
   return Task("lm", config.model, lambda c: GPT(c, rngs=nnx.Rngs(0)), model, mesh, evaluate,
               lambda m, b: m(b["inputs"], b["positions"], b["segment_ids"]), eval_batches[0],
-              batch * config.data.seq_len, "tokens", shuffled(config.train.seed, _CALIBRATION.value),
+              batch * config.data.seq_len, "tokens", first[:_CALIBRATION.value],
               steps_lib.make_loss_fn, orders, config.train)
 
 

@@ -18,8 +18,9 @@ W8A8), and compares weights within one output row: a large weight on a quiet inp
 input stays.
 Prunable weights are the matmul weights of `jaxlm.quant.CONTRACTED_AXES` inside the stacked transformer blocks: the
 embedding tables (a pruned vocabulary row would delete a token) and the small dense heads (BERT's pooler, classifier
-and MLM transform, under 0.1% of the weights, where every pruned weight is a class's feature) stay dense. Masks are pure dicts of bool arrays over those parameters only. Ties at the
-threshold are broken by position (a stable sort), so exactly round(sparsity * n) weights are zeroed. The 2:4 groups
+and MLM transform, under 0.1% of the weights, where every pruned weight is a class's feature) stay dense. Masks are
+pure dicts of bool arrays over those parameters only. Ties at the threshold are broken by position (a stable sort),
+so exactly round(sparsity * n) weights are zeroed. The 2:4 groups
 run along the contracted (input) axis, the one NVIDIA's sparse tensor cores compress; qwix's N:M mask helper groups
 along a matrix's last axis and returns a float mask, so ours is written for any contracted axis of our weights.
 """

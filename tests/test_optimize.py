@@ -95,4 +95,3 @@ def test_optimize_measures_every_variant_of_a_trained_lm(tmp_path):
                             env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
   assert mismatch.returncode != 0
   assert f"data.tokenizer='{other}' differs from {workdir}/tokenizer.json" in mismatch.stderr, mismatch.stderr[-2000:]
-
