@@ -2,7 +2,7 @@
 
   python benchmarks/bench_int8.py --batch=64 --seq=128 --out=runs/bench_int8.json     # CPU or one GPU
 
-Shapes are GPT-2 small's projections ([B*T, 768] x [768, 3072] and back) and one whole int8 MLP as jaxlm.quant runs
+Shapes are GPT-2 small's projections ([B*T, 768] x [768, 3072] and back) and one whole int8 MLP as jaxlm.int8 runs
 it (per-token input quantization, int32 accumulation, rescale). For every case: the best of --repeats wall times, the
 achieved TFLOP/s, and the compiled HLO's matmul instructions (a `dot` on the CPU; on GPUs a custom call such as
 `__cublas$gemm` / `__cublas$lt$matmul`, or a Triton fusion), so a report can name what XLA picked (int8 on GPUs through
@@ -28,7 +28,7 @@ def main(argv):
   import jax  # noqa: PLC0415
   import jax.numpy as jnp  # noqa: PLC0415
 
-  from jaxlm import quant  # noqa: PLC0415
+  from jaxlm import int8  # noqa: PLC0415
 
   rows, d, f = _BATCH.value * _SEQ.value, 768, 3072
   key = jax.random.split(jax.random.key(0), 3)
@@ -36,16 +36,16 @@ def main(argv):
   w_in = jax.random.normal(key[1], (d, f), jnp.float32) * 0.02
   w_out = jax.random.normal(key[2], (f, d), jnp.float32) * 0.02
   x8 = jnp.clip(jnp.round(x * 40), -127, 127).astype(jnp.int8)
-  w8 = quant.quantize_array(w_in, (0,)).qvalue
-  int8_in = quant.Int8Weight(quant.quantize_array(w_in, (0,)), None, "w8a8_dynamic")
-  int8_out = quant.Int8Weight(quant.quantize_array(w_out, (0,)), None, "w8a8_dynamic")
+  w8 = int8.quantize_array(w_in, (0,)).qvalue
+  int8_in = int8.Int8Weight(int8.quantize_array(w_in, (0,)), None, "w8a8_dynamic")
+  int8_out = int8.Int8Weight(int8.quantize_array(w_out, (0,)), None, "w8a8_dynamic")
 
   def mlp_float(x, a, b):
     return jnp.einsum("nf,fd->nd", jax.nn.gelu(jnp.einsum("nd,df->nf", x, a)), b)
 
   def mlp_int8(x, a, b):
-    h = quant._einsum("btd,df->btf", x[None], a)  # noqa: SLF001 (the path jaxlm.quant intercepts into)
-    return quant._einsum("btf,fd->btd", jax.nn.gelu(h), b)[0]  # noqa: SLF001
+    h = int8._einsum("btd,df->btf", x[None], a)  # noqa: SLF001 (the path jaxlm.int8 intercepts into)
+    return int8._einsum("btf,fd->btd", jax.nn.gelu(h), b)[0]  # noqa: SLF001
 
   cases = {
       "dot f32": (lambda a, b: a @ b, (x, w_in)),

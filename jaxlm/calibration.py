@@ -5,7 +5,7 @@
 
 One probed forward per batch records, for every quantizable weight of every layer, its input's absmax and sum of
 squares per input channel: W8A8's static scales (quant), SmoothQuant's factors (smoothing) and Wanda's input norms
-(prune) all come from it. The probe is `quant`'s interception: each weight is wrapped in a `quant.Probe` whose tag
+(prune) all come from it. The probe is jaxlm.int8's interception: each weight is wrapped in an `int8.Probe` whose tag
 (one per layer, sliced by the layer scan like any parameter) names whose input a matmul saw, and a host callback
 collects the statistics.
 """
@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxlm import quant
+from jaxlm import int8
 
 
 def check_calibration(batches: list[Any], vocab_size: int | None) -> None:
@@ -69,33 +69,33 @@ def input_statistics(model: nnx.Module, batches: list[Any], forward: Callable[[n
   tags: dict[str, tuple[int, int]] = {}  # path -> (first tag, layers or 0)
   next_tag = 0
   for path, variable in nnx.to_flat_state(probed):
-    if quant.quantizable(path, variable) is None:
+    if int8.quantizable(path, variable) is None:
       continue
     value = variable.get_value()
-    layers = value.shape[0] if quant.is_stacked(variable, value) else 0
+    layers = value.shape[0] if int8.is_stacked(variable, value) else 0
     tag = jnp.arange(next_tag, next_tag + layers, dtype=jnp.int32) if layers else jnp.int32(next_tag)
     tags["/".join(map(str, path))] = (next_tag, layers)
     next_tag += max(layers, 1)
-    variable.set_value(quant.Probe(value, tag, gram))
-  probe_def, probe_state = nnx.split(quant.with_interception(nnx.merge(graphdef, probed)))
+    variable.set_value(int8.Probe(value, tag, gram))
+  probe_def, probe_state = nnx.split(int8.with_interception(nnx.merge(graphdef, probed)))
   key = (probe_def, forward)
   if key not in _PROBE_RUNS:  # one compile per model structure and forward, whatever the batches or weights
     def probed_forward(s, batch):
-      quant.PROBE_TOKENS[0] = token_mask(batch)
+      int8.PROBE_TOKENS[0] = token_mask(batch)
       try:
         return forward(nnx.merge(probe_def, s), batch)
       finally:
-        quant.PROBE_TOKENS[0] = None
+        int8.PROBE_TOKENS[0] = None
     _PROBE_RUNS[key] = jax.jit(probed_forward)
   run = _PROBE_RUNS[key]
-  quant.PROBE_RECORDS.clear()
-  quant.PROBE_GRAMS.clear()
+  int8.PROBE_RECORDS.clear()
+  int8.PROBE_GRAMS.clear()
   for batch in batches:
     jax.block_until_ready(run(probe_state, batch))
   jax.effects_barrier()
-  records, grams = dict(quant.PROBE_RECORDS), dict(quant.PROBE_GRAMS)
-  quant.PROBE_RECORDS.clear()
-  quant.PROBE_GRAMS.clear()
+  records, grams = dict(int8.PROBE_RECORDS), dict(int8.PROBE_GRAMS)
+  int8.PROBE_RECORDS.clear()
+  int8.PROBE_GRAMS.clear()
   statistics = {}
   for name, (first, layers) in tags.items():
     per_tag = [records.get(t) for t in range(first, first + max(layers, 1))]
@@ -119,7 +119,7 @@ def static_scales(statistics: dict, smoothing_factors: dict | None = None) -> di
     s = (smoothing_factors or {}).get(name)
     absmax = stats.absmax / np.asarray(s)[None] if s is not None else stats.absmax  # [calls, L?, *C]
     per_call = np.max(absmax, axis=tuple(range(2 if stats.stacked else 1, absmax.ndim)))  # [calls, L?]
-    values = np.maximum(np.mean(per_call, axis=0) / quant.INT8_MAX, np.finfo(np.float32).tiny)
+    values = np.maximum(np.mean(per_call, axis=0) / int8.INT8_MAX, np.finfo(np.float32).tiny)
     scales[name] = jnp.asarray(values.astype(np.float32))
   return scales
 

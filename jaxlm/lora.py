@@ -13,8 +13,8 @@ their base weight: A's input axes as W's, B's output axes as W's; the factor wit
 its rank axis over fsdp instead, so FSDP shards both factors.
 
 We do not use qwix's LoRA provider: it creates the adapters inside the module during a first call, and our blocks
-run under `jax.lax.scan` on modules rebuilt by `nnx.merge`, so they would be lost (as for quantization, quant.py).
-qwix serves the int8 base (its per-channel `quantize`, via jaxlm.quant); NF4 is jaxlm/nf4.py.
+run under `jax.lax.scan` on modules rebuilt by `nnx.merge`, so they would be lost (as for quantization, int8.py).
+qwix serves the int8 base (its per-channel `quantize`, via jaxlm.int8); NF4 is jaxlm/nf4.py.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import optax
 from flax import nnx, traverse_util
 from jax.sharding import Mesh, NamedSharding
 
-from jaxlm import quant, sharding
+from jaxlm import int8, sharding
 from jaxlm.config import LoRAConfig
 from jaxlm.nf4 import NF4_BLOCK, NF4Weight, nf4_quantize
 
@@ -44,14 +44,14 @@ HEAD_PREFIXES = ("classifier/",)  # new task heads: trained whole beside the ada
 
 def dense(base: Any) -> jax.Array:
   """A base weight as a float array (int8 and NF4 dequantized)."""
-  return base.dequantize() if isinstance(base, (quant.Int8Weight, NF4Weight)) else base
+  return base.dequantize() if isinstance(base, (int8.Int8Weight, NF4Weight)) else base
 
 
 @flax.struct.dataclass
 class LoRAWeight:
   """A target weight inside the model: the frozen base plus its adapters. It stands in for the array in the unchanged
   model code (`param[...]`, `.astype(compute dtype)`, `.shape`), and `Kernels.einsum` calls `lora_einsum`."""
-  base: Any  # jax.Array [lead..., in..., out...] | quant.Int8Weight | NF4Weight
+  base: Any  # jax.Array [lead..., in..., out...] | int8.Int8Weight | NF4Weight
   a: jax.Array  # [lead..., in..., r]
   b: jax.Array  # [lead..., r, out...]
   scale: jax.Array  # alpha / r: [lead...]
@@ -66,7 +66,7 @@ class LoRAWeight:
     return self
 
   def astype(self, dtype) -> "LoRAWeight":
-    quantized = isinstance(self.base, (quant.Int8Weight, NF4Weight))
+    quantized = isinstance(self.base, (int8.Int8Weight, NF4Weight))
     base = self.base if quantized else self.base.astype(dtype)  # a quantized base is dequantized at the matmul
     return self.replace(base=base, a=self.a.astype(dtype), b=self.b.astype(dtype))
 
@@ -76,14 +76,14 @@ class LoRAWeight:
     if len(axes) != self.ndim or self.scale.ndim:  # only one layer's weight (inside the layer scan)
       return self
     n_in = self.a.ndim - 1
-    base = self.base if isinstance(self.base, (quant.Int8Weight, NF4Weight)) else place(self.base, tuple(axes))
+    base = self.base if isinstance(self.base, (int8.Int8Weight, NF4Weight)) else place(self.base, tuple(axes))
     return self.replace(base=base, a=place(self.a, tuple(axes[:n_in]) + (None,)),
                         b=place(self.b, (None,) + tuple(axes[n_in:])))
 
   def lora_einsum(self, subscripts: str, x: jax.Array, einsum, **kwargs) -> jax.Array:
     """`einsum(subscripts, x, W)` + scale * (x A) B, with W dequantized to x's dtype when it is quantized."""
     y = einsum(subscripts, x, dense(self.base).astype(x.dtype), **kwargs)
-    dims = quant._dot_dims(subscripts, x.ndim, self.ndim)
+    dims = int8._dot_dims(subscripts, x.ndim, self.ndim)
     num_in = self.a.ndim - 1
     if dims is None or dims[1] != tuple(range(num_in)):
       raise ValueError(f"LoRA needs a weight matmul contracting the weight's leading {num_in} axes, got {subscripts}")
@@ -106,7 +106,7 @@ _nested = lambda flat: traverse_util.unflatten_dict(flat, sep="/")
 
 def num_inputs(path: str) -> int:
   """Leading (contracted) axes of a target weight, per layer: w_o [H, K, D] has two, the others one."""
-  return len(quant.CONTRACTED_AXES[path.rsplit("/", 1)[-1]])
+  return len(int8.CONTRACTED_AXES[path.rsplit("/", 1)[-1]])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,7 +166,7 @@ def _quantize_base(plan: Plan, path: str, w: jax.Array) -> Any:
   lead = 1 if path in plan.stacked else 0
   n_in = num_inputs(path)
   if plan.base == "int8":  # per output channel, as jaxlm.quant's weight-only int8
-    return quant.Int8Weight(quant.quantize_array(w, tuple(range(lead, lead + n_in))))
+    return int8.Int8Weight(int8.quantize_array(w, tuple(range(lead, lead + n_in))))
   if plan.base == "nf4":
     return nf4_quantize(w, n_in, lead)
   return w

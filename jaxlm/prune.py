@@ -16,7 +16,7 @@ Wanda (Sun et al., 2024) scores weight W_ij (input j, output i) by |W_ij| * ||X_
 channel over every token of the calibration batches (`calibration.input_statistics`, the probe that calibrates
 W8A8), and compares weights within one output row: a large weight on a quiet input may go, a small one on a loud
 input stays.
-Prunable weights are the matmul weights of `jaxlm.quant.CONTRACTED_AXES` inside the stacked transformer blocks: the
+Prunable weights are the matmul weights of `jaxlm.int8.CONTRACTED_AXES` inside the stacked transformer blocks: the
 embedding tables (a pruned vocabulary row would delete a token) and the small dense heads (BERT's pooler, classifier
 and MLM transform, under 0.1% of the weights, where every pruned weight is a class's feature) stay dense. Masks are
 pure dicts of bool arrays over those parameters only. Ties at the threshold are broken by position (a stable sort),
@@ -36,7 +36,7 @@ import numpy as np
 import optax
 from flax import nnx, traverse_util
 
-from jaxlm import calibration as calibration_lib, quant
+from jaxlm import calibration as calibration_lib, int8
 
 Masks = dict  # nested pure dict: parameter path -> bool array (True = kept)
 
@@ -46,8 +46,8 @@ def prunable(model_or_state: Any) -> dict[tuple, tuple[jax.Array, tuple[int, ...
   state = nnx.state(model_or_state) if isinstance(model_or_state, nnx.Module) else model_or_state
   out = {}
   for path, variable in nnx.to_flat_state(state):
-    contracted = quant.quantizable(path, variable)
-    if contracted is not None and path[-1] != "embedding" and quant.is_stacked(variable, variable.get_value()):
+    contracted = int8.quantizable(path, variable)
+    if contracted is not None and path[-1] != "embedding" and int8.is_stacked(variable, variable.get_value()):
       out[path] = (variable.get_value(), contracted)
   return out
 

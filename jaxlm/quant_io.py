@@ -4,7 +4,7 @@
   qmodel = quant_io.load("out/int8", make_float_model, mesh=mesh)   # each array read onto its sharding
   qmodel = quant_io.place(qmodel, mesh)                             # an in-memory model onto a mesh
 
-A checkpoint stores each `quant.Int8Weight` as plain arrays ({"int8", "scale"[, "act_scale"][, "smooth"]}) so orbax
+A checkpoint stores each `int8.Int8Weight` as plain arrays ({"int8", "scale"[, "act_scale"][, "smooth"]}) so orbax
 needs no custom type handler and nothing is pickled; `quantized_like` builds the abstract model it restores into.
 """
 
@@ -21,9 +21,9 @@ import qwix
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from jaxlm import files, sharding
-from jaxlm import quant
-from jaxlm.quant import Int8Weight, mode_of, with_interception
+from jaxlm import files, int8, sharding
+from jaxlm.int8 import Int8Weight
+from jaxlm.quant import mode_of
 
 
 def shardings(abstract_state: nnx.State, mesh: Mesh) -> Any:
@@ -75,16 +75,16 @@ def quantized_like(make_float_model: Callable[[], nnx.Module], mode: str, calibr
     _, state = nnx.split(model)
     placeholder = None
     if mode == "w8a8":  # scale shapes only; the values come from the checkpoint
-      placeholder = {"/".join(map(str, p)): jnp.ones(v.get_value().shape[:1] if quant.is_stacked(v, v.get_value())
+      placeholder = {"/".join(map(str, p)): jnp.ones(v.get_value().shape[:1] if int8.is_stacked(v, v.get_value())
                                                      else (), jnp.float32)
                      for p, v in nnx.to_flat_state(state) if "/".join(map(str, p)) in calibrated}
     for path, variable in nnx.to_flat_state(state):
       if "/".join(map(str, path)) in smoothed:
         value = variable.get_value()
-        channels = [value.shape[a] for a in sorted(quant.quantizable(path, variable))]
-        layers = value.shape[:1] if quant.is_stacked(variable, value) else ()
-        variable.set_value(quant.SmoothedWeight(value, jnp.ones((*layers, *channels), jnp.float32)))
-    quant.quantize_state(state, mode, placeholder)
+        channels = [value.shape[a] for a in sorted(int8.quantizable(path, variable))]
+        layers = value.shape[:1] if int8.is_stacked(variable, value) else ()
+        variable.set_value(int8.SmoothedWeight(value, jnp.ones((*layers, *channels), jnp.float32)))
+    int8.quantize_state(state, mode, placeholder)
     return model
 
   return nnx.eval_shape(build)
@@ -155,7 +155,7 @@ def load(directory: str, make_float_model: Callable[[], nnx.Module], mesh: Mesh 
   with ocp.StandardCheckpointer() as checkpointer:
     restored = checkpointer.restore(os.path.join(directory, "params"), target)
   nnx.replace_by_pure_dict(abstract_state, _from_plain(restored, like))
-  return with_interception(nnx.merge(graphdef, abstract_state))
+  return int8.with_interception(nnx.merge(graphdef, abstract_state))
 
 
 def directory_bytes(directory: str) -> int:

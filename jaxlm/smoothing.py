@@ -16,7 +16,7 @@ the same code:
   llama                   up projection w_up -> down projection w_down (silu(gate) * up is linear in up)
 
 Every other matmul weight (BERT's post-norm blocks, where the norm's output is also the residual; GELU's output
-projection; poolers and classifiers) becomes a `quant.SmoothedWeight`: its input is divided by s when it runs, one
+projection; poolers and classifiers) becomes a `int8.SmoothedWeight`: its input is divided by s when it runs, one
 elementwise multiply that XLA fuses into the input's quantization. Embedding lookup tables are not smoothed.
 """
 
@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxlm import quant
+from jaxlm import int8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,10 +91,10 @@ def smooth(model: nnx.Module, statistics: dict, strength: float) -> tuple[nnx.Mo
   graphdef, state = nnx.split(model)
   variables = {"/".join(map(str, p)): v for p, v in nnx.to_flat_state(state)}
   values = {n: np.asarray(v.get_value(), np.float64) for n, v in variables.items()
-            if not isinstance(v.get_value(), (quant.Int8Weight, quant.SmoothedWeight))}
+            if not isinstance(v.get_value(), (int8.Int8Weight, int8.SmoothedWeight))}
   layout = {}  # matmul weight -> (contracted axes, stacked)
   for path, variable in nnx.to_flat_state(state):
-    contracted = quant.quantizable(path, variable)
+    contracted = int8.quantizable(path, variable)
     name = "/".join(map(str, path))
     if contracted is not None and name in statistics and name in values:
       layout[name] = (contracted, statistics[name].stacked)
@@ -138,6 +138,6 @@ def smooth(model: nnx.Module, statistics: dict, strength: float) -> tuple[nnx.Mo
     name = "/".join(map(str, path))
     if name in changed:
       new = jnp.asarray(values[name], variable.get_value().dtype)
-      variable.set_value(quant.SmoothedWeight(new, jnp.asarray(runtime[name], jnp.float32)) if name in runtime
+      variable.set_value(int8.SmoothedWeight(new, jnp.asarray(runtime[name], jnp.float32)) if name in runtime
                          else new)
-  return quant.with_interception(nnx.merge(graphdef, state)), {n: s.astype(np.float32) for n, s in scales.items()}
+  return int8.with_interception(nnx.merge(graphdef, state)), {n: s.astype(np.float32) for n, s in scales.items()}

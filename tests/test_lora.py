@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 from conftest import write_labelled_words
-from jaxlm import finetune, lora, nf4, optim, quant, sharding
+from jaxlm import finetune, int8, lora, nf4, optim, sharding
 from jaxlm.checkpoint import Checkpointer, abstract_with_shardings
 from jaxlm import steps as steps_lib
 from jaxlm.config import (CheckpointConfig, Config, DataConfig, LogConfig, LoRAConfig, MeshConfig, ModelConfig,
@@ -201,7 +201,7 @@ def test_qlora_state_resumes_from_a_checkpoint_bit_for_bit(trained, tmp_path):
   for _ in range(2):
     state, metrics = train_step(state, batch)
   _, restored, _ = Checkpointer(str(tmp_path / "checkpoints"), 1, 1).restore_latest(abstract, config.model)
-  assert isinstance(restored["frozen"]["blocks"]["attn"]["w_q"]["lora_base"], quant.Int8Weight)
+  assert isinstance(restored["frozen"]["blocks"]["attn"]["w_q"]["lora_base"], int8.Int8Weight)
   for _ in range(2):
     restored, again = train_step(restored, batch)
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(restored), jax.device_get(state))

@@ -1,7 +1,7 @@
-"""int8 post-training quantization (jaxlm/quant.py, jaxlm/smoothing.py): quantize -> dequantize error bounds, quantized
-forwards close to the float model (GPT-2, Llama, BERT classifier; weight-only, static and dynamic W8A8), SmoothQuant
-smoothing that keeps the float function and helps where an input channel is an outlier, int8 checkpoints that round
-trip onto a mesh and run through the same generate code, and the errors for bad input."""
+"""int8 post-training quantization (jaxlm/quant.py, jaxlm/int8.py, jaxlm/smoothing.py): quantize -> dequantize
+error bounds, quantized forwards close to the float model (GPT-2, Llama, BERT classifier; weight-only, static and
+dynamic W8A8), SmoothQuant smoothing that keeps the float function and helps where an input channel is an outlier,
+int8 checkpoints that round trip onto a mesh and run through the same generate code, and the errors for bad input."""
 
 import dataclasses
 import functools
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxlm import calibration, generate, quant, quant_io, sharding, smoothing
+from jaxlm import calibration, generate, int8, quant, quant_io, sharding, smoothing
 from jaxlm.config import MeshConfig, ModelConfig
 from jaxlm.models.bert import BertForSequenceClassification
 from jaxlm.models.gpt import GPT
@@ -61,13 +61,13 @@ def test_quantize_dequantize_error_is_at_most_half_a_step_per_channel():
   rng = np.random.default_rng(0)
   w = jnp.asarray(rng.standard_normal((3, 16, 4, 8)) * rng.uniform(0.01, 10, (3, 1, 4, 8)), jnp.float32)
   w = w.at[0, :, 0, 0].set(0.0)  # an all-zero channel must not divide by zero
-  q = quant.quantize_array(w, (1,))  # stacked [L, D, H, K] contracted over D: one scale per (layer, head, k)
+  q = int8.quantize_array(w, (1,))  # stacked [L, D, H, K] contracted over D: one scale per (layer, head, k)
   assert q.qvalue.dtype == jnp.int8 and q.scale.shape == (3, 1, 4, 8)
   absmax = jnp.max(jnp.abs(w), axis=1, keepdims=True)
   # qwix's symmetric int8 maps [-absmax, absmax] onto [-127.5, 127.5] (the +-127 buckets are whole); a zero channel
   # gets scale 1 instead of 0.
   np.testing.assert_allclose(q.scale, jnp.where(absmax > 0, absmax / 127.5, 1.0), rtol=1e-6)
-  deq = quant.Int8Weight(q).dequantize()
+  deq = int8.Int8Weight(q).dequantize()
   assert bool(jnp.all(jnp.abs(deq - w) <= q.scale / 2 * (1 + 1e-4)))
   assert bool(jnp.all(deq[0, :, 0, 0] == 0))
   # The bound is tight enough to fail: rounding to one step coarser breaks it.
@@ -82,7 +82,7 @@ def _dequantized_float_model(qmodel, float_model):
   state = jax.tree.map(lambda x: x, state)
   for path, variable in nnx.to_flat_state(state):
     value = qflat[path].get_value()
-    if isinstance(value, quant.Int8Weight):
+    if isinstance(value, int8.Int8Weight):
       variable.set_value(value.dequantize())
   return nnx.merge(graphdef, state)
 
@@ -99,9 +99,9 @@ def test_quantized_forward_is_close_to_float(name, modes):
   for mode in modes:
     qmodel = quant.quantize(model, mode, calibration=CALIBRATION, forward=_forward)
     assert quant.mode_of(qmodel) == mode
-    int8 = [v.get_value() for _, v in nnx.to_flat_state(nnx.state(qmodel))
-            if isinstance(v.get_value(), quant.Int8Weight)]
-    assert len(int8) >= 6 and all(w.q.qvalue.dtype == jnp.int8 for w in int8)
+    weights = [v.get_value() for _, v in nnx.to_flat_state(nnx.state(qmodel))
+               if isinstance(v.get_value(), int8.Int8Weight)]
+    assert len(weights) >= 6 and all(w.q.qvalue.dtype == jnp.int8 for w in weights)
     out = _apply(qmodel)
     error = _rel_error(out, ref)
     assert 0 < error < tolerance[mode], (mode, error)
@@ -215,7 +215,7 @@ def test_smoothing_keeps_the_float_function(name):
   np.testing.assert_allclose(w_v_after / s_in * s_out, blocks(before)["attn"]["w_v"], rtol=1e-5)
   assert isinstance(blocks(after)["attn"]["w_o"], jax.Array)
   if name == "bert":
-    assert isinstance(blocks(after)["attn"]["w_q"], quant.SmoothedWeight)
+    assert isinstance(blocks(after)["attn"]["w_q"], int8.SmoothedWeight)
   else:
     assert isinstance(blocks(after)["attn"]["w_q"], jax.Array)
     np.testing.assert_allclose(blocks(after)["attn_norm"]["scale"] * factors["blocks/attn/w_q"],
@@ -272,7 +272,7 @@ def test_a_weight_only_int8_weight_applies_its_smoothing_factor():
   rng = np.random.default_rng(0)
   x, w = rng.normal(size=(3, 8)).astype(np.float32), rng.normal(size=(8, 5)).astype(np.float32)
   smooth = rng.uniform(0.5, 2.0, size=(8,)).astype(np.float32)
-  weight = quant.Int8Weight(q=quant.quantize_array(w, (0,)), mode="weight_only", smooth=jnp.asarray(smooth))
-  got = quant._einsum("td,df->tf", jnp.asarray(x), weight)
+  weight = int8.Int8Weight(q=int8.quantize_array(w, (0,)), mode="weight_only", smooth=jnp.asarray(smooth))
+  got = int8._einsum("td,df->tf", jnp.asarray(x), weight)
   expected = (x * smooth) @ np.asarray(qwix.dequantize(weight.q))
   np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-5, atol=1e-5)
