@@ -59,7 +59,6 @@ _VARIANTS = flags.DEFINE_list("variants", [], "variants to measure, as named in 
 flags.mark_flags_as_required(["workdir"])
 
 PREDICTIONS = "predictions"  # a classifier evaluation's (labels, predictions, classes): compared with fp32's, not saved
-REPORT_BEGIN, REPORT_END = "<!-- optimize:begin -->", "<!-- optimize:end -->"
 VARIANTS = ("fp32", "bf16", "int8 weight-only", "int8 W8A8", "int8 W8A8 dynamic", "int8 W8A8 smooth",
             "int8 W8A8 smooth dynamic", "fp32 fine-tuned", "50% magnitude", "50% magnitude per layer", "50% wanda",
             "50% sparsegpt", "2:4", "2:4 wanda", "2:4 sparsegpt", "50% magnitude + int8", "50% per layer + int8",
@@ -150,7 +149,8 @@ def load_lm(workdir: str, config) -> Task:
     g, p = nnx.split(m)
     result = steps_lib.evaluate(jax.jit(steps_lib.make_eval_step(g)), p, eval_batches, mesh)
     return {"perplexity": result["eval_perplexity"], "loss": result["eval_loss"],
-            "token_accuracy": result["eval_token_accuracy"], "eval_tokens": len(eval_batches) * batch * config.data.seq_len}
+            "token_accuracy": result["eval_token_accuracy"],
+            "eval_tokens": len(eval_batches) * batch * config.data.seq_len}
 
   print(f"LM run {workdir}: step {step}, {len(eval_batches)} eval batches of {batch} x {config.data.seq_len}")
   return Task("lm", config.model, lambda c: GPT(c, rngs=nnx.Rngs(0)), model, mesh, evaluate,
@@ -331,10 +331,9 @@ def measure(task: Task, name: str, model, out_dir: str, extra: dict | None = Non
   """One variant's row. A classifier's first row (fp32) leaves its predictions in `reference`; later rows get their
   prediction flips and the 95% interval of their change vs fp32 from them (jaxlm.evaluate.paired_change)."""
   import jax  # noqa: PLC0415
-  import numpy as np  # noqa: PLC0415
   from flax import nnx  # noqa: PLC0415
 
-  from jaxlm import evaluate, prune, quant, quant_io  # noqa: PLC0415
+  from jaxlm import evaluate, prune, quant, quant_io, telemetry  # noqa: PLC0415
 
   model = quant_io.place(model, task.mesh)
   row = dict(task.evaluate(model))
@@ -353,14 +352,7 @@ def measure(task: Task, name: str, model, out_dir: str, extra: dict | None = Non
   graphdef, params = nnx.split(model)
   run = jax.jit(lambda p, b: task.forward(nnx.merge(graphdef, p), b))
   batch = {k: jax.device_put(v) for k, v in task.timing_batch.items()}
-  for _ in range(2):
-    jax.block_until_ready(run(params, batch))
-  times = []
-  for _ in range(_REPEATS.value):
-    start = time.perf_counter()
-    jax.block_until_ready(run(params, batch))
-    times.append(time.perf_counter() - start)
-  latency = float(np.min(times))  # best of N: the CPU is shared, and contention only ever adds time
+  latency = telemetry.best_seconds(run, params, batch, repeats=_REPEATS.value, warmup=2)
   row["latency_ms"] = latency * 1e3
   row[f"{task.unit}_per_sec"] = task.items_per_batch / latency
   row["param_bytes"] = quant.param_bytes(params.to_pure_dict())
@@ -383,107 +375,6 @@ def lm_eval_metrics(model) -> dict:
   metrics = harness.task_metrics(model, tokenizer, _LM_EVAL_TASKS.value, include_path=_LM_EVAL_INCLUDE.value,
                                  limit=_LM_EVAL_LIMIT.value or None)
   return {f"lm_eval/{key}": value for key, value in metrics.items()}
-
-
-def write_outputs(workdir: str, task: Task, rows: dict[str, dict], command: str) -> None:
-  import jax  # noqa: PLC0415
-
-  from jaxlm import files  # noqa: PLC0415
-
-  metric = "perplexity" if task.kind == "lm" else "accuracy"
-  base = rows["fp32"]
-  flat: dict[str, Any] = {"kind": task.kind, "metric": metric, "device_kind": jax.devices()[0].device_kind,
-                          "devices": jax.device_count(), "command": command,
-                          "timing_batch_items": task.items_per_batch, "unit": task.unit}
-  for name, row in rows.items():
-    key = name.replace(" ", "_")
-    for k, v in row.items():
-      flat[f"{key}/{k}"] = v
-    for suffix in ("", "_before_finetune"):
-      if task.kind == "lm" and f"perplexity{suffix}" in row:
-        flat[f"{key}/perplexity{suffix}_change_pct"] = 100 * (row[f"perplexity{suffix}"] / base["perplexity"] - 1)
-      elif task.kind != "lm" and f"accuracy{suffix}" in row:
-        flat[f"{key}/accuracy{suffix}_change_points"] = 100 * (row[f"accuracy{suffix}"] - base["accuracy"])
-        flat[f"{key}/f1_macro{suffix}_change_points"] = 100 * (row[f"f1_macro{suffix}"] - base["f1_macro"])
-    flat[f"{key}/checkpoint_ratio_vs_fp32"] = base["checkpoint_bytes"] / row["checkpoint_bytes"]
-    flat[f"{key}/speedup_vs_fp32"] = base["latency_ms"] / row["latency_ms"]
-  files.write_json(os.path.join(workdir, "optimize.json"), flat)
-  table = markdown_table(task, rows)
-  chart(workdir, task, rows)
-  section = "\n".join([
-      REPORT_BEGIN, "## Optimization (experiments/optimize.py)", "",
-      f"`{command}` on {jax.device_count()} x {jax.devices()[0].device_kind}; latency = fastest forward of one eval "
-      f"batch ({task.items_per_batch} {task.unit}), best of {_REPEATS.value}. Pruned models are stored dense (their zeros are written).", "",
-      table, "", "![optimization](optimize.png)", REPORT_END, ""])
-  report = os.path.join(workdir, "report.md")
-  text = open(report).read() if os.path.exists(report) else ""
-  if REPORT_BEGIN in text and REPORT_END in text:
-    text = text[:text.index(REPORT_BEGIN)] + text[text.index(REPORT_END) + len(REPORT_END):].lstrip("\n")
-  files.write_text(report, text.rstrip("\n") + "\n\n" + section)
-  print(table)
-
-
-def markdown_table(task: Task, rows: dict[str, dict]) -> str:
-  base = rows["fp32"]
-  if task.kind == "lm":
-    head = "| variant | perplexity | vs fp32 | token acc |"
-    cells = lambda r: (f"{r['perplexity']:.4f} | {100 * (r['perplexity'] / base['perplexity'] - 1):+.2f}% | "
-                       f"{r['token_accuracy']:.4f} |")
-  else:
-    head = "| variant | accuracy | vs fp32 (points) [95% CI] | macro-F1 | vs fp32 (points) [95% CI] | flips |"
-
-    def change(r, metric):
-      low, high = (r.get(f"{metric}_change_points_ci95_{end}") for end in ("low", "high"))
-      return f"{100 * (r[metric] - base[metric]):+.2f}" + (f" [{low:+.2f}, {high:+.2f}]" if low is not None else "")
-
-    cells = lambda r: (f"{100 * r['accuracy']:.2f} | {change(r, 'accuracy')} | {100 * r['f1_macro']:.2f} | "
-                       f"{change(r, 'f1_macro')} | {r.get('flips_vs_fp32', 0):.0f} |")
-  head += f" latency ms/batch | {task.unit}/s | param MB | checkpoint MB | checkpoint vs fp32 |"
-  before = any(k.endswith("_before_finetune") for r in rows.values() for k in r)
-  if before:  # the pruned rows' metric before their masked fine-tune
-    head += " before fine-tune |"
-  downstream = sorted({k for r in rows.values() for k in r if k.startswith("lm_eval/")})  # --lm_eval_tasks
-  head += "".join(f" {k[len('lm_eval/'):]} |" for k in downstream)
-  lines = [head, "|" + " --- |" * (head.count("|") - 1)]
-  for name, r in rows.items():
-    line = (f"| {name} | " + cells(r) + f" {r['latency_ms']:.2f} | {r[f'{task.unit}_per_sec']:.0f} | "
-            f"{r['param_bytes'] / 1e6:.3f} | {r['checkpoint_bytes'] / 1e6:.3f} | "
-            f"{base['checkpoint_bytes'] / r['checkpoint_bytes']:.2f}x |")
-    if before:
-      if "perplexity_before_finetune" in r:
-        line += f" ppl {r['perplexity_before_finetune']:.4f} |"
-      elif "accuracy_before_finetune" in r:
-        line += f" acc {100 * r['accuracy_before_finetune']:.2f}, F1 {100 * r['f1_macro_before_finetune']:.2f} |"
-      else:
-        line += " |"
-    line += "".join(f" {r[k]:.4f} |" if k in r else " |" for k in downstream)
-    lines.append(line)
-  return "\n".join(lines)
-
-
-def chart(workdir: str, task: Task, rows: dict[str, dict]) -> None:
-  import matplotlib  # noqa: PLC0415
-
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # noqa: PLC0415
-
-  names = list(rows)
-  base = rows["fp32"]
-  if task.kind == "lm":
-    quality, label = [100 * (rows[n]["perplexity"] / base["perplexity"] - 1) for n in names], "perplexity vs fp32 (%)"
-  else:
-    quality, label = [100 * (rows[n]["accuracy"] - base["accuracy"]) for n in names], "accuracy vs fp32 (points)"
-  panels = [(quality, label), ([rows[n]["latency_ms"] for n in names], "latency per batch (ms)"),
-            ([rows[n]["checkpoint_bytes"] / 1e6 for n in names], "checkpoint on disk (MB)")]
-  fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
-  for ax, (values, title) in zip(axes, panels):
-    ax.barh(names, values, color="tab:blue")
-    ax.set_title(title)
-    ax.invert_yaxis()
-    ax.grid(axis="x", alpha=0.3)
-  fig.tight_layout()
-  fig.savefig(os.path.join(workdir, "optimize.png"), dpi=100)
-  plt.close(fig)
 
 
 def main(argv):
@@ -520,7 +411,9 @@ def main(argv):
   if not _KEEP.value:
     shutil.rmtree(out_dir, ignore_errors=True)
   command = "python experiments/optimize.py " + " ".join(a for a in __import__("sys").argv[1:])
-  write_outputs(workdir, task, rows, command)
+  from jaxlm import report  # noqa: PLC0415
+  print(report.write_optimization(workdir, rows, kind=task.kind, unit=task.unit, items_per_batch=task.items_per_batch,
+                                  repeats=_REPEATS.value, command=command))
 
 
 if __name__ == "__main__":

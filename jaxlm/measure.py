@@ -92,14 +92,7 @@ def measure_stream_bandwidth(num_elements: int = 2**24, repeats: int = 5, device
   and this measures that limit, which is what the step's non-matmul work runs at."""
   x = jax.device_put(np.random.default_rng(0).standard_normal((num_elements // 1024, 1024), dtype=np.float32),
                      device or jax.devices()[0])
-  softmax = jax.jit(lambda x: jax.nn.softmax(x, axis=-1))
-  softmax(x).block_until_ready()
-  best = math.inf
-  for _ in range(repeats):
-    started = time.perf_counter()
-    softmax(x).block_until_ready()
-    best = min(best, time.perf_counter() - started)
-  return 2 * x.nbytes / best
+  return 2 * x.nbytes / telemetry.best_seconds(jax.jit(lambda x: jax.nn.softmax(x, axis=-1)), x, repeats=repeats)
 
 
 def host_hardware(matmul_flops: float, bandwidth: float, num_devices: int) -> plan.Hardware:

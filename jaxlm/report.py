@@ -1,4 +1,5 @@
-"""The end-of-run report: <workdir>/report.md with a loss plot (loss.png) beside it, built from metrics.jsonl.
+"""The end-of-run report: <workdir>/report.md with a loss plot (loss.png) beside it, built from metrics.jsonl; and
+experiments/optimize.py's section of it (`write_optimization`: optimize.json, optimize.png, the table).
 
 Kept apart from telemetry.py because it runs once, after training, and pulls in matplotlib; `jaxlm.telemetry`
 re-exports `write_report` and `read_metrics`.
@@ -148,3 +149,106 @@ def write_report(workdir: str, title: str, summary: dict[str, Any], config_text:
   text = "\n\n".join(sections) + "\n"
   files.write_text(report_path, text)
   return report_path
+
+
+OPTIMIZE_BEGIN, OPTIMIZE_END = "<!-- optimize:begin -->", "<!-- optimize:end -->"
+
+
+def write_optimization(workdir: str, rows: dict[str, dict], *, kind: str, unit: str, items_per_batch: int,
+                       repeats: int, command: str) -> str:
+  """experiments/optimize.py's outputs for `rows` ({variant: metrics}, fp32 first; `kind` "lm" or "classifier"):
+  optimize.json (every row's numbers flat, with the changes vs fp32), optimize.png and the "Optimization" section
+  of report.md (replaced when re-run). Returns the section's table."""
+  metric = "perplexity" if kind == "lm" else "accuracy"
+  base = rows["fp32"]
+  flat: dict[str, Any] = {"kind": kind, "metric": metric, "device_kind": jax.devices()[0].device_kind,
+                          "devices": jax.device_count(), "command": command,
+                          "timing_batch_items": items_per_batch, "unit": unit}
+  for name, row in rows.items():
+    key = name.replace(" ", "_")
+    for k, v in row.items():
+      flat[f"{key}/{k}"] = v
+    for suffix in ("", "_before_finetune"):
+      if kind == "lm" and f"perplexity{suffix}" in row:
+        flat[f"{key}/perplexity{suffix}_change_pct"] = 100 * (row[f"perplexity{suffix}"] / base["perplexity"] - 1)
+      elif kind != "lm" and f"accuracy{suffix}" in row:
+        flat[f"{key}/accuracy{suffix}_change_points"] = 100 * (row[f"accuracy{suffix}"] - base["accuracy"])
+        flat[f"{key}/f1_macro{suffix}_change_points"] = 100 * (row[f"f1_macro{suffix}"] - base["f1_macro"])
+    flat[f"{key}/checkpoint_ratio_vs_fp32"] = base["checkpoint_bytes"] / row["checkpoint_bytes"]
+    flat[f"{key}/speedup_vs_fp32"] = base["latency_ms"] / row["latency_ms"]
+  files.write_json(os.path.join(workdir, "optimize.json"), flat)
+  table = _optimization_table(kind, unit, rows)
+  _optimization_chart(os.path.join(workdir, "optimize.png"), kind, rows)
+  section = "\n".join([
+      OPTIMIZE_BEGIN, "## Optimization (experiments/optimize.py)", "",
+      f"`{command}` on {jax.device_count()} x {jax.devices()[0].device_kind}; latency = fastest forward of one eval "
+      f"batch ({items_per_batch} {unit}), best of {repeats}. Pruned models are stored dense (their zeros are "
+      "written).", "", table, "", "![optimization](optimize.png)", OPTIMIZE_END, ""])
+  report = os.path.join(workdir, "report.md")
+  text = open(report).read() if os.path.exists(report) else ""
+  if OPTIMIZE_BEGIN in text and OPTIMIZE_END in text:
+    text = text[:text.index(OPTIMIZE_BEGIN)] + text[text.index(OPTIMIZE_END) + len(OPTIMIZE_END):].lstrip("\n")
+  files.write_text(report, text.rstrip("\n") + "\n\n" + section)
+  return table
+
+
+def _optimization_table(kind: str, unit: str, rows: dict[str, dict]) -> str:
+  base = rows["fp32"]
+  if kind == "lm":
+    head = "| variant | perplexity | vs fp32 | token acc |"
+    cells = lambda r: (f"{r['perplexity']:.4f} | {100 * (r['perplexity'] / base['perplexity'] - 1):+.2f}% | "
+                       f"{r['token_accuracy']:.4f} |")
+  else:
+    head = "| variant | accuracy | vs fp32 (points) [95% CI] | macro-F1 | vs fp32 (points) [95% CI] | flips |"
+
+    def change(r, metric):
+      low, high = (r.get(f"{metric}_change_points_ci95_{end}") for end in ("low", "high"))
+      return f"{100 * (r[metric] - base[metric]):+.2f}" + (f" [{low:+.2f}, {high:+.2f}]" if low is not None else "")
+
+    cells = lambda r: (f"{100 * r['accuracy']:.2f} | {change(r, 'accuracy')} | {100 * r['f1_macro']:.2f} | "
+                       f"{change(r, 'f1_macro')} | {r.get('flips_vs_fp32', 0):.0f} |")
+  head += f" latency ms/batch | {unit}/s | param MB | checkpoint MB | checkpoint vs fp32 |"
+  before = any(k.endswith("_before_finetune") for r in rows.values() for k in r)
+  if before:  # the pruned rows' metric before their masked fine-tune
+    head += " before fine-tune |"
+  downstream = sorted({k for r in rows.values() for k in r if k.startswith("lm_eval/")})  # --lm_eval_tasks
+  head += "".join(f" {k[len('lm_eval/'):]} |" for k in downstream)
+  lines = [head, "|" + " --- |" * (head.count("|") - 1)]
+  for name, r in rows.items():
+    line = (f"| {name} | " + cells(r) + f" {r['latency_ms']:.2f} | {r[f'{unit}_per_sec']:.0f} | "
+            f"{r['param_bytes'] / 1e6:.3f} | {r['checkpoint_bytes'] / 1e6:.3f} | "
+            f"{base['checkpoint_bytes'] / r['checkpoint_bytes']:.2f}x |")
+    if before:
+      if "perplexity_before_finetune" in r:
+        line += f" ppl {r['perplexity_before_finetune']:.4f} |"
+      elif "accuracy_before_finetune" in r:
+        line += f" acc {100 * r['accuracy_before_finetune']:.2f}, F1 {100 * r['f1_macro_before_finetune']:.2f} |"
+      else:
+        line += " |"
+    line += "".join(f" {r[k]:.4f} |" if k in r else " |" for k in downstream)
+    lines.append(line)
+  return "\n".join(lines)
+
+
+def _optimization_chart(path: str, kind: str, rows: dict[str, dict]) -> None:
+  """Quality change, latency and checkpoint size of every variant, as three bar panels."""
+  from matplotlib.backends.backend_agg import FigureCanvasAgg
+  from matplotlib.figure import Figure
+
+  names = list(rows)
+  base = rows["fp32"]
+  if kind == "lm":
+    quality, label = [100 * (rows[n]["perplexity"] / base["perplexity"] - 1) for n in names], "perplexity vs fp32 (%)"
+  else:
+    quality, label = [100 * (rows[n]["accuracy"] - base["accuracy"]) for n in names], "accuracy vs fp32 (points)"
+  panels = [(quality, label), ([rows[n]["latency_ms"] for n in names], "latency per batch (ms)"),
+            ([rows[n]["checkpoint_bytes"] / 1e6 for n in names], "checkpoint on disk (MB)")]
+  figure = Figure(figsize=(15, 4.5), dpi=100)
+  FigureCanvasAgg(figure)
+  for ax, (values, title) in zip(figure.subplots(1, 3), panels):
+    ax.barh(names, values, color="tab:blue")
+    ax.set_title(title)
+    ax.invert_yaxis()
+    ax.grid(axis="x", alpha=0.3)
+  figure.tight_layout()
+  figure.savefig(path)

@@ -104,14 +104,20 @@ def measure_matmul_flops(n: int = 1024, dtype: Any = jnp.float32, repeats: int =
   # Inputs made by numpy on the host: jax.random would compile two more programs and double the first-call time.
   host_values = np.random.default_rng(0).standard_normal((2, n, n), dtype=np.float32).astype(jnp.dtype(dtype))
   a, b = jax.device_put(host_values[0], device), jax.device_put(host_values[1], device)
-  matmul = jax.jit(jnp.matmul)
-  matmul(a, b).block_until_ready()  # compile and warm up caches / thread pools
-  best_seconds = math.inf
+  return 2.0 * n**3 / best_seconds(jax.jit(jnp.matmul), a, b, repeats=repeats)
+
+
+def best_seconds(fn: Callable, *args, repeats: int, warmup: int = 1) -> float:
+  """The fastest of `repeats` timed calls of fn(*args), after `warmup` untimed ones (compile, caches, thread pools).
+  The best, not the mean: a shared host only ever adds time."""
+  for _ in range(warmup):
+    jax.block_until_ready(fn(*args))
+  best = math.inf
   for _ in range(repeats):
-    start = time.perf_counter()
-    matmul(a, b).block_until_ready()
-    best_seconds = min(best_seconds, time.perf_counter() - start)
-  return 2.0 * n**3 / best_seconds
+    started = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    best = min(best, time.perf_counter() - started)
+  return best
 
 
 @functools.lru_cache(maxsize=None)
