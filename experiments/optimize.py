@@ -24,7 +24,6 @@ import dataclasses
 import os
 import shutil
 import time
-from typing import Any, Callable
 
 from absl import flags, logging
 
@@ -58,7 +57,6 @@ _VARIANTS = flags.DEFINE_list("variants", [], "variants to measure, as named in 
                               "int8_W8A8,2:4); empty = all; fp32, the baseline, always runs")
 flags.mark_flags_as_required(["workdir"])
 
-PREDICTIONS = "predictions"  # a classifier evaluation's (labels, predictions, classes): compared with fp32's, not saved
 VARIANTS = ("fp32", "bf16", "int8 weight-only", "int8 W8A8", "int8 W8A8 dynamic", "int8 W8A8 smooth",
             "int8 W8A8 smooth dynamic", "fp32 fine-tuned", "50% magnitude", "50% magnitude per layer", "50% wanda",
             "50% sparsegpt", "2:4", "2:4 wanda", "2:4 sparsegpt", "50% magnitude + int8", "50% per layer + int8",
@@ -89,132 +87,7 @@ def check_flags() -> None:
                      "at least 1")
 
 
-@dataclasses.dataclass
-class Task:
-  kind: str  # "lm" or "classifier"
-  model_config: Any
-  make_model: Callable  # (ModelConfig) -> nnx.Module, the float architecture
-  model: Any  # the trained float model, placed on the mesh
-  mesh: Any
-  evaluate: Callable  # (model) -> {metric: value}
-  forward: Callable  # (model, batch) -> logits
-  timing_batch: dict
-  items_per_batch: int  # tokens (LM) or examples (classifier) in timing_batch
-  unit: str
-  calibration: list
-  loss_fn: Callable  # (graphdef) -> sum-loss fn, for the optional pruned fine-tune
-  finetune_orders: list  # [--prune_finetune_soup][steps] training batches: one order per masked fine-tune
-  train_config: Any  # the run's TrainConfig (--prune_finetune_like_run)
-
-
-def load_lm(workdir: str, config) -> Task:
-  import jax  # noqa: PLC0415
-  from flax import nnx  # noqa: PLC0415
-
-  from jaxlm import data as data_lib, optim, sharding  # noqa: PLC0415
-  from jaxlm import steps as steps_lib  # noqa: PLC0415
-  from jaxlm.checkpoint import Checkpointer, abstract_with_shardings  # noqa: PLC0415
-  from jaxlm.data.tokenizer import TOKENIZER_FILE  # noqa: PLC0415
-  from jaxlm.models.gpt import GPT  # noqa: PLC0415
-
-  run_tokenizer = os.path.join(workdir, TOKENIZER_FILE)
-  if config.data.tokenizer and os.path.isfile(run_tokenizer) and (
-      data_lib.load_tokenizer(config.data.tokenizer).to_str() != data_lib.load_tokenizer(run_tokenizer).to_str()):
-    raise ValueError(f"data.tokenizer={config.data.tokenizer!r} differs from {run_tokenizer}: the calibration and "
-                     "eval data would be tokenized differently from the model's training data; make them the same file")
-  mesh = sharding.make_mesh(config.mesh)
-  optimizer = optim.make_optimizer(config.train)
-  graphdef, state, shardings = steps_lib.init_train_state(config, mesh, optimizer)
-  checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), 0, 1)
-  restored = checkpointer.restore_latest(abstract_with_shardings(state, shardings), config.model)
-  checkpointer.close()
-  if restored is None:
-    raise ValueError(f"{workdir}/checkpoints holds no checkpoint; train the run first")
-  step, state, _ = restored
-  params = state["params"]
-  del state
-  model = nnx.merge(graphdef, params)
-  datasets = data_lib.build_datasets(config.data, config.model.vocab_size, workdir, config.train.seed)
-  batch = config.train.batch_size
-  eval_batches = data_lib.eval_batches(datasets.eval, batch, max(1, min(_MAX_EVAL.value, len(datasets.eval) // batch)))
-  # Shuffled training batches (the run's seed): the first rows in order would be a few neighbouring source files.
-  def shuffled(seed, count):
-    iterator = data_lib.make_train_iterator(datasets.train, batch, seed, shuffle=True)
-    return [next(iterator) for _ in range(count)]
-  first = shuffled(config.train.seed, max(_CALIBRATION.value, _PRUNE_STEPS.value))  # calibration and order 0
-  orders = [first[:_PRUNE_STEPS.value]] + [shuffled(config.train.seed + k, _PRUNE_STEPS.value)
-                                           for k in range(1, _PRUNE_SOUP.value)]
-
-  def evaluate(m):
-    g, p = nnx.split(m)
-    result = steps_lib.evaluate(jax.jit(steps_lib.make_eval_step(g)), p, eval_batches, mesh)
-    return {"perplexity": result["eval_perplexity"], "loss": result["eval_loss"],
-            "token_accuracy": result["eval_token_accuracy"],
-            "eval_tokens": len(eval_batches) * batch * config.data.seq_len}
-
-  print(f"LM run {workdir}: step {step}, {len(eval_batches)} eval batches of {batch} x {config.data.seq_len}")
-  return Task("lm", config.model, lambda c: GPT(c, rngs=nnx.Rngs(0)), model, mesh, evaluate,
-              lambda m, b: m(b["inputs"], b["positions"], b["segment_ids"]), eval_batches[0],
-              batch * config.data.seq_len, "tokens", first[:_CALIBRATION.value],
-              steps_lib.make_loss_fn, orders, config.train)
-
-
-def load_classifier(workdir: str, config) -> Task:
-  import jax  # noqa: PLC0415
-  from flax import nnx  # noqa: PLC0415
-
-  import numpy as np  # noqa: PLC0415
-
-  from jaxlm import finetune, hf, sharding  # noqa: PLC0415
-  from jaxlm.data import classification as cls_data  # noqa: PLC0415
-  from jaxlm.models.bert import BertForSequenceClassification  # noqa: PLC0415
-
-  folder = os.path.join(workdir, finetune.BEST_MODEL)
-  mesh = sharding.make_mesh(config.mesh)
-  model = hf.from_pretrained(folder, mesh=mesh, compute_dtype=config.model.compute_dtype,
-                             param_dtype=config.model.param_dtype)
-  if not isinstance(model, BertForSequenceClassification):
-    raise ValueError(f"{folder} holds no sequence classifier")
-  tokenizer = cls_data.load_checkpoint_tokenizer(folder)
-  d = config.data
-  data = cls_data.build_classification_data(d, tokenizer, config.train.seed, os.path.join(workdir, "data_cache", "hf"),
-                                            model.config.vocab_size)
-  batch = config.train.batch_size
-  eval_batches = cls_data.eval_batches(data.eval, batch, d.seq_len, d.batching)
-  train_batches = cls_data.eval_batches(data.train, batch, d.seq_len, d.batching)
-  num_labels = model.num_labels
-
-  def evaluate(m):
-    g, p = nnx.split(m)
-    result = finetune.run_eval(jax.jit(finetune.make_eval_step(g)), p, eval_batches, data.eval, data.class_names, mesh,
-                               with_predictions=True)
-    return {"accuracy": result["accuracy"], "f1_macro": result["f1_macro"], "loss": result["loss"],
-            "eval_examples": result["examples"],
-            PREDICTIONS: (result["labels"], result["predictions"], len(data.class_names))}
-
-  forward = lambda m, b: m(b["input_ids"], b["attention_mask"], b["token_type_ids"])
-  print(f"classifier run {workdir}: {len(data.eval.labels)} eval examples, classes {data.class_names}")
-  timing = max(eval_batches, key=lambda b: b["input_ids"].shape[1])  # the longest padded batch
-  # The batches are sorted by length: calibrate on evenly spaced ones (short to long) and fine-tune in a seeded
-  # random order, so neither sees only the shortest texts.
-  stride = max(1, len(train_batches) // max(_CALIBRATION.value, 1))
-  calibration = train_batches[::stride][:_CALIBRATION.value]
-  steps = max(_PRUNE_STEPS.value, 1)
-
-  def order(seed):
-    indices = np.concatenate([np.random.default_rng(s + 1000 * seed).permutation(len(train_batches))
-                              for s in range(-(-steps // len(train_batches)))])
-    return [train_batches[i] for i in indices][:_PRUNE_STEPS.value]
-
-  return Task("classifier", model.config,
-              lambda c: BertForSequenceClassification(c, num_labels, rngs=nnx.Rngs(0)), model, mesh, evaluate,
-              forward, timing, int(timing["input_ids"].shape[0]), "examples",
-              calibration, finetune.make_classification_loss_fn,
-              [order(_PRUNE_SEED.value + k) for k in range(_PRUNE_SOUP.value)],
-              config.train)
-
-
-def variants(task: Task):
+def variants(task):
   """(name, build) pairs, in table order; each build returns a model (float, pruned or int8)."""
   import jax  # noqa: PLC0415
   import jax.numpy as jnp  # noqa: PLC0415
@@ -326,7 +199,7 @@ def selected_names(names: list[str], sparsity: float = 0.5) -> set[str]:
   return wanted | {"fp32"}
 
 
-def measure(task: Task, name: str, model, out_dir: str, extra: dict | None = None, reference: dict | None = None
+def measure(task, name: str, model, out_dir: str, extra: dict | None = None, reference: dict | None = None
             ) -> dict:
   """One variant's row. A classifier's first row (fp32) leaves its predictions in `reference`; later rows get their
   prediction flips and the 95% interval of their change vs fp32 from them (jaxlm.evaluate.paired_change)."""
@@ -334,6 +207,7 @@ def measure(task: Task, name: str, model, out_dir: str, extra: dict | None = Non
   from flax import nnx  # noqa: PLC0415
 
   from jaxlm import evaluate, prune, quant, quant_io, telemetry  # noqa: PLC0415
+  from jaxlm.runs import PREDICTIONS  # noqa: PLC0415
 
   model = quant_io.place(model, task.mesh)
   row = dict(task.evaluate(model))
@@ -394,10 +268,13 @@ def main(argv):
       raise ValueError(f"--lm_eval_tasks scores decoders; {workdir} is a classifier run (model.flavour=bert)")
     from jaxlm import harness  # noqa: PLC0415 (the optional lm-eval)
     harness.check_offline(harness.task_manager(_LM_EVAL_TASKS.value, _LM_EVAL_INCLUDE.value), _LM_EVAL_TASKS.value)
+  from jaxlm import runs  # noqa: PLC0415
+  data = dict(calibration_batches=_CALIBRATION.value, finetune_steps=_PRUNE_STEPS.value,
+              finetune_orders=_PRUNE_SOUP.value)
   if config.model.flavour == "bert":
-    task = load_classifier(workdir, config)
+    task = runs.classifier_task(workdir, config, finetune_seed=_PRUNE_SEED.value, **data)
   else:
-    task = load_lm(workdir, config)
+    task = runs.lm_task(workdir, config, max_eval_batches=_MAX_EVAL.value, **data)
   out_dir = os.path.join(workdir, "optimize")
   rows, reference = {}, {}
   for name, build in variants(task):
