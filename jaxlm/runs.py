@@ -29,14 +29,14 @@ from jaxlm.models.gpt import GPT
 PREDICTIONS = "predictions"  # a classifier evaluation's (labels, predictions, classes), for comparing variants
 
 
-def load_decoder_run(workdir: str, mesh_tensor: int = 1, mesh: config_lib.MeshConfig | None = None):
+def load_decoder_run(workdir: str, mesh_tensor: int = 1, mesh_config: config_lib.MeshConfig | None = None):
   """(config, graphdef, params, tokenizer, step) of a run's newest checkpoint, params sharded on this host's
-  devices: on `mesh` if given, else heads over `mesh_tensor` devices and replicated over the rest."""
+  devices: on `mesh_config` if given, else heads over `mesh_tensor` devices and replicated over the rest."""
   config_path = os.path.join(workdir, "config.json")
   if not os.path.exists(config_path):
     raise ValueError(f"{config_path} not found: --workdir must be a jaxlm training run folder")
   config = config_lib.from_run_file(config_path)
-  config = dataclasses.replace(config, mesh=mesh or config_lib.MeshConfig(data=-1, fsdp=1, tensor=mesh_tensor))
+  config = dataclasses.replace(config, mesh=mesh_config or config_lib.MeshConfig(data=-1, fsdp=1, tensor=mesh_tensor))
   mesh = sharding.make_mesh(config.mesh)
   optimizer = optim.make_optimizer(config.train)
   built = {}
@@ -104,7 +104,7 @@ def lm_task(workdir: str, config, *, calibration_batches: int, finetune_steps: i
       data_lib.load_tokenizer(config.data.tokenizer).to_str() != data_lib.load_tokenizer(run_tokenizer).to_str()):
     raise ValueError(f"data.tokenizer={config.data.tokenizer!r} differs from {run_tokenizer}: the calibration and "
                      "eval data would be tokenized differently from the model's training data; make them the same file")
-  _, graphdef, params, _, step = load_decoder_run(workdir, mesh=config.mesh)
+  _, graphdef, params, _, step = load_decoder_run(workdir, mesh_config=config.mesh)
   mesh = sharding.make_mesh(config.mesh)
   model = nnx.merge(graphdef, params)
   datasets = data_lib.build_datasets(config.data, config.model.vocab_size, workdir, config.train.seed)
