@@ -71,7 +71,7 @@ class MeshConfig:
   data: int = -1  # pure data-parallel replicas; -1 = all devices left after the other axes
   fsdp: int = 1  # devices that shard params, grads and optimizer state (and the batch)
   tensor: int = 1  # devices that split attention heads and the MLP width (Megatron style)
-  preset: str = ""  # dp | fsdp | tp | dp_tp | fsdp_tp: sets data/fsdp/tensor (see jaxlm.sharding.MESH_PRESETS)
+  preset: str = ""  # dp | fsdp | tp | dp_tp | fsdp_tp: sets data/fsdp/tensor (see MESH_PRESETS)
   gradient_sync: str = "auto"  # gspmd: GSPMD inserts the collectives | shard_map: one explicit psum over the batch
                                # axes | auto: shard_map for pure data parallel with grad_accum > 1, else gspmd
   sequence_parallel: bool = False  # Megatron-SP: the residual stream (norms, residual adds) is sharded along the
@@ -269,8 +269,7 @@ def validate(config: Config) -> None:
   if config.mesh.gradient_sync not in ("auto", "gspmd", "shard_map"):
     raise ValueError(f"mesh.gradient_sync={config.mesh.gradient_sync!r} is not one of auto, gspmd, shard_map")
   if config.mesh.pipeline != 1 or config.mesh.pipeline_schedule != MeshConfig.pipeline_schedule:
-    from jaxlm import pipeline  # the pipeline's own checks: sizes, schedule, options it cannot serve
-    pipeline.validate_config(config)
+    validate_pipeline(config)
   if t.steps < 0 or (t.steps == 0 and t.epochs <= 0):
     raise ValueError(f"train.steps={t.steps} must be >= 1, or 0 with train.epochs > 0 (steps from the data)")
   if t.epochs < 0:
@@ -337,3 +336,65 @@ def validate_kernels(k: KernelsConfig) -> None:
       raise ValueError(f"kernels.{key}={getattr(k, key)} must be >= 1")
   if k.cross_entropy_chunk < 0:
     raise ValueError(f"kernels.cross_entropy_chunk={k.cross_entropy_chunk} must be >= 0 (0 = auto)")
+
+
+# Named layouts (data, fsdp, tensor); -1 takes the devices left over. `fsdp_tp`/`dp_tp` put 2 devices on tensor.
+MESH_PRESETS = {"dp": (-1, 1, 1), "fsdp": (1, -1, 1), "tp": (1, 1, -1), "dp_tp": (-1, 1, 2), "fsdp_tp": (1, -1, 2)}
+
+
+def mesh_sizes(config: MeshConfig) -> tuple[int, int, int]:
+  """(data, fsdp, tensor) as configured, with a preset expanded; a preset beside explicit sizes is an error."""
+  sizes = (config.data, config.fsdp, config.tensor)
+  if not config.preset:
+    return sizes
+  if config.preset not in MESH_PRESETS:
+    raise ValueError(f"mesh.preset={config.preset!r} is not one of {', '.join(MESH_PRESETS)}")
+  if sizes != (MeshConfig.data, MeshConfig.fsdp, MeshConfig.tensor):
+    raise ValueError(f"mesh.preset={config.preset} also sets mesh.data/fsdp/tensor; give either the preset or sizes")
+  return MESH_PRESETS[config.preset]
+
+
+SCHEDULES = ("gpipe", "1f1b")  # jaxlm.pipeline's schedules
+
+
+def validate_schedule(num_stages: int, num_microbatches: int, schedule: str) -> None:
+  """One-line errors for a schedule that cannot run with these sizes."""
+  if schedule not in SCHEDULES:
+    raise ValueError(f"mesh.pipeline_schedule={schedule!r} is not one of {', '.join(SCHEDULES)}")
+  if num_stages < 1:
+    raise ValueError(f"mesh.pipeline={num_stages} must be >= 1")
+  if num_stages > 1 and num_microbatches < num_stages:
+    # Fewer micro-batches than stages leaves a stage idle for the whole step: the pipeline then only adds a bubble.
+    raise ValueError(f"train.grad_accum={num_microbatches} is smaller than mesh.pipeline={num_stages}; the "
+                     f"{schedule} schedule needs at least one micro-batch per stage (raise train.grad_accum)")
+
+
+def stage_layer_counts(num_layers: int, num_stages: int) -> tuple[int, ...]:
+  """Layers per stage (equal, since the stacked layer axis is sharded evenly), or a one-line error."""
+  if num_stages < 1 or num_layers % num_stages:
+    raise ValueError(f"model.num_layers={num_layers} is not divisible by mesh.pipeline={num_stages}; choose a "
+                     "pipeline size that divides the layers")
+  return (num_layers // num_stages,) * num_stages
+
+
+def validate_pipeline(config: Config) -> None:
+  """One-line errors for `mesh.pipeline` / `mesh.pipeline_schedule` with the rest of a jaxlm.config.Config."""
+  mesh = config.mesh
+  validate_schedule(mesh.pipeline, config.train.grad_accum, mesh.pipeline_schedule)
+  if mesh.pipeline == 1:
+    return
+  stage_layer_counts(config.model.num_layers, mesh.pipeline)
+  if config.model.flavour not in ("gpt2", "llama"):
+    raise ValueError(f"mesh.pipeline={mesh.pipeline} serves the decoders (model.flavour gpt2 or llama), not "
+                     f"model.flavour={config.model.flavour}; use mesh.pipeline=1")
+  if (tensor := mesh_sizes(mesh)[2]) != 1:
+    raise ValueError(f"mesh.pipeline={mesh.pipeline} with mesh.tensor={tensor} is not supported; combine the pipeline "
+                     "with mesh.data and mesh.fsdp only")
+  if mesh.sequence_parallel:
+    raise ValueError("mesh.sequence_parallel needs mesh.tensor > 1, which mesh.pipeline > 1 does not support")
+  if mesh.gradient_sync != "auto":
+    raise ValueError(f"mesh.gradient_sync={mesh.gradient_sync} does not apply with mesh.pipeline={mesh.pipeline} "
+                     "(the pipeline reduces its own gradients); leave it auto")
+  if config.lora.rank:
+    raise ValueError(f"lora.rank={config.lora.rank} with mesh.pipeline={mesh.pipeline} is not supported; use "
+                     "mesh.pipeline=1 (adapters fit on one device's share)")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from jaxlm import pipeline
+from jaxlm.config import SCHEDULES
 
 
 def mesh_shapes(num_devices: int) -> list[tuple[int, int, int]]:
@@ -61,7 +61,7 @@ def layouts(num_devices: int, num_layers: int | None = None) -> list[Layout]:
     if num_devices % stages == 0 and (num_layers is None or num_layers % stages == 0):
       for data, fsdp, tensor in mesh_shapes(num_devices // stages):
         if tensor == 1:
-          result += [Layout(data, fsdp, 1, stages, schedule) for schedule in pipeline.SCHEDULES]
+          result += [Layout(data, fsdp, 1, stages, schedule) for schedule in SCHEDULES]
     stages *= 2
   return result
 

@@ -27,28 +27,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxlm import optim, sharding
+from jaxlm.config import validate_schedule
 
-SCHEDULES = ("gpipe", "1f1b")
-
-
-def validate_schedule(num_stages: int, num_microbatches: int, schedule: str) -> None:
-  """One-line errors for a schedule that cannot run with these sizes."""
-  if schedule not in SCHEDULES:
-    raise ValueError(f"mesh.pipeline_schedule={schedule!r} is not one of {', '.join(SCHEDULES)}")
-  if num_stages < 1:
-    raise ValueError(f"mesh.pipeline={num_stages} must be >= 1")
-  if num_stages > 1 and num_microbatches < num_stages:
-    # Fewer micro-batches than stages leaves a stage idle for the whole step: the pipeline then only adds a bubble.
-    raise ValueError(f"train.grad_accum={num_microbatches} is smaller than mesh.pipeline={num_stages}; the "
-                     f"{schedule} schedule needs at least one micro-batch per stage (raise train.grad_accum)")
-
-
-def stage_layer_counts(num_layers: int, num_stages: int) -> tuple[int, ...]:
-  """Layers per stage (equal, since the stacked layer axis is sharded evenly), or a one-line error."""
-  if num_stages < 1 or num_layers % num_stages:
-    raise ValueError(f"model.num_layers={num_layers} is not divisible by mesh.pipeline={num_stages}; choose a "
-                     "pipeline size that divides the layers")
-  return (num_layers // num_stages,) * num_stages
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,31 +112,6 @@ def ppermute_bytes_per_device(num_stages: int, num_microbatches: int, schedule: 
   table = make_schedule(num_stages, num_microbatches, schedule)
   sends = int((table.forward >= 0).any(axis=1).sum() + (table.backward >= 0).any(axis=1).sum())
   return sends * micro_batch_rows * seq_len * d_model * bytes_per_element
-
-
-def validate_config(config) -> None:
-  """One-line errors for `mesh.pipeline` / `mesh.pipeline_schedule` with the rest of a jaxlm.config.Config."""
-  mesh = config.mesh
-  validate_schedule(mesh.pipeline, config.train.grad_accum, mesh.pipeline_schedule)
-  if mesh.pipeline == 1:
-    return
-  stage_layer_counts(config.model.num_layers, mesh.pipeline)
-  if config.model.flavour not in ("gpt2", "llama"):
-    raise ValueError(f"mesh.pipeline={mesh.pipeline} serves the decoders (model.flavour gpt2 or llama), not "
-                     f"model.flavour={config.model.flavour}; use mesh.pipeline=1")
-  tensor = sharding.mesh_sizes(mesh)[2]
-  if tensor != 1:
-    raise ValueError(f"mesh.pipeline={mesh.pipeline} with mesh.tensor={tensor} is not supported; combine the pipeline "
-                     "with mesh.data and mesh.fsdp only")
-  if mesh.sequence_parallel:
-    raise ValueError("mesh.sequence_parallel needs mesh.tensor > 1, which mesh.pipeline > 1 does not support")
-  if mesh.gradient_sync != "auto":
-    raise ValueError(f"mesh.gradient_sync={mesh.gradient_sync} does not apply with mesh.pipeline={mesh.pipeline} "
-                     "(the pipeline reduces its own gradients); leave it auto")
-  lora = getattr(config, "lora", None)
-  if lora is not None and lora.rank:
-    raise ValueError(f"lora.rank={lora.rank} with mesh.pipeline={mesh.pipeline} is not supported; use mesh.pipeline=1 "
-                     "(adapters fit on one device's share)")
 
 
 # ----------------------------------------------------------------------------------------------- the step

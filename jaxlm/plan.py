@@ -25,12 +25,12 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
-from jaxlm import hlo, loss_scale, optim, pipeline, sharding
+from jaxlm import hlo, loss_scale, optim, sharding
 from jaxlm import lora as lora_lib
 from jaxlm import predict_lora as lora_predict
 from jaxlm import predict_pipeline as pipeline_predict
 from jaxlm import steps as steps_lib
-from jaxlm.config import Config
+from jaxlm.config import Config, validate_pipeline
 from jaxlm.kernels import Kernels, runnable_on
 from jaxlm.models.gpt import GPT
 # The planner is the public face of the three modules: callers use plan.Hardware, plan.predict_memory, ...
@@ -74,7 +74,7 @@ def _pipeline_problem(config: Config, layout: Layout) -> str | None:
   if config.lora.rank:
     return f"lora.rank={config.lora.rank} does not run with mesh.pipeline > 1"
   try:
-    pipeline.validate_config(with_mesh(config, layout, splits[-1]))
+    validate_pipeline(with_mesh(config, layout, splits[-1]))
   except ValueError as e:
     return str(e)
   return None

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from jaxlm import pipeline as pipeline_lib
 from jaxlm import telemetry
-from jaxlm.config import Config
+from jaxlm.config import Config, stage_layer_counts
 from jaxlm.hardware import Hardware
 from jaxlm.predict import (BACKWARD_WORKING_FRACTION, ELEMENTWISE_PASSES, OPTIMIZER_PASSES, OPTIMIZER_PHASE_TREES,
                            REMAT_TRAFFIC, SAVED_PASSES, analytic_collective_bytes, activation_model, planned_kernels,
@@ -49,7 +49,7 @@ def p2p_sends(num_stages: int, num_microbatches: int, schedule: str) -> int:
 
 def stage_config(config: Config, num_stages: int) -> Config:
   """The config of one stage: L/S blocks with the (replicated) embeddings and head, on the stage's own mesh."""
-  layers = pipeline_lib.stage_layer_counts(config.model.num_layers, num_stages)[0]
+  layers = stage_layer_counts(config.model.num_layers, num_stages)[0]
   return dataclasses.replace(config, model=dataclasses.replace(config.model, num_layers=layers),
                              mesh=dataclasses.replace(config.mesh, pipeline=1, pipeline_schedule="gpipe"))
 

@@ -21,7 +21,7 @@ from typing import Any, Sequence
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxlm.config import MeshConfig
+from jaxlm.config import MeshConfig, mesh_sizes
 
 MESH_AXES = ("data", "fsdp", "tensor")
 PIPELINE_AXIS = "pipeline"  # a mesh axis beside MESH_AXES, so mesh_shape keeps returning (data, fsdp, tensor)
@@ -64,28 +64,6 @@ def rule(name: str) -> Any:
 def rule_overrides(config: MeshConfig) -> dict[str, Any]:
   """RULES changes a mesh config asks for: `sequence_parallel` shards the residual stream's sequence over tensor."""
   return {"act_residual_seq": "tensor"} if config.sequence_parallel else {}
-
-
-# Named layouts (data, fsdp, tensor); -1 takes the devices left over. `fsdp_tp`/`dp_tp` put 2 devices on tensor.
-MESH_PRESETS = {
-    "dp": (-1, 1, 1),
-    "fsdp": (1, -1, 1),
-    "tp": (1, 1, -1),
-    "dp_tp": (-1, 1, 2),
-    "fsdp_tp": (1, -1, 2),
-}
-
-
-def mesh_sizes(config: MeshConfig) -> tuple[int, int, int]:
-  """(data, fsdp, tensor) as configured, with a preset expanded; a preset beside explicit sizes is an error."""
-  sizes = (config.data, config.fsdp, config.tensor)
-  if not config.preset:
-    return sizes
-  if config.preset not in MESH_PRESETS:
-    raise ValueError(f"mesh.preset={config.preset!r} is not one of {', '.join(MESH_PRESETS)}")
-  if sizes != (MeshConfig.data, MeshConfig.fsdp, MeshConfig.tensor):
-    raise ValueError(f"mesh.preset={config.preset} also sets mesh.data/fsdp/tensor; give either the preset or sizes")
-  return MESH_PRESETS[config.preset]
 
 
 def mesh_shape(config: MeshConfig, num_devices: int) -> tuple[int, int, int]:

@@ -152,15 +152,15 @@ def test_a_checkpoint_moves_from_four_stages_to_one_device_and_back(tmp_path, re
 
 def test_schedule_figures():
   for stages, micro in ((4, 8), (4, 16), (2, 4)):
-    for schedule in pipeline.SCHEDULES:
+    for schedule in config_lib.SCHEDULES:
       assert pipeline.bubble_fraction(stages, micro, schedule) == pytest.approx((stages - 1) / (micro + stages - 1))
   assert pipeline.bubble_fraction(1, 4, "gpipe") == 0.0
   assert pipeline.stash_slots(4, 16, "gpipe") == 16 and pipeline.stash_slots(4, 16, "1f1b") == 7
   assert pipeline.stash_slots(4, 4, "1f1b") == 4
-  assert pipeline.stage_layer_counts(12, 4) == (3, 3, 3, 3)
+  assert config_lib.stage_layer_counts(12, 4) == (3, 3, 3, 3)
   # Every micro-batch runs forward and backward once on every stage, the backward after the forward and after
   # the next stage's backward.
-  for schedule in pipeline.SCHEDULES:
+  for schedule in config_lib.SCHEDULES:
     table = pipeline.make_schedule(4, 6, schedule)
     for s in range(4):
       assert sorted(table.forward[:, s][table.forward[:, s] >= 0]) == list(range(6))
