@@ -30,7 +30,6 @@ from jaxlm import optim, sharding
 from jaxlm.config import validate_schedule
 
 
-
 @dataclasses.dataclass(frozen=True)
 class Schedule:
   """forward[t, s] / backward[t, s]: the micro-batch stage s runs forward / backward at tick t, or -1 for none.
