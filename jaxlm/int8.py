@@ -80,38 +80,33 @@ class Int8Weight:
     return qwix.dequantize(self.q)
 
 
+class _FloatStandIn:
+  """What the model code reads of a float weight `w` wrapped with extra data: shape, dtype, `param[...]`, astype."""
+  shape = property(lambda self: self.w.shape)
+  ndim = property(lambda self: self.w.ndim)
+  dtype = property(lambda self: self.w.dtype)
+
+  def __getitem__(self, index):
+    return self
+
+  def astype(self, dtype):
+    return self.replace(w=self.w.astype(dtype))
+
+
 @flax.struct.dataclass
-class SmoothedWeight:
+class SmoothedWeight(_FloatStandIn):
   """A float weight already multiplied by its SmoothQuant factors s (per input channel) whose input is divided by s
   when it runs: the smoothing of a matmul whose input comes from no op that could absorb 1/s (jaxlm.smoothing)."""
   w: jax.Array
   inv_scale: jax.Array  # 1/s, the weight's contracted axes ([L,] + C)
-  shape = property(lambda self: self.w.shape)
-  ndim = property(lambda self: self.w.ndim)
-  dtype = property(lambda self: self.w.dtype)
-
-  def __getitem__(self, index):
-    return self
-
-  def astype(self, dtype) -> "SmoothedWeight":
-    return self.replace(w=self.w.astype(dtype))
 
 
 @flax.struct.dataclass
-class Probe:
+class Probe(_FloatStandIn):
   """Calibration stand-in for a float weight: `tag` (one id per layer, sliced by scan) names whose input it saw."""
   w: jax.Array
   tag: jax.Array
   gram: bool = flax.struct.field(pytree_node=False, default=False)  # also record X^T X (SparseGPT): off for W8A8/Wanda
-  shape = property(lambda self: self.w.shape)
-  ndim = property(lambda self: self.w.ndim)
-  dtype = property(lambda self: self.w.dtype)
-
-  def __getitem__(self, index):
-    return self
-
-  def astype(self, dtype) -> "Probe":
-    return self.replace(w=self.w.astype(dtype))
 
 
 nnx.register_data_type(Int8Weight)
