@@ -48,7 +48,7 @@ def write_set(name: str, folder: str) -> tuple[str, str]:
   if name == "topics":
     return topics.write_topic_dataset(folder)
   if name == "stdlib_docs":
-    return stdlib_docs.write_stdlib_docs_dataset(folder)
+    return stdlib_docs.write_stdlib_docs_dataset(folder)[:2]
   raise ValueError(f"--sets: unknown set {name!r}; use topics, stdlib_docs")
 
 

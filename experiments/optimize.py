@@ -10,7 +10,9 @@ layer: each matrix of each layer), Wanda pruning (|W| * input norm per output ro
 magnitude and by Wanda's score, SparseGPT (per-row masks chosen with a per-layer reconstruction of the kept weights,
 on the same batches; 50% and 2:4), and int8 weight-only on top of each pruning (--prune_finetune_steps > 0 first
 fine-tunes the pruned models with their masks kept; the rows then also give the metric before that fine-tune, and
-"fp32 fine-tuned" is the same fine-tune of the dense model, the control).
+"fp32 fine-tuned" is the same fine-tune of the dense model, the control; on a classifier run,
+--prune_distill_files=unlabelled.csv makes that fine-tune distil the float model's outputs on unlabelled task text,
+which recovers far more than the labelled rows do when those are few: see docs/optimization.md).
 For each: the task metric on the run's held-out data (a classifier's rows also count the held-out predictions that
 differ from fp32's and give a 95% paired-bootstrap interval of the change), latency of one forward on an eval
 batch (best of --repeats after warm-up, on the run's mesh), throughput, parameter bytes and the orbax checkpoint's
@@ -43,6 +45,10 @@ _PRUNE_SEED = flags.DEFINE_integer("prune_finetune_seed", 0, "classifier runs: s
                                    "(a second seed shows the noise of the comparison)")
 _PRUNE_SOUP = flags.DEFINE_integer("prune_finetune_soup", 1, "masked fine-tunes per pruned model, each in its own "
                                    "batch order (seeds prune_finetune_seed + k), averaged into one (a sparse soup)")
+_DISTILL = flags.DEFINE_list("prune_distill_files", [], "classifier runs: files of unlabelled task text (the run's "
+                             "text column); the masked fine-tunes then distil the float model's outputs on them "
+                             "instead of training on the labelled rows")
+_DISTILL_T = flags.DEFINE_float("prune_distill_temperature", 2.0, "softmax temperature of that distillation")
 _ATTENTION_RATIO = flags.DEFINE_float("prune_attention_ratio", 1.0, "unstructured per-matrix pruning (per-layer "
                                        "magnitude, Wanda, SparseGPT): the attention projections' sparsity over "
                                        "--sparsity; the MLP matrices take what keeps --sparsity overall")
@@ -82,6 +88,13 @@ def check_flags() -> None:
   if not 0.0 < _ATTENTION_RATIO.value * _SPARSITY.value < 1.0:
     raise ValueError(f"--prune_attention_ratio={_ATTENTION_RATIO.value} at --sparsity={_SPARSITY.value} puts the "
                      "attention sparsity outside (0, 1); pick a ratio nearer 1")
+  if _DISTILL_T.value <= 0:
+    raise ValueError(f"--prune_distill_temperature={_DISTILL_T.value} must be > 0 (1 is the plain softmax, 2 usual)")
+  if _DISTILL.value and not _PRUNE_STEPS.value:
+    raise ValueError("--prune_distill_files feeds the masked fine-tune: give it --prune_finetune_steps > 0 too")
+  for path in _DISTILL.value:
+    if not os.path.isfile(path):
+      raise FileNotFoundError(f"--prune_distill_files: {path!r} does not exist; give files of unlabelled task text")
   if _PRUNE_SOUP.value < 1:
     raise ValueError(f"--prune_finetune_soup={_PRUNE_SOUP.value}: give the number of masked fine-tunes to average, "
                      "at least 1")
@@ -272,7 +285,11 @@ def main(argv):
   data = dict(calibration_batches=_CALIBRATION.value, finetune_steps=_PRUNE_STEPS.value,
               finetune_orders=_PRUNE_SOUP.value)
   if config.model.flavour == "bert":
-    task = runs.classifier_task(workdir, config, finetune_seed=_PRUNE_SEED.value, **data)
+    task = runs.classifier_task(workdir, config, finetune_seed=_PRUNE_SEED.value, distill_files=tuple(_DISTILL.value),
+                                distill_temperature=_DISTILL_T.value, **data)
+  elif _DISTILL.value:
+    raise ValueError(f"--prune_distill_files is for classifier runs; {workdir} is an LM run, whose masked fine-tune "
+                     "already trains on unlabelled text (its own)")
   else:
     task = runs.lm_task(workdir, config, max_eval_batches=_MAX_EVAL.value, **data)
   out_dir = os.path.join(workdir, "optimize")

@@ -1,7 +1,7 @@
 """A labelled set of real English built offline: the first paragraphs of the Python standard library's docstrings
 (modules, classes, functions), each labelled with the area of the library it documents (8 classes).
 
-  python experiments/stdlib_docs.py --out=runs/stdlib_docs      # writes train.csv and eval.csv (text,label)
+  python experiments/stdlib_docs.py --out=runs/stdlib_docs      # writes train.csv, eval.csv (text,label), unlabelled.csv
 
 The areas group modules as the library reference does: concurrency (asyncio, multiprocessing, threading, ...), files
 (pathlib, shutil, zipfile, csv, ...), imports (importlib, pkgutil, runpy, ...), internet (email, http, urllib, ...),
@@ -10,6 +10,10 @@ text (re, string, codecs, ...). Every source file goes whole to one split (a qua
 a hash of the path, to eval), so the held-out rows are docstrings of code the training rows never saw. Paragraphs
 of fewer than 8 words and repeated paragraphs are dropped. The rows come from the running interpreter's standard
 library, so another Python version gives a somewhat different set; the row counts are printed.
+
+unlabelled.csv (column text) holds every docstring paragraph of the library's other files, those of no held-out
+file and none that eval.csv holds: text of the task's domain without labels, for distilling a fine-tuned model into
+a pruned one (experiments/optimize.py --prune_distill_files).
 """
 
 from __future__ import annotations
@@ -62,8 +66,9 @@ def source_files(stdlib: str, module: str) -> list[str]:
   return found
 
 
-def first_paragraphs(path: str) -> list[str]:
-  """The first paragraph (whitespace collapsed) of every module, class and function docstring in `path`."""
+def docstring_paragraphs(path: str, first_only: bool = True) -> list[str]:
+  """The first paragraph (or every one), whitespace collapsed and of at least MIN_WORDS words, of every module, class
+  and function docstring in `path`."""
   with open(path, encoding="utf-8") as f:
     with warnings.catch_warnings():
       warnings.simplefilter("ignore", SyntaxWarning)  # old modules' invalid escapes in plain strings
@@ -72,11 +77,19 @@ def first_paragraphs(path: str) -> list[str]:
   for node in ast.walk(tree):
     if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
       docstring = ast.get_docstring(node)
-      if docstring:
-        paragraph = " ".join(docstring.split("\n\n")[0].split())
+      for paragraph in (docstring or "").split("\n\n")[:1 if first_only else None]:
+        paragraph = " ".join(paragraph.split())
         if len(paragraph.split()) >= MIN_WORDS:
           paragraphs.append(paragraph)
   return paragraphs
+
+
+def area_split(stdlib: str, label: str) -> tuple[list[str], set[str]]:
+  """An area's source files and the quarter of them held out for eval."""
+  files = [p for module in AREAS[label] for p in source_files(stdlib, module)]
+  # A hash of the relative path, not the position in the list, decides the split: adding a module moves no file.
+  rank = {p: hashlib.sha256(os.path.relpath(p, stdlib).encode()).hexdigest() for p in files}
+  return files, set(sorted(files, key=rank.get)[::EVAL_SHARE])
 
 
 def stdlib_doc_rows(max_train_per_class: int = 250, seed: int = 0,
@@ -87,14 +100,10 @@ def stdlib_doc_rows(max_train_per_class: int = 250, seed: int = 0,
   seen: set[str] = set()
   rng = random.Random(seed)
   for label in sorted(AREAS):
-    files = [p for module in AREAS[label] for p in source_files(stdlib, module)]
-    # A hash of the relative path, not the position in the list, decides the split: adding a module moves no file.
-    rank = {p: hashlib.sha256(os.path.relpath(p, stdlib).encode()).hexdigest() for p in files}
-    ordered = sorted(files, key=rank.get)
-    held_out = set(ordered[::EVAL_SHARE])
+    files, held_out = area_split(stdlib, label)
     per_split: dict[str, list[str]] = {"train": [], "eval": []}
     for path in sorted(files, key=lambda p: p not in held_out):  # train files first: a repeat is dropped from eval
-      for text in first_paragraphs(path):
+      for text in docstring_paragraphs(path):
         if text not in seen:
           seen.add(text)
           per_split["eval" if path in held_out else "train"].append(text)
@@ -108,23 +117,50 @@ def stdlib_doc_rows(max_train_per_class: int = 250, seed: int = 0,
   return rows
 
 
-def write_stdlib_docs_dataset(folder: str, max_train_per_class: int = 250, seed: int = 0) -> tuple[str, str]:
-  """Writes <folder>/train.csv and <folder>/eval.csv (columns text,label) and returns their paths."""
+def unlabelled_texts(eval_texts: set[str], seed: int = 0, stdlib: str | None = None) -> list[str]:
+  """Every docstring paragraph of the library outside the held-out files, none of `eval_texts`, shuffled."""
+  stdlib = stdlib or sysconfig.get_paths()["stdlib"]
+  held_out = set().union(*(area_split(stdlib, label)[1] for label in AREAS))
+  texts, seen = [], set(eval_texts)
+  for root, dirs, names in os.walk(stdlib):
+    dirs[:] = sorted(d for d in dirs if d not in _SKIP_DIRS | {"site-packages"})
+    for path in (os.path.join(root, n) for n in sorted(names) if n.endswith(".py")):
+      if path in held_out:
+        continue
+      try:
+        paragraphs = docstring_paragraphs(path, first_only=False)
+      except (SyntaxError, UnicodeDecodeError):  # a few data files in the library are not Python 3 or not UTF-8
+        continue
+      for text in paragraphs:
+        if text not in seen:
+          seen.add(text)
+          texts.append(text)
+  random.Random(seed).shuffle(texts)
+  return texts
+
+
+def write_stdlib_docs_dataset(folder: str, max_train_per_class: int = 250, seed: int = 0) -> tuple[str, str, str]:
+  """Writes <folder>/train.csv and <folder>/eval.csv (columns text,label) and <folder>/unlabelled.csv (text);
+  returns their paths."""
   os.makedirs(folder, exist_ok=True)
+  rows = stdlib_doc_rows(max_train_per_class, seed)
+  rows["unlabelled"] = [(text,) for text in unlabelled_texts({text for text, _ in rows["eval"]}, seed)]
   paths = []
-  for split, split_rows in stdlib_doc_rows(max_train_per_class, seed).items():
+  for split, split_rows in rows.items():
     path = os.path.join(folder, f"{split}.csv")
     with open(path, "w", newline="", encoding="utf-8") as f:
       writer = csv.writer(f)
-      writer.writerow(["text", "label"])
+      writer.writerow(["text", "label"] if split != "unlabelled" else ["text"])
       writer.writerows(split_rows)
     paths.append(path)
-  return paths[0], paths[1]
+  return paths[0], paths[1], paths[2]
 
 
 def main(argv):
   del argv
-  train, eval_ = write_stdlib_docs_dataset(_OUT.value, _MAX_TRAIN_PER_CLASS.value, _SEED.value)
+  train, eval_, unlabelled = write_stdlib_docs_dataset(_OUT.value, _MAX_TRAIN_PER_CLASS.value, _SEED.value)
+  with open(unlabelled, encoding="utf-8") as f:
+    print(f"{unlabelled}: {sum(1 for _ in csv.DictReader(f))} rows without labels")
   for path in (train, eval_):
     with open(path, encoding="utf-8") as f:
       counts: dict[str, int] = {}

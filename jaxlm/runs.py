@@ -9,6 +9,7 @@ that use a trained model: experiments/generate.py, lm_eval.py and optimize.py.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from typing import Any, Callable
 
@@ -18,7 +19,7 @@ from flax import nnx
 
 from jaxlm import config as config_lib
 from jaxlm import data as data_lib
-from jaxlm import finetune, generate, hf, optim, quant, quant_io, sharding
+from jaxlm import distill, finetune, generate, hf, optim, quant, quant_io, sharding
 from jaxlm import steps as steps_lib
 from jaxlm.checkpoint import Checkpointer, abstract_with_shardings
 from jaxlm.data import classification as cls_data
@@ -133,10 +134,14 @@ def lm_task(workdir: str, config, *, calibration_batches: int, finetune_steps: i
 
 
 def classifier_task(workdir: str, config, *, calibration_batches: int, finetune_steps: int, finetune_orders: int = 1,
-                    finetune_seed: int = 0) -> Task:
+                    finetune_seed: int = 0, distill_files: tuple[str, ...] = (), distill_temperature: float = 2.0
+                    ) -> Task:
   """A finetune.py run (its config `config`): held-out accuracy and macro-F1 of its best model, whose evaluation also
   returns the predictions (PREDICTIONS), `calibration_batches` training batches spread from short to long, and
-  `finetune_orders` random orders (seeds finetune_seed + k) of `finetune_steps` training batches."""
+  `finetune_orders` random orders (seeds finetune_seed + k) of `finetune_steps` training batches.
+
+  `distill_files` (unlabelled text of the task): the fine-tune batches are drawn from their texts instead, and the
+  loss distils the float model's outputs on them (`jaxlm.distill`, `distill_temperature`)."""
   folder = os.path.join(workdir, finetune.BEST_MODEL)
   mesh = sharding.make_mesh(config.mesh)
   model = hf.from_pretrained(folder, mesh=mesh, compute_dtype=config.model.compute_dtype,
@@ -168,15 +173,21 @@ def classifier_task(workdir: str, config, *, calibration_batches: int, finetune_
   stride = max(1, len(train_batches) // max(calibration_batches, 1))
   calibration = train_batches[::stride][:calibration_batches]
   steps = max(finetune_steps, 1)
+  loss_fn, finetune_batches = finetune.make_classification_loss_fn, train_batches
+  if distill_files:
+    texts = distill.read_texts(distill_files, d, tokenizer, data.seq_len)
+    finetune_batches = distill.teacher_batches(model, forward, texts, batch, data.seq_len, d.batching)
+    loss_fn = functools.partial(distill.make_distillation_loss_fn, temperature=distill_temperature)
+    print(f"masked fine-tunes distil the float model on {len(texts)} texts of {', '.join(distill_files)}")
 
   def order(seed):
-    indices = np.concatenate([np.random.default_rng(s + 1000 * seed).permutation(len(train_batches))
-                              for s in range(-(-steps // len(train_batches)))])
-    return [train_batches[i] for i in indices][:finetune_steps]
+    indices = np.concatenate([np.random.default_rng(s + 1000 * seed).permutation(len(finetune_batches))
+                              for s in range(-(-steps // len(finetune_batches)))])
+    return [finetune_batches[i] for i in indices][:finetune_steps]
 
   return Task("classifier", model.config,
               lambda c: BertForSequenceClassification(c, num_labels, rngs=nnx.Rngs(0)), model, mesh, evaluate,
               forward, timing, int(timing["input_ids"].shape[0]), "examples",
-              calibration, finetune.make_classification_loss_fn,
+              calibration, loss_fn,
               [order(finetune_seed + k) for k in range(finetune_orders)],
               config.train)

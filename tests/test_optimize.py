@@ -77,8 +77,16 @@ def test_optimize_measures_every_variant_of_a_trained_lm(tmp_path):
                         ("--calibration_batches=0", "--calibration_batches=0: W8A8 and Wanda need at least one"),
                         ("--prune_finetune_soup=0", "--prune_finetune_soup=0: give the number of masked fine-tunes"),
                         ("--prune_finetune_schedule=run", "--prune_finetune_schedule=run is the run's own schedule: it "
-                         "needs --prune_finetune_like_run")):
-    bad = subprocess.run([sys.executable, os.path.join(ROOT, "experiments/optimize.py"), f"--workdir={workdir}", flag],
+                         "needs --prune_finetune_like_run"),
+                        ("--prune_distill_temperature=0", "--prune_distill_temperature=0.0 must be > 0"),
+                        ("--prune_distill_files=texts.csv", "--prune_distill_files feeds the masked fine-tune: give it "
+                         "--prune_finetune_steps > 0 too"),
+                        ("--prune_distill_files=texts.csv --prune_finetune_steps=1", "--prune_distill_files: "
+                         "'texts.csv' does not exist"),
+                        (f"--prune_distill_files={tmp_path / 'corpus.jsonl'} --prune_finetune_steps=1",
+                         "--prune_distill_files is for classifier runs;")):
+    bad = subprocess.run([sys.executable, os.path.join(ROOT, "experiments/optimize.py"), f"--workdir={workdir}",
+                          *flag.split()],
                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0 and message in bad.stderr, bad.stderr[-2000:]
   assert os.path.exists(os.path.join(workdir, "optimize.json"))  # a refused run deletes nothing
