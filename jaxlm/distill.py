@@ -57,10 +57,11 @@ def teacher_batches(model: nnx.Module, forward: Callable[[nnx.Module, dict], jax
                     examples: cls_data.Examples, batch_size: int, seq_len: int, batching: str) -> list[dict]:
   """Every example once in batches of similar length (as evaluation batches them), each with the dense `model`'s
   float32 logits under TEACHER_LOGITS; filler rows of the last batch have weight 0."""
-  run = jax.jit(forward)
+  graphdef, params = nnx.split(model)
+  run = jax.jit(lambda p, b: forward(nnx.merge(graphdef, p), b))
   batches = cls_data.eval_batches(examples, batch_size, seq_len, batching)
   for batch in batches:
-    batch[TEACHER_LOGITS] = np.asarray(run(model, batch), np.float32)
+    batch[TEACHER_LOGITS] = np.asarray(run(params, batch), np.float32)
   return batches
 
 
