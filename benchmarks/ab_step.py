@@ -8,10 +8,10 @@ Each variant is `name:key=value;key=value` over the config (an empty list is the
 baseline. A key `xla.<option>` is an XLA debug option for that variant's compile alone (e.g.
 `cublas:xla.xla_gpu_enable_triton_gemm=False`), so flag choices are timed side by side in one process too; a
 variant that fails to compile (an option this XLA lacks, too little memory) is reported and skipped. Every
-variant's real train step (measure.compiled_train_step) is compiled once, then each runs --steps_per_round steps
+variant's real train step (check_against_runs.compiled_train_step) is compiled once, then each runs --steps_per_round steps
 per round, in turn, for --rounds rounds; --torch adds torch.compile's GPT-2 step (bench_torch, same shape) as one
 more contender. Prints the median milliseconds per step, the speed-up over the baseline, tokens/s, MFU (model
-FLOPs of jaxlm.telemetry.flops_per_token over the device's peak: the bf16 datasheet peak on accelerators, a
+FLOPs of jaxlm.training.telemetry.flops_per_token over the device's peak: the bf16 datasheet peak on accelerators, a
 measured matmul rate on the CPU) and CPU-seconds per step, and writes <workdir>/ab.json when --workdir is given.
 Like every script it runs with huge pages for glibc's malloc (jaxlm.cli; JAXLM_NO_HUGE_PAGES=1 runs without).
 """
@@ -28,8 +28,10 @@ import numpy as np
 from absl import flags, logging
 from ml_collections import config_flags
 
-from jaxlm import cli, files, measure, telemetry
+from jaxlm import cli
 from jaxlm import config as config_lib
+from jaxlm.planner import check_against_runs
+from jaxlm.training import atomic_files, telemetry
 
 _CONFIG = config_flags.DEFINE_config_file("config", "benchmarks/configs/bench_cpu.py", "the baseline config")
 _VARIANTS = flags.DEFINE_string("variants", "base:", "name:key=value;key=value entries, comma-separated")
@@ -73,7 +75,7 @@ def variant_config(base, assignments: str):
 
 class JaxStep:
   def __init__(self, config, compiler_options):
-    self.step, self.state, self.batch, _ = measure.compiled_train_step(config, compiler_options=compiler_options)
+    self.step, self.state, self.batch, _ = check_against_runs.compiled_train_step(config, compiler_options=compiler_options)
     self.tokens_per_step = config.train.batch_size * config.data.seq_len
     self.flops_per_token = telemetry.flops_per_token(config.model, config.data.seq_len)
     self.run(1)  # first execution: allocations, thread pools
@@ -153,9 +155,9 @@ def main(argv):
     tokens_per_sec = contenders[name].tokens_per_step / step
     # Speedups in tokens/s, so a variant with another batch size compares by throughput. Paired: round by round
     # against the baseline run just before it; the median of those and a distribution-free ~95% interval for it
-    # (measure.median_interval): an interval around 1.0 shows neither faster.
+    # (check_against_runs.median_interval): an interval around 1.0 shows neither faster.
     paired = [contenders[name].tokens_per_step / x / b for x, b in zip(s, baseline_tokens_per_sec)]
-    low, high, coverage = measure.median_interval(paired)
+    low, high, coverage = check_against_runs.median_interval(paired)
     rows[name] = {"step_sec": step, "step_sec_min": min(s),
                   "speedup": tokens_per_sec / statistics.median(baseline_tokens_per_sec),
                   "paired_speedup": statistics.median(paired), "paired_interval": [low, high],
@@ -170,7 +172,7 @@ def main(argv):
   print(f"MFU peak: {peak / 1e12:.1f} TFLOP/s ({peak_source})")
   if _WORKDIR.value:
     os.makedirs(_WORKDIR.value, exist_ok=True)
-    files.write_json(os.path.join(_WORKDIR.value, "ab.json"),
+    atomic_files.write_json(os.path.join(_WORKDIR.value, "ab.json"),
                      {"variants": _VARIANTS.value, "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),
                       "load_average": os.getloadavg()[0], "peak_flops": peak, "peak_source": peak_source,
                       "device_kind": jax.devices()[0].device_kind, "jax_version": jax.__version__, "rows": rows,

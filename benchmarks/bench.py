@@ -11,7 +11,7 @@ Sections (--sections, comma-separated):
   peak     FLOP/s of one n^3 matmul in JAX and in torch (n = 1024 on the CPU, 8192 on a GPU); `peak_flops` is the
            best of both, before the steps and after every round of them: the ceiling every `*_peak_ratio` divides
            by (on a GPU also the datasheet bf16 peak: `*_mfu`).
-  step     one train step of the config's model: jaxlm's real jitted step (jaxlm.steps.jit_steps: loss, grads, clip,
+  step     one train step of the config's model: jaxlm's real jitted step (jaxlm.training.steps.jit_steps: loss, grads, clip,
            AdamW, non-finite skip, metrics) and torch's (forward, cross-entropy, backward, clip, AdamW). The
            frameworks take turns: --rounds rounds of --steps_per_round steps each, so a shared machine's load falls
            on all of them alike; each reports the median round. The tokens are fixed random ones (the step's time
@@ -27,7 +27,7 @@ Sections (--sections, comma-separated):
 
 Devices: on the CPU the bench uses ONE XLA device (unless XLA_FLAGS already sets a count) and both frameworks use
 every core: XLA's intra-op thread pool and torch.set_num_threads(os.cpu_count()). FLOPs are
-jaxlm.telemetry.flops_per_token (model FLOPs, the same formula for both frameworks).
+jaxlm.training.telemetry.flops_per_token (model FLOPs, the same formula for both frameworks).
 """
 
 from __future__ import annotations
@@ -64,10 +64,16 @@ import bench_torch  # noqa: E402
 from jaxlm import cli  # noqa: E402
 from jaxlm import config as config_lib  # noqa: E402
 from jaxlm import data as data_lib  # noqa: E402
-from jaxlm import files, measure, optim, sharding, telemetry  # noqa: E402
 from jaxlm import kernels as kernels_lib  # noqa: E402
 from jaxlm.models.gpt import GPT  # noqa: E402
-from jaxlm import steps as steps_lib  # noqa: E402
+from jaxlm.parallel import sharding
+from jaxlm.planner import check_against_runs
+from jaxlm.training import (
+  atomic_files,  # noqa: E402
+  optim,
+  telemetry,
+)
+from jaxlm.training import steps as steps_lib  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", "benchmarks/configs/bench_cpu.py", "model and batch to time",
                                           lock_config=True)
@@ -229,7 +235,7 @@ def step_section(config, platform: str, peak: float, datasheet_peak: float | Non
     # the whole machine was slow in than the ratio of the two medians.
     out[f"{ratio}_median_round"] = statistics.median(per_round)
     # Where that median could lie (order statistics, no assumption on the noise): [low, high] and its coverage.
-    low, high, coverage = measure.median_interval(per_round)
+    low, high, coverage = check_against_runs.median_interval(per_round)
     out[f"{ratio}_median_round_interval"] = [low, high]
     out[f"{ratio}_median_round_interval_coverage"] = round(coverage, 4)
     # The same in CPU-seconds per step, which other processes on the machine move less than wall time.
@@ -380,7 +386,7 @@ def main(argv):
     result.update(gpu_section(config))
   result["load_average_end"] = load_average()
   path = os.path.join(workdir, "bench.json")
-  files.write_json(path, result)
+  atomic_files.write_json(path, result)
   print_table(result)
   print(f"wrote {path}")
 

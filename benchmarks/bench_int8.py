@@ -2,7 +2,7 @@
 
   python benchmarks/bench_int8.py --batch=64 --seq=128 --out=runs/bench_int8.json     # CPU or one GPU
 
-Shapes are GPT-2 small's projections ([B*T, 768] x [768, 3072] and back) and one whole int8 MLP as jaxlm.int8 runs
+Shapes are GPT-2 small's projections ([B*T, 768] x [768, 3072] and back) and one whole int8 MLP as jaxlm.compress.int8 runs
 it (per-token input quantization, int32 accumulation, rescale). For every case: the best of --repeats wall times, the
 achieved TFLOP/s, and the compiled HLO's matmul instructions (a `dot` on the CPU; on GPUs a custom call such as
 `__cublas$gemm` / `__cublas$lt$matmul`, or a Triton fusion), so a report can name what XLA picked (int8 on GPUs through
@@ -28,7 +28,7 @@ def main(argv):
   import jax  # noqa: PLC0415
   import jax.numpy as jnp  # noqa: PLC0415
 
-  from jaxlm import int8  # noqa: PLC0415
+  from jaxlm.compress import int8  # noqa: PLC0415
 
   rows, d, f = _BATCH.value * _SEQ.value, 768, 3072
   key = jax.random.split(jax.random.key(0), 3)
@@ -44,7 +44,7 @@ def main(argv):
     return jnp.einsum("nf,fd->nd", jax.nn.gelu(jnp.einsum("nd,df->nf", x, a)), b)
 
   def mlp_int8(x, a, b):
-    h = int8._einsum("btd,df->btf", x[None], a)  # noqa: SLF001 (the path jaxlm.int8 intercepts into)
+    h = int8._einsum("btd,df->btf", x[None], a)  # noqa: SLF001 (the path jaxlm.compress.int8 intercepts into)
     return int8._einsum("btf,fd->btd", jax.nn.gelu(h), b)[0]  # noqa: SLF001
 
   cases = {

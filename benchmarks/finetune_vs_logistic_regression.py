@@ -79,10 +79,10 @@ def mean_pooled_features(minilm: str, texts: list[str]):
   import numpy as np  # noqa: PLC0415
   from flax import nnx  # noqa: PLC0415
 
-  from jaxlm import hf  # noqa: PLC0415
   from jaxlm.data import classification as cls_data  # noqa: PLC0415
+  from jaxlm.interop import hf_weights  # noqa: PLC0415
 
-  model = hf.from_pretrained(minilm)
+  model = hf_weights.from_pretrained(minilm)
   bert = getattr(model, "bert", model)
   graphdef, params = nnx.split(bert)
   limit = bert.config.max_seq_len

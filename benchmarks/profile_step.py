@@ -11,7 +11,7 @@ matmul (a dot, or a fusion / library call around one), attention (cuDNN), collec
 reduce, elementwise. On a GPU the events are the device's kernels, one stream, so they add up to about the step;
 kernels that belong to no instruction (cuBLAS, cuDNN) are counted under their own names. On the CPU they are XLA's
 thunks on its worker threads, which overlap, so the kinds add up to thread time; `wall_time_shares` then says how
-the wall time splits by what runs at once (jaxlm.measure.wall_time_shares).
+the wall time splits by what runs at once (jaxlm.planner.check_against_runs.wall_time_shares).
 """
 
 from __future__ import annotations
@@ -27,8 +27,10 @@ import jax
 from absl import flags, logging
 from ml_collections import config_flags
 
-from jaxlm import cli, files, hlo, measure
+from jaxlm import cli
 from jaxlm import config as config_lib
+from jaxlm.planner import check_against_runs, hlo_traffic
+from jaxlm.training import atomic_files
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file (model, batch, mesh)")
 _WORKDIR = flags.DEFINE_string("workdir", None, "where profile.json and the trace go")
@@ -62,12 +64,12 @@ def op_events(trace_dir: str, kinds: dict[str, str]) -> tuple[collections.Counte
       for event in line.events:
         stats = dict(event.stats) if hasattr(event, "stats") else {}
         # The `hlo_op` stat where the profiler sets one, else the event's (kernel's) own name.
-        name = next(filter(None, (hlo.event_instruction(str(n).lstrip("%"), kinds)
+        name = next(filter(None, (hlo_traffic.event_instruction(str(n).lstrip("%"), kinds)
                                   for n in (stats.get("hlo_op"), event.name) if n)), None)
         if name is None and device_planes:
           # A kernel with no HLO name (a cuBLAS/cuDNN kernel inside a CUDA graph): counted under its own name.
           name = str(event.name)[:100]
-          kinds.setdefault(name, hlo.library_kernel_kind(name))
+          kinds.setdefault(name, hlo_traffic.library_kernel_kind(name))
         # Loops and calls are left out: their events span the ops inside them, which are counted themselves.
         if name is not None and kinds[name] != "control":
           per_op[name] += event.duration_ns
@@ -93,9 +95,9 @@ def main(argv):
   config = config_lib.from_config_dict(_CONFIG.value)
   workdir = _WORKDIR.value
   os.makedirs(workdir, exist_ok=True)
-  compiled, state, batch, _ = measure.compiled_train_step(config)
+  compiled, state, batch, _ = check_against_runs.compiled_train_step(config)
   hlo_text = compiled.as_text()
-  kinds = hlo.instruction_kinds(hlo_text)
+  kinds = hlo_traffic.instruction_kinds(hlo_text)
   # The compiled module beside the profile, so that a top op's name (a fusion) can be read back to what it computes.
   with gzip.open(os.path.join(workdir, "step.hlo.txt.gz"), "wt") as f:
     f.write(hlo_text)
@@ -113,7 +115,7 @@ def main(argv):
     step_ms = (time.perf_counter() - started) / steps * 1e3
   per_op, intervals, contents = op_events(trace_dir, kinds)
   if not per_op:
-    files.write_json(os.path.join(workdir, "trace_contents.json"), contents)
+    atomic_files.write_json(os.path.join(workdir, "trace_contents.json"), contents)
     raise ValueError(f"the trace under {trace_dir} holds no events of the step's HLO ops (what it holds: "
                      f"{workdir}/trace_contents.json); is the profiler plugin for this backend installed?")
   by_kind: collections.Counter = collections.Counter()
@@ -121,15 +123,15 @@ def main(argv):
     by_kind[kinds[name]] += ns
   ms = lambda ns: ns / steps / 1e6
   top = per_op.most_common(_TOP.value)
-  summaries = hlo.instruction_summaries(hlo_text, [name for name, _ in top])
+  summaries = hlo_traffic.instruction_summaries(hlo_text, [name for name, _ in top])
   result = {
       "backend": jax.default_backend(), "device_kind": jax.devices()[0].device_kind, "steps": steps,
       "step_ms": step_ms, "op_ms_total": ms(sum(per_op.values())),
       "kinds_ms": {k: ms(v) for k, v in by_kind.most_common()},
-      "wall_time_shares": measure.wall_time_shares([(start, end, kinds[name]) for start, end, name in intervals]),
+      "wall_time_shares": check_against_runs.wall_time_shares([(start, end, kinds[name]) for start, end, name in intervals]),
       "top_ops": [{"op": name, "kind": kinds[name], "ms": ms(ns), **summaries.get(name, {})} for name, ns in top],
   }
-  files.write_json(os.path.join(workdir, "profile.json"), result)
+  atomic_files.write_json(os.path.join(workdir, "profile.json"), result)
   print(f"step {step_ms:.2f} ms wall; ops {result['op_ms_total']:.2f} ms per step "
         f"({'one device stream' if result['backend'] != 'cpu' else 'CPU thread time, threads overlap'})")
   for kind, value in result["kinds_ms"].items():

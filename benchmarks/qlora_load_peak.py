@@ -1,4 +1,4 @@
-"""Peak memory of a QLoRA run's start and merged export: the whole-tree path against jaxlm/lora_io.py's one leaf at a
+"""Peak memory of a QLoRA run's start and merged export: the whole-tree path against jaxlm/interop/streaming.py's one leaf at a
 time, each in a fresh process on the CPU (one device: device memory is host memory, so the peak RSS counts both).
 
   python benchmarks/qlora_load_peak.py --workdir=runs/qlora_load_peak                 # a ~270M Llama, NF4 base
@@ -6,11 +6,11 @@ time, each in a fresh process on the CPU (one device: device memory is host memo
 
 A random Llama is saved as an HF folder first (in its own process). Then, per path, a process builds the LoRA train
 state, loads the folder into its frozen base and writes the merged HF folder:
-  whole   lora.init_train_state (random base), lora.load_base (the float model from hf.from_pretrained, merged into
+  whole   lora.init_train_state (random base), lora.load_base (the float model from hf_weights.from_pretrained, merged into
           the dequantized state, quantized again), lora.merge of the whole tree + every tensor on the host, then one
           safetensors write (the code before lora_io)
   whole_load  the same from lora.init_train_state(empty_base=True): the whole-tree load and export alone
-  leaf    lora.init_train_state(empty_base=True), lora_io.hf_source + lora_io.load_base, lora_io.save_merged
+  leaf    lora.init_train_state(empty_base=True), streaming.hf_source + streaming.load_base, streaming.save_merged
 Each (with the same non-zero adapters) reports its peak RSS after each phase (getrusage's ru_maxrss); the two merged folders are then compared tensor
 by tensor (float32 rounding apart, they agree). Writes <workdir>/qlora_load_peak.json.
 """
@@ -53,31 +53,38 @@ def _whole_export(graphdef, params, folder: str) -> None:
   import numpy as np
   from flax import nnx
   from safetensors.numpy import save_file
-  from jaxlm import hf, lora
+
+  from jaxlm.adapters import lora
+  from jaxlm.interop import hf_weights
   model = nnx.merge(graphdef, lora.merge(params))
-  host = {k: hf._to_host(v) for k, v in lora._flat(nnx.state(model, nnx.Param).to_pure_dict()).items()}
+  host = {k: hf_weights._to_host(v) for k, v in lora._flat(nnx.state(model, nnx.Param).to_pure_dict()).items()}
   tensors = {}
-  for hf_prefix, jax_prefix, rule in hf._rules(model)[0]:
+  for hf_prefix, jax_prefix, rule in hf_weights._rules(model)[0]:
     arrays = [host[jax_prefix + p] for p in rule.jax]
     for i in range(model.config.num_layers) if rule.per_layer else [None]:
-      out = hf._to_hf(rule, [a[i] for a in arrays] if rule.per_layer else arrays)
+      out = hf_weights._to_hf(rule, [a[i] for a in arrays] if rule.per_layer else arrays)
       tensors[hf_prefix + rule.hf.format(i=i)] = np.ascontiguousarray(out)
   os.makedirs(folder, exist_ok=True)
-  save_file(tensors, os.path.join(folder, hf.WEIGHTS), metadata={"format": "pt"})
+  save_file(tensors, os.path.join(folder, hf_weights.WEIGHTS), metadata={"format": "pt"})
 
 
 def _run(mode: str) -> dict:
   import jax
   from flax import nnx
-  from jaxlm import hf, instruct, lora, lora_io, optim, sharding
+
+  from jaxlm.adapters import lora
   from jaxlm.config import LoRAConfig, MeshConfig, TrainConfig
+  from jaxlm.interop import hf_weights, streaming
   from jaxlm.kernels import Kernels
   from jaxlm.models.gpt import GPT
+  from jaxlm.parallel import sharding
+  from jaxlm.recipes import instruction_tuning
+  from jaxlm.training import optim
   model_config, folder = _model_config(), os.path.join(FLAGS.workdir, "base")
   make = lambda rngs: GPT(model_config, kernels=Kernels(), rngs=rngs)
   if mode == "prepare":
     params = jax.jit(lambda: nnx.split(make(nnx.Rngs(7)))[1])()  # one compile
-    hf.save_pretrained(nnx.merge(nnx.graphdef(nnx.eval_shape(lambda: make(nnx.Rngs(0)))), params), folder)
+    hf_weights.save_pretrained(nnx.merge(nnx.graphdef(nnx.eval_shape(lambda: make(nnx.Rngs(0)))), params), folder)
     return {}
   peaks = {"start": _peak_mib()}
   graphdef, abstract = nnx.split(nnx.eval_shape(lambda: make(nnx.Rngs(0))))
@@ -90,12 +97,12 @@ def _run(mode: str) -> dict:
   jax.block_until_ready(state)
   peaks["init"] = _peak_mib()
   if mode != "leaf":
-    full = nnx.state(hf.from_pretrained(folder), nnx.Param).to_pure_dict()
+    full = nnx.state(hf_weights.from_pretrained(folder), nnx.Param).to_pure_dict()
     state, _ = lora.load_base(state, shardings, lora_config, make, mesh, lambda p, s: (
-        instruct.place_params(full, p, s, folder), None))
+        instruction_tuning.place_params(full, p, s, folder), None))
     del full
   else:
-    state, _ = lora_io.load_base(state, shardings, lora_config, make, mesh, lora_io.hf_source(folder)[1], folder)
+    state, _ = streaming.load_base(state, shardings, lora_config, make, mesh, streaming.hf_source(folder)[1], folder)
   jax.block_until_ready(state)
   peaks["load"] = _peak_mib()
   # Trained-looking adapters (B not zero), the same in every process.
@@ -103,7 +110,7 @@ def _run(mode: str) -> dict:
       state["params"])
   params = lora.combine(trainable, state["frozen"])
   out = os.path.join(FLAGS.workdir, f"merged_{mode}")
-  (lora_io.save_merged if mode == "leaf" else _whole_export)(graphdef, params, out)
+  (streaming.save_merged if mode == "leaf" else _whole_export)(graphdef, params, out)
   peaks["export"] = _peak_mib()
   return {"peak_rss_mib": peaks, "seconds": time.time() - started,
           "frozen_base_mib": lora.per_device_bytes(state["frozen"]) / MiB}
@@ -139,7 +146,8 @@ def main(argv):
   del results["prepare"]
   import numpy as np
   from flax import nnx
-  from jaxlm import lora
+
+  from jaxlm.adapters import lora
   from jaxlm.models.gpt import GPT
   abstract = nnx.split(nnx.eval_shape(lambda: GPT(_model_config(), rngs=nnx.Rngs(0))))[1]
   leaves = [x for x in lora._flat(abstract.to_pure_dict()).values()]

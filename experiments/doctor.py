@@ -3,8 +3,8 @@
   python experiments/doctor.py                      # prints a report
   python experiments/doctor.py --workdir=runs/doctor   # also writes runs/doctor/doctor.json
 
-The measured matmul rate over the device's datasheet bf16 peak (jaxlm.telemetry.PEAK_FLOPS_BF16) is the
-`matmul_efficiency` to put in your jaxlm/hardware.json profile; the softmax stream rate is what the planner's memory
+The measured matmul rate over the device's datasheet bf16 peak (jaxlm.training.telemetry.PEAK_FLOPS_BF16) is the
+`matmul_efficiency` to put in your jaxlm/planner/hardware.json profile; the softmax stream rate is what the planner's memory
 term runs at. Takes a few seconds on a GPU, about 10 s on a 2-core CPU.
 """
 
@@ -20,7 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 from absl import flags
 
-from jaxlm import cli, measure, telemetry
+from jaxlm import cli
+from jaxlm.planner import check_against_runs
+from jaxlm.training import telemetry
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "if given, doctor.json is written here")
 _MATMUL_SIZE = flags.DEFINE_integer("matmul_size", 0, "n of the n x n x n matmul; 0 = 1024 on CPU, 8192 elsewhere")
@@ -77,7 +79,7 @@ def main(argv):
     except Exception as e:  # noqa: BLE001
       rates[dtype] = f"failed: {type(e).__name__}"
   report[f"matmul_flops_{n}^3"] = rates
-  report["softmax_stream_bytes_per_sec"] = measure.measure_stream_bandwidth(device=device)
+  report["softmax_stream_bytes_per_sec"] = check_against_runs.measure_stream_bandwidth(device=device)
   peak = telemetry.lookup_peak_flops(device.device_kind) if device.platform != "cpu" else None
   if peak and isinstance(rates["bfloat16"], float):
     report["datasheet_bf16_peak"] = {"table_key": peak[0], "flops": peak[1]}
@@ -97,7 +99,7 @@ def main(argv):
   print(f"softmax stream: {report['softmax_stream_bytes_per_sec'] / 1e9:.1f} GB/s")
   if "matmul_efficiency" in report:
     print(f"bf16 matmul at {100 * report['matmul_efficiency']:.0f}% of the {peak[0]!r} datasheet peak "
-          f"({peak[1] / 1e12:.0f} TFLOP/s): use it as matmul_efficiency in jaxlm/hardware.json")
+          f"({peak[1] / 1e12:.0f} TFLOP/s): use it as matmul_efficiency in jaxlm/planner/hardware.json")
   if _WORKDIR.value:
     os.makedirs(_WORKDIR.value, exist_ok=True)
     with open(os.path.join(_WORKDIR.value, "doctor.json"), "w") as f:

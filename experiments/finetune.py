@@ -7,8 +7,8 @@ Llama decoder on prompt/response pairs (model.flavour=gpt2 or llama: instruction
       --config.init_from=path/to/hf_gpt2_folder --config.data.train_files=pairs.jsonl
 
 Writes metrics.jsonl, TensorBoard events, checkpoints/, eval.json and report.md into --workdir (a classifier also
-best_model/, a decoder hf_model/, both HF folders); re-running with the same --workdir resumes. See jaxlm/finetune.py
-and jaxlm/instruct.py for what each file holds.
+best_model/, a decoder hf_model/, both HF folders); re-running with the same --workdir resumes. See jaxlm/recipes/classifier_finetuning.py
+and jaxlm/recipes/instruction_tuning.py for what each file holds.
 """
 
 from absl import flags, logging
@@ -16,7 +16,8 @@ from ml_collections import config_flags
 
 from jaxlm import cli
 from jaxlm import config as config_lib
-from jaxlm import distributed, finetune, instruct
+from jaxlm.parallel import distributed
+from jaxlm.recipes import classifier_finetuning, instruction_tuning
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file (experiments/configs/*.py)",
                                           lock_config=True)
@@ -31,7 +32,7 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint step at INFO
   config = config_lib.from_config_dict(_CONFIG.value)
   distributed.initialize()
-  tune = finetune.finetune if config.model.flavour == "bert" else instruct.instruction_tune
+  tune = classifier_finetuning.finetune if config.model.flavour == "bert" else instruction_tuning.instruction_tune
   result = tune(config, _WORKDIR.value, stop_at_step=_STOP_AT_STEP.value)
   if "preempted_at_step" in result:
     print(f"stopped by a signal after step {result['preempted_at_step']} (checkpoint saved); "

@@ -10,7 +10,7 @@ end-of-document token. --kv_cache=int8 keeps the cache in int8 and also generate
 to report how many generated tokens agree (`kv_cache_token_agreement`: the shared prefix of each pair of samples,
 over all float-cache tokens; `kv_cache_teacher_forced_argmax_agreement`: on the float cache's tokens, how often the
 int8 cache's logits pick the same next token; `kv_cache_max_logit_gap_relative`) and the bytes saved.
---weights=weight_only or w8a8_dynamic generates with int8 weights (jaxlm.quant), with either cache.
+--weights=weight_only or w8a8_dynamic generates with int8 weights (jaxlm.compress.quantization), with either cache.
 Runtime: about 15 s for the demo model on a 2-core CPU (mostly start-up and compilation); --kv_cache=int8 adds the
 float run and the comparison.
 """
@@ -24,8 +24,10 @@ import os
 import jax
 from absl import flags, logging
 
+from jaxlm import cli
 from jaxlm import data as data_lib
-from jaxlm import cli, generate, runs
+from jaxlm.inference import generate
+from jaxlm.recipes import trained_runs
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "training run folder (config.json, tokenizer.json, checkpoints/)")
 _PROMPT = flags.DEFINE_multi_string("prompt", ["def "], "prompt text; repeat the flag for a batch of prompts")
@@ -37,13 +39,13 @@ _SEED = flags.DEFINE_integer("seed", 0, "sampling seed")
 _TENSOR = flags.DEFINE_integer("mesh_tensor", 1, "devices that split heads (the other devices split the batch)")
 _KV_CACHE = flags.DEFINE_enum("kv_cache", "float", list(generate.KV_CACHES),
                               "KV cache: float (the compute dtype) or int8 (per-token scales; compared with float)")
-_WEIGHTS = flags.DEFINE_enum("weights", "float", list(runs.WEIGHTS),
-                             "float (as trained) or int8 weights (jaxlm.quant's weight_only or w8a8_dynamic)")
+_WEIGHTS = flags.DEFINE_enum("weights", "float", list(trained_runs.WEIGHTS),
+                             "float (as trained) or int8 weights (jaxlm.compress.quantization's weight_only or w8a8_dynamic)")
 _OUTPUT = flags.DEFINE_string("output", "", "JSON file for the samples (default <workdir>/generate.json)")
 flags.mark_flags_as_required(["workdir"])
 
 
-load_run = runs.load_decoder_run  # (config, graphdef, params, tokenizer, step) of a run's newest checkpoint
+load_run = trained_runs.load_decoder_run  # (config, graphdef, params, tokenizer, step) of a run's newest checkpoint
 
 
 def shared_prefix(a: list[int], b: list[int]) -> int:
@@ -82,7 +84,7 @@ def main(argv):
   del argv  # flags only: cli.run refuses positional arguments
   logging.set_verbosity(logging.WARNING)
   config, graphdef, params, tokenizer, step = load_run(_WORKDIR.value, _TENSOR.value)
-  graphdef, params = runs.with_weights(graphdef, params, _WEIGHTS.value)
+  graphdef, params = trained_runs.with_weights(graphdef, params, _WEIGHTS.value)
   eos = data_lib.eos_id(tokenizer)
   prompts = [tokenizer.encode(p).ids or [eos] for p in _PROMPT.value]
   limit = config.model.max_seq_len if config.model.flavour == "gpt2" else None

@@ -5,10 +5,10 @@
       --tasks=stdlib_next_line,stdlib_line_completion,stdlib_perplexity --weights=weight_only --kv_cache=int8
 
 Reads the run like experiments/generate.py (config.json, tokenizer.json, the newest checkpoint), wraps the decoder
-as an lm-eval model (jaxlm.harness.JaxlmLM: loglikelihood, rolling loglikelihood, generate_until through the KV
+as an lm-eval model (jaxlm.interop.lm_eval_model.JaxlmLM: loglikelihood, rolling loglikelihood, generate_until through the KV
 cache, batched, on this host's devices) and runs `--tasks` (lm-eval task, group or tag names; `--include_path`
 folders of task YAMLs come first). Writes <workdir>/lm_eval.json (flat `<task>/<metric>` numbers with the settings)
-and prints lm-eval's table. `--weights` evaluates the int8 model (jaxlm.quant) instead of the float one; pruned or
+and prints lm-eval's table. `--weights` evaluates the int8 model (jaxlm.compress.quantization) instead of the float one; pruned or
 int8 checkpoints saved by experiments/optimize.py are scored from optimize.py itself (`--lm_eval_tasks`).
 
 Without a network, use tasks defined from local files (dataset_path: json with dataset_kwargs.data_files); a task
@@ -29,7 +29,10 @@ import sys
 import jax
 from absl import flags, logging
 
-from jaxlm import cli, files, generate, runs
+from jaxlm import cli
+from jaxlm.inference import generate
+from jaxlm.recipes import trained_runs
+from jaxlm.training import atomic_files
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "training run folder (config.json, tokenizer.json, checkpoints/)")
 _TASKS = flags.DEFINE_list("tasks", [], "lm-eval task, group or tag names")
@@ -38,8 +41,8 @@ _LIMIT = flags.DEFINE_integer("limit", 0, "documents per task (0 = all)")
 _FEWSHOT = flags.DEFINE_integer("num_fewshot", -1, "few-shot examples per prompt (-1 = the task's default)")
 _BATCH = flags.DEFINE_integer("batch_size", 8, "requests per forward / generation batch")
 _KV_CACHE = flags.DEFINE_enum("kv_cache", "float", list(generate.KV_CACHES), "generate_until's KV cache")
-_WEIGHTS = flags.DEFINE_enum("weights", "float", list(runs.WEIGHTS),
-                             "float (as trained) or int8 weights (jaxlm.quant's weight_only or w8a8_dynamic)")
+_WEIGHTS = flags.DEFINE_enum("weights", "float", list(trained_runs.WEIGHTS),
+                             "float (as trained) or int8 weights (jaxlm.compress.quantization's weight_only or w8a8_dynamic)")
 _TENSOR = flags.DEFINE_integer("mesh_tensor", 1, "devices that split heads (the other devices split the batch)")
 _BOOTSTRAP = flags.DEFINE_integer("bootstrap_iters", 1000, "lm-eval's bootstrap resamples for the standard errors "
                                   "of non-mean metrics (perplexities); 0 = none")
@@ -109,8 +112,8 @@ def write_demo_tasks(workdir: str, folder: str, max_examples: int = 200) -> list
   }
   for name, rows in data.items():
     data_file = os.path.abspath(os.path.join(folder, f"{name}.jsonl"))
-    files.write_text(data_file, "".join(json.dumps(row) + "\n" for row in rows))
-    files.write_text(os.path.join(folder, f"{name}.yaml"), (
+    atomic_files.write_text(data_file, "".join(json.dumps(row) + "\n" for row in rows))
+    atomic_files.write_text(os.path.join(folder, f"{name}.yaml"), (
         f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {json.dumps(data_file)}\n"
         f"test_split: test\n{bodies[name]}metadata:\n  version: 1.0\n"))
   print(f"wrote {', '.join(f'{n} ({len(r)} examples)' for n, r in data.items())} to {folder}")
@@ -125,14 +128,14 @@ def main(argv):
     return
   if not _TASKS.value:
     raise ValueError("--tasks is empty; name lm-eval tasks (e.g. --tasks=stdlib_next_line with --include_path)")
-  from jaxlm import harness  # noqa: PLC0415 (needs the optional lm-eval)
+  from jaxlm.interop import lm_eval_model  # noqa: PLC0415 (needs the optional lm-eval)
 
-  manager = harness.task_manager(_TASKS.value, _INCLUDE.value)  # bad task names fail before the model loads
-  harness.check_offline(manager, _TASKS.value)
-  _, graphdef, params, tokenizer, step = runs.load_decoder_run(_WORKDIR.value, _TENSOR.value)
-  graphdef, params = runs.with_weights(graphdef, params, _WEIGHTS.value)
-  lm = harness.JaxlmLM(graphdef, params, tokenizer, batch_size=_BATCH.value, kv_cache=_KV_CACHE.value)
-  results = harness.evaluate(lm, _TASKS.value, include_path=_INCLUDE.value, limit=_LIMIT.value or None,
+  manager = lm_eval_model.task_manager(_TASKS.value, _INCLUDE.value)  # bad task names fail before the model loads
+  lm_eval_model.check_offline(manager, _TASKS.value)
+  _, graphdef, params, tokenizer, step = trained_runs.load_decoder_run(_WORKDIR.value, _TENSOR.value)
+  graphdef, params = trained_runs.with_weights(graphdef, params, _WEIGHTS.value)
+  lm = lm_eval_model.JaxlmLM(graphdef, params, tokenizer, batch_size=_BATCH.value, kv_cache=_KV_CACHE.value)
+  results = lm_eval_model.evaluate(lm, _TASKS.value, include_path=_INCLUDE.value, limit=_LIMIT.value or None,
                              num_fewshot=None if _FEWSHOT.value < 0 else _FEWSHOT.value,
                              bootstrap_iters=_BOOTSTRAP.value, manager=manager)
   from lm_eval.utils import make_table  # noqa: PLC0415
@@ -142,8 +145,8 @@ def main(argv):
           "kv_cache": _KV_CACHE.value, "limit": _LIMIT.value, "num_fewshot": _FEWSHOT.value,
           "command": "python experiments/lm_eval.py " + " ".join(sys.argv[1:]),
           "device_kind": jax.devices()[0].device_kind, "devices": jax.device_count()}
-  flat.update(harness.flat_metrics(results))
-  files.write_json_on_process_0(_OUTPUT.value or os.path.join(_WORKDIR.value, "lm_eval.json"), flat)
+  flat.update(lm_eval_model.flat_metrics(results))
+  atomic_files.write_json_on_process_0(_OUTPUT.value or os.path.join(_WORKDIR.value, "lm_eval.json"), flat)
 
 
 if __name__ == "__main__":

@@ -56,7 +56,7 @@ _KEEP = flags.DEFINE_bool("keep_checkpoints", False, "keep <workdir>/optimize/<v
 _SMOOTHING = flags.DEFINE_float("smoothing", 0.5, "SmoothQuant strength (alpha, in [0, 1]) of the smooth variants")
 _SPARSITY = flags.DEFINE_float("sparsity", 0.5, "fraction of weights the unstructured pruning variants zero")
 _LM_EVAL_TASKS = flags.DEFINE_list("lm_eval_tasks", [], "LM runs: lm-eval tasks scored for every variant "
-                                   "(jaxlm.harness; columns lm_eval/<task>/<metric>)")
+                                   "(jaxlm.interop.lm_eval_model; columns lm_eval/<task>/<metric>)")
 _LM_EVAL_INCLUDE = flags.DEFINE_multi_string("lm_eval_include_path", [], "folder of lm-eval task YAMLs")
 _LM_EVAL_LIMIT = flags.DEFINE_integer("lm_eval_limit", 0, "documents per lm-eval task (0 = all)")
 _VARIANTS = flags.DEFINE_list("variants", [], "variants to measure, as named in optimize.json (e.g. "
@@ -106,7 +106,8 @@ def variants(task):
   import jax.numpy as jnp  # noqa: PLC0415
   from flax import nnx  # noqa: PLC0415
 
-  from jaxlm import optim, prune, quant, quant_io  # noqa: PLC0415
+  from jaxlm.compress import checkpoint_files, prune, quantization
+  from jaxlm.training import optim  # noqa: PLC0415
 
   def bf16():
     config = dataclasses.replace(task.model_config, param_dtype="bfloat16", compute_dtype="bfloat16")
@@ -131,7 +132,7 @@ def variants(task):
         model = prune.apply_masks(task.model, masks)
       before = {}
       if _PRUNE_STEPS.value:
-        before = {f"{k}_before_finetune": v for k, v in task.evaluate(quant_io.place(model, task.mesh)).items()
+        before = {f"{k}_before_finetune": v for k, v in task.evaluate(checkpoint_files.place(model, task.mesh)).items()
                   if k in ("perplexity", "loss", "accuracy", "f1_macro")}
         graphdef, state = nnx.split(model)
         params = prune.finetune_soup(graphdef, state.to_pure_dict(), masks, task.loss_fn(graphdef),
@@ -169,17 +170,17 @@ def variants(task):
       reconstructs=True)
   sparsegpt_unstructured = cached("sparsegpt", sparsegpt("unstructured"))
   sparsegpt_two_four = cached("2:4 sparsegpt", sparsegpt("2:4"))
-  int8_on = lambda build: lambda: (quant.quantize(build()[0], "weight_only"), {})  # noqa: E731
+  int8_on = lambda build: lambda: (quantization.quantize(build()[0], "weight_only"), {})  # noqa: E731
   float_only = lambda build: lambda: (build(), {})  # noqa: E731
   builds = [
       ("fp32", float_only(lambda: task.model)),
       ("bf16", float_only(bf16)),
-      ("int8 weight-only", float_only(lambda: quant.quantize(task.model, "weight_only"))),
-      ("int8 W8A8", float_only(lambda: quant.quantize(task.model, "w8a8", **calibrated))),
-      ("int8 W8A8 dynamic", float_only(lambda: quant.quantize(task.model, "w8a8_dynamic"))),
-      ("int8 W8A8 smooth", float_only(lambda: quant.quantize(task.model, "w8a8", smoothing=smoothing, **calibrated))),
+      ("int8 weight-only", float_only(lambda: quantization.quantize(task.model, "weight_only"))),
+      ("int8 W8A8", float_only(lambda: quantization.quantize(task.model, "w8a8", **calibrated))),
+      ("int8 W8A8 dynamic", float_only(lambda: quantization.quantize(task.model, "w8a8_dynamic"))),
+      ("int8 W8A8 smooth", float_only(lambda: quantization.quantize(task.model, "w8a8", smoothing=smoothing, **calibrated))),
       ("int8 W8A8 smooth dynamic",
-       float_only(lambda: quant.quantize(task.model, "w8a8_dynamic", smoothing=smoothing, **calibrated))),
+       float_only(lambda: quantization.quantize(task.model, "w8a8_dynamic", smoothing=smoothing, **calibrated))),
       # The control: the same fine-tune with nothing pruned, what the steps alone lift the model by.
       ("fp32 fine-tuned", cached("dense", pruned(lambda m: prune.magnitude_masks(m, 0.0, per_layer=True)))),
       ("50% magnitude", magnitude),
@@ -215,21 +216,23 @@ def selected_names(names: list[str], sparsity: float = 0.5) -> set[str]:
 def measure(task, name: str, model, out_dir: str, extra: dict | None = None, reference: dict | None = None
             ) -> dict:
   """One variant's row. A classifier's first row (fp32) leaves its predictions in `reference`; later rows get their
-  prediction flips and the 95% interval of their change vs fp32 from them (jaxlm.evaluate.paired_change)."""
+  prediction flips and the 95% interval of their change vs fp32 from them (jaxlm.training.metrics.paired_change)."""
   import jax  # noqa: PLC0415
   from flax import nnx  # noqa: PLC0415
 
-  from jaxlm import evaluate, prune, quant, quant_io, telemetry  # noqa: PLC0415
-  from jaxlm.runs import PREDICTIONS  # noqa: PLC0415
+  from jaxlm.compress import checkpoint_files, prune, quantization
+  from jaxlm.recipes.trained_runs import PREDICTIONS  # noqa: PLC0415
+  from jaxlm.training import metrics as metrics_lib  # noqa: PLC0415
+  from jaxlm.training import telemetry
 
-  model = quant_io.place(model, task.mesh)
+  model = checkpoint_files.place(model, task.mesh)
   row = dict(task.evaluate(model))
   if PREDICTIONS in row and reference is not None:
     labels, predictions, classes = row.pop(PREDICTIONS)
     if PREDICTIONS not in reference:
       reference[PREDICTIONS] = predictions
     else:
-      change = evaluate.paired_change(labels, reference[PREDICTIONS], predictions, classes)
+      change = metrics_lib.paired_change(labels, reference[PREDICTIONS], predictions, classes)
       row["flips_vs_fp32"] = change.pop("flips")
       row.update({k.replace("_change_", "_change_points_"): 100 * v for k, v in change.items()})
   row.pop(PREDICTIONS, None)
@@ -242,24 +245,25 @@ def measure(task, name: str, model, out_dir: str, extra: dict | None = None, ref
   latency = telemetry.best_seconds(run, params, batch, repeats=_REPEATS.value, warmup=2)
   row["latency_ms"] = latency * 1e3
   row[f"{task.unit}_per_sec"] = task.items_per_batch / latency
-  row["param_bytes"] = quant.param_bytes(params.to_pure_dict())
+  row["param_bytes"] = quantization.param_bytes(params.to_pure_dict())
   folder = os.path.join(out_dir, name.replace(" ", "_").replace("%", "pct").replace(":", "of").replace("+", "plus"))
   if os.path.exists(folder):
     shutil.rmtree(folder)
-  quant_io.save(model, folder)
-  row["checkpoint_bytes"] = quant_io.directory_bytes(folder)
-  row["mode"] = quant.mode_of(model)
+  checkpoint_files.save(model, folder)
+  row["checkpoint_bytes"] = checkpoint_files.directory_bytes(folder)
+  row["mode"] = quantization.mode_of(model)
   if row["mode"] == "float":
     row["sparsity"] = prune.weight_sparsity(model)
   return row
 
 
 def lm_eval_metrics(model) -> dict:
-  """This variant's downstream metrics on --lm_eval_tasks (jaxlm.harness), keyed lm_eval/<task>/<metric>."""
-  from jaxlm import data as data_lib, harness  # noqa: PLC0415
+  """This variant's downstream metrics on --lm_eval_tasks (jaxlm.interop.lm_eval_model), keyed lm_eval/<task>/<metric>."""
+  from jaxlm import data as data_lib  # noqa: PLC0415
+  from jaxlm.interop import lm_eval_model
 
   tokenizer = data_lib.load_tokenizer(os.path.join(_WORKDIR.value, "tokenizer.json"))
-  metrics = harness.task_metrics(model, tokenizer, _LM_EVAL_TASKS.value, include_path=_LM_EVAL_INCLUDE.value,
+  metrics = lm_eval_model.task_metrics(model, tokenizer, _LM_EVAL_TASKS.value, include_path=_LM_EVAL_INCLUDE.value,
                                  limit=_LM_EVAL_LIMIT.value or None)
   return {f"lm_eval/{key}": value for key, value in metrics.items()}
 
@@ -279,19 +283,19 @@ def main(argv):
   if _LM_EVAL_TASKS.value:  # before the variants run: a classifier run, an unknown task or one needing a download
     if config.model.flavour == "bert":
       raise ValueError(f"--lm_eval_tasks scores decoders; {workdir} is a classifier run (model.flavour=bert)")
-    from jaxlm import harness  # noqa: PLC0415 (the optional lm-eval)
-    harness.check_offline(harness.task_manager(_LM_EVAL_TASKS.value, _LM_EVAL_INCLUDE.value), _LM_EVAL_TASKS.value)
-  from jaxlm import runs  # noqa: PLC0415
+    from jaxlm.interop import lm_eval_model  # noqa: PLC0415 (the optional lm-eval)
+    lm_eval_model.check_offline(lm_eval_model.task_manager(_LM_EVAL_TASKS.value, _LM_EVAL_INCLUDE.value), _LM_EVAL_TASKS.value)
+  from jaxlm.recipes import trained_runs  # noqa: PLC0415
   data = dict(calibration_batches=_CALIBRATION.value, finetune_steps=_PRUNE_STEPS.value,
               finetune_orders=_PRUNE_SOUP.value)
   if config.model.flavour == "bert":
-    task = runs.classifier_task(workdir, config, finetune_seed=_PRUNE_SEED.value, distill_files=tuple(_DISTILL.value),
+    task = trained_runs.classifier_task(workdir, config, finetune_seed=_PRUNE_SEED.value, distill_files=tuple(_DISTILL.value),
                                 distill_temperature=_DISTILL_T.value, **data)
   elif _DISTILL.value:
     raise ValueError(f"--prune_distill_files is for classifier runs; {workdir} is an LM run, whose masked fine-tune "
                      "already trains on unlabelled text (its own)")
   else:
-    task = runs.lm_task(workdir, config, max_eval_batches=_MAX_EVAL.value, **data)
+    task = trained_runs.lm_task(workdir, config, max_eval_batches=_MAX_EVAL.value, **data)
   out_dir = os.path.join(workdir, "optimize")
   rows, reference = {}, {}
   for name, build in variants(task):
@@ -305,7 +309,7 @@ def main(argv):
   if not _KEEP.value:
     shutil.rmtree(out_dir, ignore_errors=True)
   command = "python experiments/optimize.py " + " ".join(a for a in __import__("sys").argv[1:])
-  from jaxlm import report  # noqa: PLC0415
+  from jaxlm.training import report  # noqa: PLC0415
   print(report.write_optimization(workdir, rows, kind=task.kind, unit=task.unit, items_per_batch=task.items_per_batch,
                                   repeats=_REPEATS.value, command=command))
 

@@ -4,7 +4,7 @@
       --workdir=runs/plan_gpt2
 
 For every layout of 1, 2, 4 and 8 devices (data x fsdp x tensor, and pipelines of each mesh.pipeline_schedule over
-data x fsdp) on every --hardware profile (jaxlm/hardware.json, or --hardware_file), in the compute dtype the
+data x fsdp) on every --hardware profile (jaxlm/planner/hardware.json, or --hardware_file), in the compute dtype the
 profile has (bf16 becomes fp16 on a V100 or T4, with a warning), it predicts the per-device memory of each
 accumulation split (no compile), picks the split that fits (the fewest micro-batches; for a pipeline the fastest),
 and predicts step time, MFU, wall time and cost for the token budget (hours and kWh on owned hardware), with the
@@ -12,7 +12,7 @@ kernels the run would use on that profile's platform (config.kernels, `auto` res
 (lora.rank > 0) get the bytes of the frozen base, adapters, optimizer state and activations. It prints, per profile
 and device count, which layout wins and why. It then compiles the train step on simulated CPU devices for each
 profile's recommended layout and the one-device mesh (kernels that cannot run on a CPU as their stand-ins;
-pipelines through jaxlm/pipeline.py's step), and reports the compiled memory and the collective bytes read from the
+pipelines through jaxlm/training/pipeline.py's step), and reports the compiled memory and the collective bytes read from the
 HLO beside the prediction. Writes <workdir>/plan.json, plan.md (the table) and plan.png. Needs no accelerator.
 
 --measure also runs the train step here (as configured, on this machine's devices) and compares the predicted step
@@ -33,7 +33,8 @@ from ml_collections import config_flags  # noqa: E402
 
 from jaxlm import cli  # noqa: E402
 from jaxlm import config as config_lib  # noqa: E402
-from jaxlm import files, measure, plan  # noqa: E402
+from jaxlm.planner import check_against_runs, plan
+from jaxlm.training import atomic_files  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "where plan.json, plan.md and plan.png go")
@@ -143,7 +144,7 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)
   config = config_lib.from_config_dict(_CONFIG.value)
   if config.model.flavour == "bert":
-    raise ValueError("model.flavour=bert: the planner plans the decoder train step (jaxlm.train); plan a gpt2 or "
+    raise ValueError("model.flavour=bert: the planner plans the decoder train step (jaxlm.training.loop); plan a gpt2 or "
                      "llama config")
   hardware = plan.load_hardware(_HARDWARE.value, _HARDWARE_FILE.value)
   counts = [int(n) for n in _DEVICES.value]
@@ -213,7 +214,7 @@ def main(argv):
   if _MEASURE.value:
     measure_profile = plan.load_hardware([_MEASURE_HARDWARE.value], _HARDWARE_FILE.value)[0] \
         if _MEASURE_HARDWARE.value else None
-    check = measure.check_step_prediction(config, jax.devices(), measure_profile)
+    check = check_against_runs.check_step_prediction(config, jax.devices(), measure_profile)
     summary.update({f"measure/{k}": v for k, v in check.items() if not isinstance(v, dict)})
     summary.update({f"measure/predicted_{k}": v for k, v in check["predicted"].items()})
     summary["measure/hardware"] = check["hardware"]["description"]
@@ -227,11 +228,11 @@ def main(argv):
     flat = {k: v for k, v in r.items() if k != "memory_parts_gib"}
     flat.update({f"memory_{k}_gib": v for k, v in r["memory_parts_gib"].items()})
     flat_rows.append(flat)
-  files.write_json(os.path.join(_WORKDIR.value, "plan.json"), {**summary, "rows": flat_rows})
+  atomic_files.write_json(os.path.join(_WORKDIR.value, "plan.json"), {**summary, "rows": flat_rows})
   table = format_table(rows)
   kernels = "".join(f"\n- {name}: {summary[f'{name}/kernels']}" for name in (p.name for p in hardware)
                     if f"{name}/kernels" in summary)
-  files.write_text(os.path.join(_WORKDIR.value, "plan.md"),
+  atomic_files.write_text(os.path.join(_WORKDIR.value, "plan.md"),
                    f"# Plan for {config.model.flavour} d{config.model.d_model} x {config.model.num_layers} layers, "
                    f"batch {config.train.batch_size} x {config.data.seq_len}, {assumptions.tokens:.3g} tokens\n\n"
                    f"{table}\n\nKernels of each recommended mesh (config.kernels resolved for the hardware):"

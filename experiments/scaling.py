@@ -4,7 +4,7 @@
     python experiments/scaling.py --config=experiments/configs/demo.py --workdir=runs/scaling
 
 For each (strategy, device count) it compiles the train step, reads the per-device memory from the compiled
-executable and the bytes each device sends through collectives from its HLO (jaxlm/hlo.py), compares those bytes
+executable and the bytes each device sends through collectives from its HLO (jaxlm/planner/hlo_traffic.py), compares those bytes
 with the minimum the strategy needs, and times a few steps. Writes `scaling.json` and `scaling.png`. Pipeline rows
 (`pp_*`, mesh.pipeline = stages) run train.grad_accum = --pipeline_microbatches and report the schedule's bubble.
 On simulated CPU devices all "devices" share the same cores, so tokens/s shows overheads, not speed-up; run it on
@@ -22,9 +22,11 @@ from ml_collections import config_flags
 
 from jaxlm import cli
 from jaxlm import config as config_lib
-from jaxlm import hlo, optim, pipeline, plan, sharding
-from jaxlm import measure as measure_lib
-from jaxlm import steps as steps_lib
+from jaxlm.parallel import sharding
+from jaxlm.planner import check_against_runs as measure_lib
+from jaxlm.planner import hlo_traffic, plan
+from jaxlm.training import optim, pipeline
+from jaxlm.training import steps as steps_lib
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "where scaling.json and scaling.png go")
@@ -101,7 +103,7 @@ def measure(config, strategy: str, num_devices: int) -> dict:
   b, t = config.train.batch_size, config.data.seq_len
   batch = measure_lib.synthetic_batch(b, t, config.model.vocab_size, mesh)
   compiled = train_step.lower(state, batch).compile()
-  traffic = hlo.collective_bytes(compiled.as_text(), num_devices)
+  traffic = hlo_traffic.collective_bytes(compiled.as_text(), num_devices)
   param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state["params"]))
   state, metrics = train_step(state, batch)
   jax.block_until_ready(metrics)

@@ -33,7 +33,8 @@ from typing import Any
 from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # jaxlm from a checkout, too
-from jaxlm import cli, files  # noqa: E402
+from jaxlm import cli  # noqa: E402
+from jaxlm.training import atomic_files
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -138,8 +139,8 @@ def summarise(sweep_dir: str, runs: list[dict[str, Any]], metric: str) -> str:
     lines.append("| " + " | ".join(cells) + " |")
   table = "\n".join(lines)
   os.makedirs(sweep_dir, exist_ok=True)
-  files.write_json(os.path.join(sweep_dir, "sweep.json"), {"metric": metric, "runs": ordered})
-  files.write_text(os.path.join(sweep_dir, "summary.md"),
+  atomic_files.write_json(os.path.join(sweep_dir, "sweep.json"), {"metric": metric, "runs": ordered})
+  atomic_files.write_text(os.path.join(sweep_dir, "summary.md"),
                    f"# Sweep {os.path.basename(os.path.abspath(sweep_dir))}, sorted by {metric}\n\n{table}\n")
   return table
 

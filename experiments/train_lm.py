@@ -11,7 +11,8 @@ from ml_collections import config_flags
 
 from jaxlm import cli
 from jaxlm import config as config_lib
-from jaxlm import distributed, train
+from jaxlm.parallel import distributed
+from jaxlm.recipes import pretraining
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file (experiments/configs/*.py)",
                                           lock_config=True)
@@ -30,7 +31,7 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint step at INFO
   config = config_lib.from_config_dict(_CONFIG.value)
   distributed.initialize()  # a no-op unless launched as several processes (launch/local.sh, SLURM, Kubernetes)
-  summary = train.train(config, _WORKDIR.value, stop_at_step=_STOP_AT_STEP.value)
+  summary = pretraining.train(config, _WORKDIR.value, stop_at_step=_STOP_AT_STEP.value)
   if "preempted_at_step" in summary:  # a stop signal: checkpoint saved; by default exit 0, a clean stop
     print(f"stopped by a signal after step {summary['preempted_at_step']} (checkpoint saved); "
           f"re-run the same command to resume")

@@ -91,7 +91,7 @@ class DataConfig:
   hf_config: str = ""  # HF dataset config name, if any
   hf_split: str = "train"  # HF split to read
   text_column: str = "text"  # column holding the text in JSONL/Parquet/HF data
-  seq_len: int = 256  # tokens per packed training sequence; fine-tuning: 0 = chosen from the data (jaxlm/fit.py:
+  seq_len: int = 256  # tokens per packed training sequence; fine-tuning: 0 = chosen from the data (jaxlm/recipes/data_defaults.py:
                       # the 99th percentile of the tokenized training lengths, capped by the model's positions)
   eval_fraction: float = 0.02  # fraction of documents held out for eval when no eval_files are given
   max_documents: int = 0  # cap on documents read (0 = no cap)
@@ -112,7 +112,7 @@ class DataConfig:
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
   steps: int = 1000  # optimizer steps; 0 = train.epochs passes over the training examples (fine-tuning)
-  epochs: float = 0.0  # with train.steps=0: steps = ceil(epochs * training examples / batch_size) (jaxlm/fit.py)
+  epochs: float = 0.0  # with train.steps=0: steps = ceil(epochs * training examples / batch_size) (jaxlm/recipes/data_defaults.py)
   batch_size: int = 32  # global batch in sequences (all micro-batches, all processes)
   grad_accum: int = 1  # micro-batches per step; batch_size must be divisible by it
   seed: int = 0  # seeds init, data order and sampling
@@ -154,7 +154,7 @@ LOSS_SCALE_MAX = 2.0**24
 
 @dataclasses.dataclass(frozen=True)
 class LossScaleConfig:
-  """Dynamic loss scaling (jaxlm/loss_scale.py): used only when model.compute_dtype=float16; bf16/f32 never scale."""
+  """Dynamic loss scaling (jaxlm/training/loss_scale.py): used only when model.compute_dtype=float16; bf16/f32 never scale."""
   init: float = 2.0**15  # the first scale the loss sum is multiplied by before differentiating
   growth_interval: int = 2000  # steps applied in a row after which the scale is multiplied by `factor`
   factor: float = 2.0  # an overflow divides the scale by it, growth multiplies it (powers of two unscale exactly)
@@ -163,7 +163,7 @@ class LossScaleConfig:
 
 @dataclasses.dataclass(frozen=True)
 class LoRAConfig:
-  """Low-rank adapters (jaxlm/lora.py): the base weights frozen (and out of the optimizer), W + (alpha/rank) A @ B."""
+  """Low-rank adapters (jaxlm/adapters/lora.py): the base weights frozen (and out of the optimizer), W + (alpha/rank) A @ B."""
   rank: int = 0  # adapter rank r; 0 = off (full fine-tuning / training)
   alpha: float = 16.0  # adapter scale numerator: the update is (alpha / rank) * x @ A @ B
   targets: str = "all"  # attention | mlp | all | a comma list of weight names (w_q,w_k,w_v,w_o,w_in,w_out,...)
@@ -301,7 +301,7 @@ LORA_BASES = ("float", "int8", "nf4")
 
 
 def validate_lora(lora: LoRAConfig) -> None:
-  """Values that cannot work whatever the model; targets that match no weight are jaxlm.lora's check."""
+  """Values that cannot work whatever the model; targets that match no weight are jaxlm.adapters.lora's check."""
   if lora.rank < 0:
     raise ValueError(f"lora.rank={lora.rank} must be >= 0 (0 = off)")
   if lora.rank and lora.alpha <= 0:
@@ -354,7 +354,7 @@ def mesh_sizes(config: MeshConfig) -> tuple[int, int, int]:
   return MESH_PRESETS[config.preset]
 
 
-SCHEDULES = ("gpipe", "1f1b")  # jaxlm.pipeline's schedules
+SCHEDULES = ("gpipe", "1f1b")  # jaxlm.training.pipeline's schedules
 
 
 def validate_schedule(num_stages: int, num_microbatches: int, schedule: str) -> None:

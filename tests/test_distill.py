@@ -10,14 +10,16 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import load_script, write_labelled_words
 from flax import nnx
 
 from jaxlm import config as config_lib
-from jaxlm import distill, finetune, hf, prune, runs
+from jaxlm.compress import distill, prune
 from jaxlm.config import ModelConfig
 from jaxlm.data.tokenizer import load_tokenizer
+from jaxlm.interop import hf_weights
 from jaxlm.models.bert import Bert, BertForSequenceClassification
-from conftest import load_script, write_labelled_words
+from jaxlm.recipes import classifier_finetuning, trained_runs
 
 stdlib_docs = load_script("experiments/stdlib_docs.py")
 FORWARD = lambda m, b: m(b["input_ids"], b["attention_mask"], b["token_type_ids"])  # noqa: E731
@@ -94,13 +96,13 @@ def test_unlabelled_texts_are_read_batched_once_with_the_teachers_logits(tmp_pat
 
 
 def test_classifier_task_distils_the_pruned_model_on_the_unlabelled_files(tmp_path):
-  """A finetune.py run read back as optimize.py does: the masked fine-tune's batches come from the unlabelled file
+  """A classifier_finetuning.py run read back as optimize.py does: the masked fine-tune's batches come from the unlabelled file
   with the float model's logits, its loss is the distillation's, and a pruned model moves towards the teacher."""
   vocab = write_labelled_words(tmp_path, 40, 12)
   source = tmp_path / "init"
   model_config = ModelConfig(flavour="bert", vocab_size=vocab, num_layers=1, d_model=32, num_heads=2, d_ff=64,
                              max_seq_len=32, compute_dtype="float32")
-  hf.save_pretrained(Bert(model_config, rngs=nnx.Rngs(0)), str(source))
+  hf_weights.save_pretrained(Bert(model_config, rngs=nnx.Rngs(0)), str(source))
   os.replace(tmp_path / "tokenizer.json", source / "tokenizer.json")
   config = config_lib.default_config()
   config.init_from = str(source)
@@ -113,11 +115,11 @@ def test_classifier_task_distils_the_pruned_model_on_the_unlabelled_files(tmp_pa
   config.checkpoint.every_steps, config.log.progress_bar = 0, False
   config = config_lib.from_config_dict(config)
   workdir = str(tmp_path / "run")
-  finetune.finetune(config, workdir)
+  classifier_finetuning.finetune(config, workdir)
   texts = _texts_csv(tmp_path / "unlabelled.csv", [" ".join(np.random.default_rng(i).choice(
       ["alpha", "beta", "gamma", "value", "one"], size=6)) for i in range(20)])
 
-  task = runs.classifier_task(workdir, config, calibration_batches=1, finetune_steps=5, finetune_orders=2,
+  task = trained_runs.classifier_task(workdir, config, calibration_batches=1, finetune_steps=5, finetune_orders=2,
                               distill_files=(texts,), distill_temperature=2.0)
   assert len(task.finetune_orders) == 2 and all(len(order) == 5 for order in task.finetune_orders)
   assert all(distill.TEACHER_LOGITS in b and b["input_ids"].shape == (8, 16) for b in task.finetune_orders[0])
@@ -133,7 +135,7 @@ def test_classifier_task_distils_the_pruned_model_on_the_unlabelled_files(tmp_pa
   tuned = prune.finetune_soup(graphdef, before, masks, loss_fn, task.finetune_orders, optimizer=optax.sgd(0.3))
   assert mean_loss(tuned) < mean_loss(before) - 0.1
   assert prune.sparsity(tuned, masks) == pytest.approx(0.5, abs=0.01)  # the zeros stay zeros
-  labelled = runs.classifier_task(workdir, config, calibration_batches=1, finetune_steps=5)
+  labelled = trained_runs.classifier_task(workdir, config, calibration_batches=1, finetune_steps=5)
   assert "labels" in labelled.finetune_orders[0][0] and distill.TEACHER_LOGITS not in labelled.finetune_orders[0][0]
 
 

@@ -1,9 +1,9 @@
-"""jaxlm.evaluate agrees with scikit-learn (tests only) on random labels, absent classes and edge cases."""
+"""jaxlm.training.metrics agrees with scikit-learn (tests only) on random labels, absent classes and edge cases."""
 
 import numpy as np
 import pytest
 
-from jaxlm import evaluate
+from jaxlm.training import metrics as metrics_lib
 
 sklearn_metrics = pytest.importorskip("sklearn.metrics", reason="needs the dev extra (scikit-learn)")
 
@@ -14,7 +14,7 @@ def test_classification_metrics_match_sklearn(num_classes, size, seed):
   labels = rng.integers(0, num_classes, size)
   # Predictions right about half the time, so scores are neither 0 nor 1; a few classes may never occur at all.
   predictions = np.where(rng.random(size) < 0.5, labels, rng.integers(0, num_classes, size))
-  ours = evaluate.classification_metrics(labels, predictions, num_classes)
+  ours = metrics_lib.classification_metrics(labels, predictions, num_classes)
   classes = list(range(num_classes))
   assert ours["accuracy"] == pytest.approx(sklearn_metrics.accuracy_score(labels, predictions), abs=1e-12)
   for average in ("macro", "weighted"):
@@ -30,13 +30,13 @@ def test_classification_metrics_match_sklearn(num_classes, size, seed):
         (p[c], r[c], support[c]))
     assert ours[f"f1/{c}"] == pytest.approx(f[c], abs=1e-12)
   expected = sklearn_metrics.confusion_matrix(labels, predictions, labels=classes)
-  np.testing.assert_array_equal(evaluate.confusion_matrix(labels, predictions, num_classes), expected)
+  np.testing.assert_array_equal(metrics_lib.confusion_matrix(labels, predictions, num_classes), expected)
   assert all(ours[f"confusion/{i}/{j}"] == expected[i, j] for i in classes for j in classes)
 
 
 def test_a_class_that_never_occurs_counts_zero_in_the_macro_average():
   labels, predictions = np.array([0, 0, 1, 1]), np.array([0, 0, 1, 1])
-  metrics = evaluate.classification_metrics(labels, predictions, 3, ["a", "b", "c"])
+  metrics = metrics_lib.classification_metrics(labels, predictions, 3, ["a", "b", "c"])
   assert metrics["accuracy"] == 1.0 and metrics["f1/c"] == 0.0
   assert metrics["f1_macro"] == pytest.approx(2 / 3) and metrics["f1_weighted"] == 1.0
   expected = sklearn_metrics.f1_score(labels, predictions, labels=[0, 1, 2], average="macro", zero_division=0)
@@ -45,11 +45,11 @@ def test_a_class_that_never_occurs_counts_zero_in_the_macro_average():
 
 def test_bad_ids_are_one_line_errors():
   with pytest.raises(ValueError, match=r"label 3 is outside the class range 0\.\.2"):
-    evaluate.classification_metrics(np.array([0, 3]), np.array([0, 1]), 3)
+    metrics_lib.classification_metrics(np.array([0, 3]), np.array([0, 1]), 3)
   with pytest.raises(ValueError, match="2 labels but 3 predictions"):
-    evaluate.confusion_matrix(np.array([0, 1]), np.array([0, 1, 1]), 2)
+    metrics_lib.confusion_matrix(np.array([0, 1]), np.array([0, 1, 1]), 2)
   with pytest.raises(ValueError, match="integer class ids"):
-    evaluate.confusion_matrix(np.array([0.0, 1.0]), np.array([0, 1]), 2)
+    metrics_lib.confusion_matrix(np.array([0.0, 1.0]), np.array([0, 1]), 2)
 
 
 def test_paired_change_is_a_bootstrap_of_both_models_on_the_same_resampled_examples():
@@ -59,15 +59,15 @@ def test_paired_change_is_a_bootstrap_of_both_models_on_the_same_resampled_examp
   predictions = reference.copy()
   changed = rng.choice(300, 12, replace=False)
   predictions[changed] = (predictions[changed] + 1) % 4
-  out = evaluate.paired_change(labels, reference, predictions, 4, samples=300, seed=5)
+  out = metrics_lib.paired_change(labels, reference, predictions, 4, samples=300, seed=5)
   assert out["flips"] == 12
   # The reference: each resample drawn as in paired_change, both models scored by classification_metrics.
   counts = np.random.default_rng(5).multinomial(300, np.full(300, 1 / 300), size=300)
   changes = {"accuracy": [], "f1_macro": []}
   for row in counts:
     index = np.repeat(np.arange(300), row)
-    a = evaluate.classification_metrics(labels[index], reference[index], 4, per_class=False)
-    b = evaluate.classification_metrics(labels[index], predictions[index], 4, per_class=False)
+    a = metrics_lib.classification_metrics(labels[index], reference[index], 4, per_class=False)
+    b = metrics_lib.classification_metrics(labels[index], predictions[index], 4, per_class=False)
     for name in changes:
       changes[name].append(b[name] - a[name])
   for name, values in changes.items():
@@ -77,14 +77,14 @@ def test_paired_change_is_a_bootstrap_of_both_models_on_the_same_resampled_examp
   observed = np.mean(predictions == labels) - np.mean(reference == labels)
   assert out["accuracy_change_ci95_low"] <= observed <= out["accuracy_change_ci95_high"]
   # The same predictions: no flips and an interval of exactly zero.
-  same = evaluate.paired_change(labels, reference, reference, 4)
+  same = metrics_lib.paired_change(labels, reference, reference, 4)
   assert same["flips"] == 0 and same["accuracy_change_ci95_low"] == same["f1_macro_change_ci95_high"] == 0.0
 
 
 def test_is_better_minimises_losses_and_maximises_scores():
-  assert evaluate.is_better("f1_macro", 0.9, 0.8) and not evaluate.is_better("f1_macro", 0.7, 0.8)
-  assert evaluate.is_better("eval_loss", 0.5, 0.6) and not evaluate.is_better("loss", 0.7, 0.6)
-  assert evaluate.is_better("accuracy", 0.1, None) and not evaluate.is_better("accuracy", float("nan"), None)
+  assert metrics_lib.is_better("f1_macro", 0.9, 0.8) and not metrics_lib.is_better("f1_macro", 0.7, 0.8)
+  assert metrics_lib.is_better("eval_loss", 0.5, 0.6) and not metrics_lib.is_better("loss", 0.7, 0.6)
+  assert metrics_lib.is_better("accuracy", 0.1, None) and not metrics_lib.is_better("accuracy", float("nan"), None)
 
 
 def test_lm_metrics_on_texts_counts_every_target_once_whatever_the_batch():
@@ -98,7 +98,7 @@ def test_lm_metrics_on_texts_counts_every_target_once_whatever_the_batch():
   tokenizer = train_bpe(texts, 300)
   model = GPT(ModelConfig(vocab_size=300, num_layers=1, d_model=32, num_heads=2, max_seq_len=16,
                           compute_dtype="float32"), rngs=nnx.Rngs(0))
-  small, large = (evaluate.lm_metrics_on_texts(model, tokenizer, texts, 16, batch_size=b) for b in (3, 8))
+  small, large = (metrics_lib.lm_metrics_on_texts(model, tokenizer, texts, 16, batch_size=b) for b in (3, 8))
   assert small == pytest.approx(large, rel=1e-5)
   # An untrained model is close to uniform over the vocabulary: perplexity near the vocabulary size.
   assert 100 < small["eval_perplexity"] < 1000 and 0 <= small["eval_token_accuracy"] <= 1

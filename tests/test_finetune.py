@@ -11,14 +11,15 @@ import sys
 import jax
 import numpy as np
 import pytest
+from conftest import load_script, xla_flags_without_device_count
 from flax import nnx
 
 from jaxlm import config as config_lib
-from jaxlm import finetune, hf
 from jaxlm.config import ModelConfig
+from jaxlm.interop import hf_weights
 from jaxlm.models.bert import Bert, BertForSequenceClassification
-from jaxlm import steps as steps_lib
-from conftest import load_script, xla_flags_without_device_count
+from jaxlm.recipes import classifier_finetuning
+from jaxlm.training import steps as steps_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 topics = load_script("experiments/topics.py")
@@ -52,7 +53,7 @@ def test_minilm_reaches_95_percent_on_held_out_topics(tmp_path):
   assert "accuracy 1.0000" in done.stdout or "accuracy 0.9" in done.stdout
   report = (workdir / "report.md").read_text()
   assert "Confusion matrix" in report and "train_label/sports" in report and "truncation_rate" in report
-  assert hf.from_pretrained(str(workdir / "best_model")).num_labels == 4
+  assert hf_weights.from_pretrained(str(workdir / "best_model")).num_labels == 4
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +65,7 @@ def tiny_hf_folder(tmp_path_factory) -> str:
   make = lambda: Bert(config, rngs=nnx.Rngs(0))
   graphdef = nnx.split(nnx.eval_shape(make))[0]
   params = jax.jit(lambda: nnx.split(make())[1])()  # one compile; eager init compiles every small op
-  hf.save_pretrained(nnx.merge(graphdef, params), str(folder))
+  hf_weights.save_pretrained(nnx.merge(graphdef, params), str(folder))
   shutil.copy(os.path.join(_minilm_folder(), "tokenizer.json"), folder / "tokenizer.json")
   return str(folder)
 
@@ -110,7 +111,7 @@ def _tiny_config(tmp_path, init_from, workdir_steps=4, **overrides):
 def test_tiny_bert_pairs_workdir_files_resume_best_model_and_jaxlm_init(tmp_path, tiny_hf_folder):
   source = tiny_hf_folder
   workdir = str(tmp_path / "run")
-  first = finetune.finetune(_tiny_config(tmp_path, source), workdir)
+  first = classifier_finetuning.finetune(_tiny_config(tmp_path, source), workdir)
   assert first["labels"] == "no,yes" and first["eval_examples"] == 10 and first["step"] == 4
   for name in ("metrics.jsonl", "eval.json", "report.md", "config.json", "labels.json", "tokenizer.json",
                "best_model/config.json", "best_model/model.safetensors", "best_model/tokenizer.json",
@@ -121,18 +122,18 @@ def test_tiny_bert_pairs_workdir_files_resume_best_model_and_jaxlm_init(tmp_path
   records = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
   assert [r["step"] for r in records] == [1, 2, 3, 4]
   assert "eval_accuracy" in records[1] and "eval_f1/yes" in records[3] and records[3]["tokens_per_sec"] > 0
-  best = hf.from_pretrained(os.path.join(workdir, "best_model"))
+  best = hf_weights.from_pretrained(os.path.join(workdir, "best_model"))
   assert isinstance(best, BertForSequenceClassification) and best.num_labels == 2
   assert json.loads(open(os.path.join(workdir, "best_model", "config.json")).read())["id2label"] == {"0": "no",
                                                                                                  "1": "yes"}
 
   # Re-running with more steps resumes at step 4 (the loader position restored with the train state).
-  resumed = finetune.finetune(_tiny_config(tmp_path, source, workdir_steps=6), workdir)
+  resumed = classifier_finetuning.finetune(_tiny_config(tmp_path, source, workdir_steps=6), workdir)
   records = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
   assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6] and resumed["step"] == 6
 
   # init_from a jaxlm workdir loads encoder and head: with a zero learning rate the eval is unchanged.
-  again = finetune.finetune(_tiny_config(tmp_path, workdir, workdir_steps=1, **{"train.learning_rate": 0.0}),
+  again = classifier_finetuning.finetune(_tiny_config(tmp_path, workdir, workdir_steps=1, **{"train.learning_rate": 0.0}),
                             str(tmp_path / "from_jaxlm"))
   assert again["accuracy"] == resumed["accuracy"]
   assert again["eval_loss"] == pytest.approx(resumed["eval_loss"], rel=1e-5)
@@ -141,11 +142,11 @@ def test_tiny_bert_pairs_workdir_files_resume_best_model_and_jaxlm_init(tmp_path
 def test_config_errors_before_anything_compiles(tmp_path, tiny_hf_folder):
   source = tiny_hf_folder
   with pytest.raises(ValueError, match=r"data.seq_len=128 exceeds the model's 64 positions; lower data.seq_len"):
-    finetune.finetune(_tiny_config(tmp_path, source, **{"data.seq_len": 128}), str(tmp_path / "a"))
+    classifier_finetuning.finetune(_tiny_config(tmp_path, source, **{"data.seq_len": 128}), str(tmp_path / "a"))
   with pytest.raises(FileNotFoundError, match=r"init_from='.*nowhere' is not a folder"):
-    finetune.finetune(_tiny_config(tmp_path, str(tmp_path / "nowhere")), str(tmp_path / "b"))
+    classifier_finetuning.finetune(_tiny_config(tmp_path, str(tmp_path / "nowhere")), str(tmp_path / "b"))
   with pytest.raises(ValueError, match=r"train.best_metric='auc' is not an eval metric; use one of .*f1_macro"):
-    finetune.finetune(_tiny_config(tmp_path, source, **{"train.best_metric": "auc", "train.steps": 1}),
+    classifier_finetuning.finetune(_tiny_config(tmp_path, source, **{"train.best_metric": "auc", "train.steps": 1}),
                       str(tmp_path / "c"))
   with pytest.raises(ValueError, match=r"data.batching='sorted' is not one of dynamic, bucket, max"):
     _tiny_config(tmp_path, source, **{"data.batching": "sorted"})
@@ -153,8 +154,8 @@ def test_config_errors_before_anything_compiles(tmp_path, tiny_hf_folder):
 
 def test_classification_loss_accumulates_exactly_with_padding_and_zero_weights():
   """Two micro-batches give the update of one batch: the loss is a weighted sum over the global weight count."""
-  from jaxlm import optim
   from jaxlm.config import TrainConfig
+  from jaxlm.training import optim
 
   config = ModelConfig(flavour="bert", vocab_size=50, num_layers=1, d_model=16, num_heads=2, d_ff=32,
                        max_seq_len=16, compute_dtype="float32")
@@ -171,7 +172,7 @@ def test_classification_loss_accumulates_exactly_with_padding_and_zero_weights()
   results = []
   for accum in (1, 2):
     step = jax.jit(steps_lib.make_train_step(graphdef, optimizer, accum, optim.learning_rate_schedule(train_config),
-                                         loss_fn=finetune.make_classification_loss_fn(graphdef)))
+                                         loss_fn=classifier_finetuning.make_classification_loss_fn(graphdef)))
     new_state, metrics = step(state, batch)
     results.append((new_state["params"], metrics))
   assert results[0][1]["tokens"] == 5 and results[1][1]["tokens"] == 5  # the weight sum, fillers left out
@@ -185,20 +186,21 @@ def test_classification_loss_accumulates_exactly_with_padding_and_zero_weights()
 def test_defaults_fit_the_data_steps_seq_len_and_the_truncation_warning(tmp_path, tiny_hf_folder, capsys):
   """train.steps=0 derives the steps from train.epochs, data.seq_len=0 the length from the tokenized training texts;
   cutting many examples prints a warning. `classification_task` settles the run without training it."""
-  from jaxlm import fit, train
   from jaxlm.data import classification as cls_data
+  from jaxlm.data import seq_lengths
+  from jaxlm.training import loop
 
   def settle(name, **overrides):
-    config, mesh, kernels = train.prepare_run(_tiny_config(tmp_path, tiny_hf_folder, **overrides),
+    config, mesh, kernels = loop.prepare_run(_tiny_config(tmp_path, tiny_hf_folder, **overrides),
                                               str(tmp_path / name), causal=False)
-    return finetune.classification_task(config, str(tmp_path / name), mesh, kernels)[0]
+    return classifier_finetuning.classification_task(config, str(tmp_path / name), mesh, kernels)[0]
 
   auto = settle("auto", **{"train.steps": 0, "train.epochs": 2.0, "train.warmup_steps": -1, "data.seq_len": 0})
   assert auto.train.steps == 12  # 2 epochs of 48 examples at batch 8
   tokenizer = cls_data.load_checkpoint_tokenizer(tiny_hf_folder)
   with open(tmp_path / "train.csv") as f:
     lengths = [len(tokenizer.encode(r["question"], r["answer"]).ids) for r in csv.DictReader(f)]
-  assert auto.data.seq_len == fit.choose_seq_len(np.array(lengths), 64) and auto.data.seq_len < 64
+  assert auto.data.seq_len == seq_lengths.choose_seq_len(np.array(lengths), 64) and auto.data.seq_len < 64
   out = capsys.readouterr().out
   assert "steps: 12 (train.epochs=2: 2 epochs of 48 examples at batch 8), warmup 1 steps" in out
   assert "warning:" not in out

@@ -15,10 +15,10 @@ import optax
 import pytest
 from flax import nnx
 
-from jaxlm import telemetry
 from jaxlm.config import ModelConfig
 from jaxlm.kernels import Kernels
 from jaxlm.models import bert, gpt
+from jaxlm.training import telemetry
 
 B, T = 2, 16
 

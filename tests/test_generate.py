@@ -9,12 +9,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import load_script
 from flax import nnx
 
-from conftest import load_script
-from jaxlm import generate, sharding
 from jaxlm.config import MeshConfig, ModelConfig
+from jaxlm.inference import generate
 from jaxlm.models.gpt import GPT
+from jaxlm.parallel import sharding
 
 GPT2 = ModelConfig(vocab_size=300, num_layers=2, d_model=32, num_heads=4, max_seq_len=32, compute_dtype="float32")
 LLAMA = dataclasses.replace(GPT2, flavour="llama", num_kv_heads=2, d_ff=48, tie_embeddings=False, rope_theta=100.0)
@@ -163,12 +164,12 @@ def test_int8_kv_cache_logits_are_near_the_float_cache():
 
 
 def test_int8_kv_cache_greedy_tokens_agree_with_float_and_int8_weights():
-  from jaxlm import quant
+  from jaxlm.compress import quantization
 
   graphdef, params = _split("llama_gqa")
   assert (generate.generate(graphdef, params, PROMPT_SET, 6, kv_cache="int8") ==
           generate.generate(graphdef, params, PROMPT_SET, 6))
-  int8_def, int8_params = nnx.split(quant.quantize(nnx.merge(graphdef, params), "weight_only"))
+  int8_def, int8_params = nnx.split(quantization.quantize(nnx.merge(graphdef, params), "weight_only"))
   assert (generate.generate(int8_def, int8_params, PROMPT_SET, 6, kv_cache="int8") ==
           generate.generate(int8_def, int8_params, PROMPT_SET, 6))
 
@@ -201,15 +202,15 @@ def test_sample_tokens_keeps_its_contract():
 
 def test_experiment_script_loads_the_latest_checkpoint(tmp_path):
   from jaxlm import data as data_lib
-  from jaxlm import optim
-  from jaxlm.checkpoint import Checkpointer
   from jaxlm.config import Config, DataConfig, TrainConfig
+  from jaxlm.training import optim
+  from jaxlm.training.checkpoint import Checkpointer
 
   script = load_script("experiments/generate.py")  # loaded once per process: its absl flags are defined once
 
   config = Config(model=GPT2, data=DataConfig(seq_len=16), mesh=MeshConfig(data=1), train=TrainConfig(steps=1))
   graphdef, params = _split("gpt2")
-  # The train state that jaxlm.steps.init_train_state builds, without compiling its initialiser.
+  # The train state that jaxlm.training.steps.init_train_state builds, without compiling its initialiser.
   state = {"step": jnp.zeros((), jnp.int32), "params": params,
            "opt_state": optim.make_optimizer(config.train).init(params)}
   checkpointer = Checkpointer(str(tmp_path / "checkpoints"), every_steps=1, keep=1)

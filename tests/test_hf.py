@@ -19,10 +19,11 @@ from safetensors.numpy import load_file, save_file
 torch = pytest.importorskip("torch", reason="HF parity tests need the hf extra: pip install -e '.[hf]'")
 transformers = pytest.importorskip("transformers", reason="HF parity tests need the hf extra: pip install -e '.[hf]'")
 
-from jaxlm import hf, sharding  # noqa: E402
 from jaxlm.config import MeshConfig, ModelConfig  # noqa: E402
+from jaxlm.interop import hf_weights  # noqa: E402
 from jaxlm.models.bert import Bert, BertForMaskedLM, BertForSequenceClassification  # noqa: E402
 from jaxlm.models.gpt import GPT  # noqa: E402
+from jaxlm.parallel import sharding
 
 TOL = 1e-4
 VOCAB = 97
@@ -93,7 +94,7 @@ def test_decoder_parity(hf_folders, name):
   folder, reference = hf_folders[name]
   with torch.no_grad():
     expected = reference(torch.tensor(IDS)).logits.numpy()
-  model = hf.from_pretrained(folder)
+  model = hf_weights.from_pretrained(folder)
   assert isinstance(model, GPT)
   rel = _rel(model(jnp.asarray(IDS)), expected)
   print(f"PARITY {name} logits {rel:.2e}")
@@ -106,7 +107,7 @@ def test_bert_parity_with_padding_and_two_token_types(hf_folders, name):
   ids, mask, types = _bert_inputs(torch_too=True)
   with torch.no_grad():
     out = reference(input_ids=ids, attention_mask=mask, token_type_ids=types)
-  model = hf.from_pretrained(folder)
+  model = hf_weights.from_pretrained(folder)
   args = _bert_inputs()
   if name == "bert":
     assert isinstance(model, Bert)
@@ -141,7 +142,7 @@ def test_pretrained_minilm_parity_with_its_own_tokenizer():
   with torch.no_grad():
     expected = reference(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask),
                          token_type_ids=torch.tensor(types)).last_hidden_state.numpy()
-  model = hf.from_pretrained(folder)
+  model = hf_weights.from_pretrained(folder)
   rel = _rel(model.encode(jnp.asarray(ids), attention_mask=jnp.asarray(mask), token_type_ids=jnp.asarray(types)),
              expected)
   print(f"PARITY all-MiniLM-L6-v2 hidden {rel:.2e}")
@@ -150,7 +151,7 @@ def test_pretrained_minilm_parity_with_its_own_tokenizer():
 
 def test_hf_to_jaxlm_to_hf_keeps_every_tensor_bit_identical(tmp_path):
   folder = _minilm_folder()
-  hf.save_pretrained(hf.from_pretrained(folder), str(tmp_path))
+  hf_weights.save_pretrained(hf_weights.from_pretrained(folder), str(tmp_path))
   original, saved = load_file(os.path.join(folder, "model.safetensors")), load_file(str(tmp_path / "model.safetensors"))
   original.pop("embeddings.position_ids")  # a buffer, not a parameter
   assert sorted(original) == sorted(saved)
@@ -168,9 +169,9 @@ def _jaxlm_llama():
 def test_jaxlm_to_hf_to_jaxlm_is_bit_identical_and_transformers_agrees(hf_folders, tmp_path, name):
   """A jaxlm model (initialised by jaxlm, or loaded earlier) saved for HF: reading it back gives the same bits,
   and transformers computes the same outputs from the saved folder."""
-  model = _jaxlm_llama() if name == "llama_jaxlm_init" else hf.from_pretrained(hf_folders[name][0])
-  hf.save_pretrained(model, str(tmp_path))
-  loaded = hf.from_pretrained(str(tmp_path))
+  model = _jaxlm_llama() if name == "llama_jaxlm_init" else hf_weights.from_pretrained(hf_folders[name][0])
+  hf_weights.save_pretrained(model, str(tmp_path))
+  loaded = hf_weights.from_pretrained(str(tmp_path))
   assert type(loaded) is type(model) and loaded.config == model.config
   before, after = (jax.device_get(nnx.state(m, nnx.Param).to_pure_dict()) for m in (model, loaded))
   jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b, strict=True), before, after)
@@ -193,7 +194,7 @@ def test_jaxlm_to_hf_to_jaxlm_is_bit_identical_and_transformers_agrees(hf_folder
 def test_mean_pooling_classifier_matches_hf_encoder_mean_and_round_trips(hf_folders, tmp_path):
   """classifier_pooling=mean: logits = classifier(mean of the non-padding tokens of HF BertModel's last hidden
   state); saved and read back it keeps its pooling (config.json) and its bits."""
-  encoder = hf.from_pretrained(hf_folders["bert"][0])
+  encoder = hf_weights.from_pretrained(hf_folders["bert"][0])
   config = dataclasses.replace(encoder.config, classifier_pooling="mean")
   model = BertForSequenceClassification(config, 3, rngs=nnx.Rngs(1))
   assert model.bert.pooler is None
@@ -210,31 +211,31 @@ def test_mean_pooling_classifier_matches_hf_encoder_mean_and_round_trips(hf_fold
   print(f"PARITY bert mean-pooling classifier logits {rel:.2e}")
   assert rel <= TOL
 
-  hf.save_pretrained(model, str(tmp_path))
-  loaded = hf.from_pretrained(str(tmp_path))
+  hf_weights.save_pretrained(model, str(tmp_path))
+  loaded = hf_weights.from_pretrained(str(tmp_path))
   assert loaded.config.classifier_pooling == "mean" and loaded.bert.pooler is None
   np.testing.assert_array_equal(loaded(*_bert_inputs()), model(*_bert_inputs()))
 
 
 def test_auto_pooling_follows_what_the_checkpoint_was_trained_for(hf_folders, tmp_path):
-  from jaxlm import pretrained  # noqa: PLC0415
-  assert pretrained.classifier_pooling("auto", _minilm_folder(), None) == "mean"  # sentence-transformers 1_Pooling
-  assert pretrained.classifier_pooling("auto", hf_folders["bert"][0], None) == "cls"
-  assert pretrained.classifier_pooling("auto", _minilm_folder(), "cls") == "cls"  # a classifier keeps its own
-  assert pretrained.classifier_pooling("cls", _minilm_folder(), None) == "cls"  # set explicitly: wins
+  from jaxlm.recipes import init_from  # noqa: PLC0415
+  assert init_from.classifier_pooling("auto", _minilm_folder(), None) == "mean"  # sentence-transformers 1_Pooling
+  assert init_from.classifier_pooling("auto", hf_folders["bert"][0], None) == "cls"
+  assert init_from.classifier_pooling("auto", _minilm_folder(), "cls") == "cls"  # a classifier keeps its own
+  assert init_from.classifier_pooling("cls", _minilm_folder(), None) == "cls"  # set explicitly: wins
 
 
 def test_sharded_loading_places_each_tensor_on_its_mesh_sharding(hf_folders):
   folder, _ = hf_folders["llama_gqa_untied"]
   mesh = sharding.make_mesh(MeshConfig(data=1, fsdp=2, tensor=2), jax.devices()[:4])
-  model = hf.from_pretrained(folder, mesh=mesh)
+  model = hf_weights.from_pretrained(folder, mesh=mesh)
   graphdef, state = nnx.split(model)
   expected = sharding.param_shardings(state, mesh)
   params = state.to_pure_dict()
   jax.tree.map(lambda x, s: assert_sharding(x, s), params, expected)
   w_q = params["blocks"]["attn"]["w_q"]  # [L, D, H, K] split over fsdp (D) and tensor (H)
   assert w_q.addressable_shards[0].data.shape == (2, 16, 2, 8)
-  reference = hf.from_pretrained(folder)
+  reference = hf_weights.from_pretrained(folder)
   with jax.set_mesh(mesh):
     logits = jax.jit(lambda p, ids: nnx.merge(graphdef, p)(ids))(params, jnp.asarray(IDS))
   np.testing.assert_allclose(logits, reference(jnp.asarray(IDS)), rtol=1e-5, atol=1e-5)
@@ -263,14 +264,14 @@ def _edit_config(folder, **changes):
 def test_unsupported_architecture_is_a_one_line_error(gpt2_folder):
   _edit_config(gpt2_folder, model_type="gpt_neox", architectures=["GPTNeoXForCausalLM"])
   with pytest.raises(ValueError, match=r"config\.json: model_type='gpt_neox'.*not supported") as e:
-    hf.from_pretrained(str(gpt2_folder))
+    hf_weights.from_pretrained(str(gpt2_folder))
   assert "\n" not in str(e.value)
 
 
 def test_remote_code_is_refused(gpt2_folder):
   _edit_config(gpt2_folder, auto_map={"AutoModel": "modeling_x.X"})
   with pytest.raises(ValueError, match="never runs remote code"):
-    hf.from_pretrained(str(gpt2_folder))
+    hf_weights.from_pretrained(str(gpt2_folder))
 
 
 def test_missing_tensor_names_the_key(gpt2_folder):
@@ -278,14 +279,14 @@ def test_missing_tensor_names_the_key(gpt2_folder):
   del tensors["transformer.h.1.mlp.c_fc.bias"]
   save_file(tensors, str(gpt2_folder / "model.safetensors"), metadata={"format": "pt"})
   with pytest.raises(ValueError, match=r"lack tensor 'transformer\.h\.1\.mlp\.c_fc\.bias'"):
-    hf.from_pretrained(str(gpt2_folder))
+    hf_weights.from_pretrained(str(gpt2_folder))
 
 
 def test_mismatched_shape_names_the_file_and_key(gpt2_folder):
   _edit_config(gpt2_folder, n_inner=64)  # config says 64, the weights hold 4 * 32 = 128
   with pytest.raises(ValueError, match=r"model\.safetensors: tensor 'transformer\.h\.0\.mlp\.c_fc\.weight' has "
                                        r"shape \(32, 128\) but config\.json implies \(32, 64\)"):
-    hf.from_pretrained(str(gpt2_folder))
+    hf_weights.from_pretrained(str(gpt2_folder))
 
 
 def test_pickle_only_checkpoint_is_refused_without_unpickling(gpt2_folder):
@@ -293,14 +294,14 @@ def test_pickle_only_checkpoint_is_refused_without_unpickling(gpt2_folder):
   # Unpickling this would call os.system; the loader must refuse before reading it.
   (gpt2_folder / "pytorch_model.bin").write_bytes(b"cos\nsystem\n(S'touch /tmp/jaxlm_pwned'\ntR.")
   with pytest.raises(ValueError, match=r"pytorch_model\.bin is a pickle checkpoint.*never unpickles"):
-    hf.from_pretrained(str(gpt2_folder))
+    hf_weights.from_pretrained(str(gpt2_folder))
   assert not os.path.exists("/tmp/jaxlm_pwned")
 
 
 def test_folder_without_weights(tmp_path):
   (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
   with pytest.raises(ValueError, match="no model.safetensors"):
-    hf.from_pretrained(str(tmp_path))
+    hf_weights.from_pretrained(str(tmp_path))
 
 
 def test_sharded_index_and_bfloat16_tensors_load(gpt2_folder):
@@ -315,7 +316,7 @@ def test_sharded_index_and_bfloat16_tensors_load(gpt2_folder):
             metadata={"format": "pt"})
   weight_map = {**{k: "part-1.safetensors" for k in first}, **{k: "part-2.safetensors" for k in second}}
   (gpt2_folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
-  params = nnx.state(hf.from_pretrained(str(gpt2_folder)), nnx.Param).to_pure_dict()
+  params = nnx.state(hf_weights.from_pretrained(str(gpt2_folder)), nnx.Param).to_pure_dict()
   assert "transformer.wpe.weight" in second  # so its values went through bf16
   expected = tensors["transformer.wpe.weight"].astype(ml_dtypes.bfloat16).astype(np.float32)
   np.testing.assert_array_equal(params["position_embed"]["embedding"], expected)

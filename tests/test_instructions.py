@@ -15,12 +15,17 @@ import pytest
 from flax import nnx
 
 from jaxlm import config as config_lib
-from jaxlm import fit, hf, instruct, lora, optim, sharding, train
-from jaxlm import steps as steps_lib
+from jaxlm.adapters import lora
 from jaxlm.config import DataConfig, ModelConfig, TrainConfig
 from jaxlm.data import instructions as instr_data
+from jaxlm.data import seq_lengths
 from jaxlm.data.tokenizer import train_bpe
+from jaxlm.interop import hf_weights
 from jaxlm.models.gpt import GPT
+from jaxlm.parallel import sharding
+from jaxlm.recipes import data_defaults, instruction_tuning
+from jaxlm.training import loop, optim
+from jaxlm.training import steps as steps_lib
 
 WORDS = ["alpha", "beta", "gamma", "delta", "kappa", "omega", "sigma", "theta"]
 
@@ -120,38 +125,38 @@ def _tiny_gpt(flavour="gpt2"):
 
 
 def test_epochs_give_the_steps_and_warmup_fraction_the_warmup():
-  derived = fit.resolve_steps(TrainConfig(steps=0, epochs=3, batch_size=16), 240)
+  derived = data_defaults.resolve_steps(TrainConfig(steps=0, epochs=3, batch_size=16), 240)
   assert derived.steps == 45  # 3 * 240 / 16
-  assert fit.resolve_steps(TrainConfig(steps=0, epochs=2.5, batch_size=32), 100).steps == math.ceil(250 / 32)
-  assert fit.resolve_steps(TrainConfig(steps=0, epochs=0.01, batch_size=32), 100).steps == 1
-  assert fit.resolve_steps(TrainConfig(steps=7, epochs=3, batch_size=16), 240).steps == 7  # explicit steps win
+  assert data_defaults.resolve_steps(TrainConfig(steps=0, epochs=2.5, batch_size=32), 100).steps == math.ceil(250 / 32)
+  assert data_defaults.resolve_steps(TrainConfig(steps=0, epochs=0.01, batch_size=32), 100).steps == 1
+  assert data_defaults.resolve_steps(TrainConfig(steps=7, epochs=3, batch_size=16), 240).steps == 7  # explicit steps win
   assert optim.warmup_steps(dataclasses.replace(derived, warmup_steps=-1, warmup_fraction=0.2)) == 9
   assert optim.warmup_steps(dataclasses.replace(derived, warmup_steps=5, warmup_fraction=0.2)) == 5
   schedule = optim.learning_rate_schedule(dataclasses.replace(derived, warmup_steps=-1, warmup_fraction=0.2))
   assert float(schedule(9)) == pytest.approx(derived.learning_rate) and float(schedule(4)) < derived.learning_rate
-  assert "45 (train.epochs=3: 3 epochs of 240 examples at batch 16), warmup 4" in fit.describe_steps(
+  assert "45 (train.epochs=3: 3 epochs of 240 examples at batch 16), warmup 4" in data_defaults.describe_steps(
       dataclasses.replace(derived, warmup_steps=-1, warmup_fraction=0.1), 240, derived=True)
   with pytest.raises(ValueError, match=r"train.steps=0 must be >= 1, or 0 with train.epochs > 0"):
     config_lib.from_config_dict({"train": {"steps": 0}})
   with pytest.raises(ValueError, match=r"train.steps=0 derives the steps from fine-tuning examples; pretraining"):
-    fit.require_fixed(config_lib.Config(train=TrainConfig(steps=0, epochs=1)), "pretraining")
+    data_defaults.require_fixed(config_lib.Config(train=TrainConfig(steps=0, epochs=1)), "pretraining")
 
 
 def test_seq_len_from_the_data_and_the_truncation_warning(files, tokenizer):
   lengths = np.arange(1, 201)  # p99 = 198.01
-  assert fit.choose_seq_len(lengths, 512) == 200  # 199 rounded up to a multiple of 8
-  assert fit.choose_seq_len(lengths, 128) == 128  # capped by the position table
-  assert fit.choose_seq_len(np.full(50, 3), 512, at_least=12) == 16
-  assert fit.truncation_warning(2, 100, 32, 512, chosen=False) is None  # 2% cut: no warning
-  line = fit.truncation_warning(45, 100, 32, 512, chosen=False)
+  assert seq_lengths.choose_seq_len(lengths, 512) == 200  # 199 rounded up to a multiple of 8
+  assert seq_lengths.choose_seq_len(lengths, 128) == 128  # capped by the position table
+  assert seq_lengths.choose_seq_len(np.full(50, 3), 512, at_least=12) == 16
+  assert seq_lengths.truncation_warning(2, 100, 32, 512, chosen=False) is None  # 2% cut: no warning
+  line = seq_lengths.truncation_warning(45, 100, 32, 512, chosen=False)
   assert line == ("warning: 45.0% of the examples (45 of 100) are longer than data.seq_len=32 tokens and are cut; "
                   "raise data.seq_len (the model has 512 positions) or set it to 0 to choose it from the data")
-  assert "no more positions (128)" in fit.truncation_warning(10, 100, 128, 128, chosen=True)
+  assert "no more positions (128)" in seq_lengths.truncation_warning(10, 100, 128, 128, chosen=True)
 
   data = instr_data.build_instruction_data(_data_config(files, seq_len=0), tokenizer, 0, None, 64)
   prompts = [tokenizer.encode(json.loads(line)["prompt"]).ids for line in open(files[0])]
   full = [len(p) + len(r) for p, r in zip(prompts, _encoded_responses(files[0], tokenizer))]
-  assert data.seq_len == fit.choose_seq_len(np.array(full), 64, at_least=max(map(len, prompts)) + 1)
+  assert data.seq_len == seq_lengths.choose_seq_len(np.array(full), 64, at_least=max(map(len, prompts)) + 1)
   assert data.stats["truncated_pairs"] == 0 and data.stats["seq_len"] == data.seq_len
 
   tight = max(map(len, prompts)) + 1  # room for one response token after the longest prompt
@@ -179,9 +184,9 @@ def test_bad_input_is_one_line_and_deletes_nothing(files, tokenizer, tmp_path, t
   workdir.mkdir()
   (workdir / "notes.txt").write_text("keep me")
   with pytest.raises(ValueError, match=r"data.prompt_column='question' is not a column"):
-    instruct.instruction_tune(_config(tiny_gpt2_folder, files, **{"data.prompt_column": "question"}), str(workdir))
+    instruction_tuning.instruction_tune(_config(tiny_gpt2_folder, files, **{"data.prompt_column": "question"}), str(workdir))
   with pytest.raises(ValueError, match=r"data.seq_len=128 exceeds the model's 64 positions"):
-    instruct.instruction_tune(_config(tiny_gpt2_folder, files, **{"data.seq_len": 128}), str(workdir))
+    instruction_tuning.instruction_tune(_config(tiny_gpt2_folder, files, **{"data.seq_len": 128}), str(workdir))
   assert (workdir / "notes.txt").read_text() == "keep me"
 
 
@@ -189,7 +194,7 @@ def test_bad_input_is_one_line_and_deletes_nothing(files, tokenizer, tmp_path, t
 def tiny_gpt2_folder(tmp_path_factory, tokenizer):
   """A random 1-layer GPT-2 as an HF folder with the test tokenizer."""
   folder = tmp_path_factory.mktemp("tiny_gpt2")
-  hf.save_pretrained(nnx.merge(*_tiny_gpt()), str(folder))
+  hf_weights.save_pretrained(nnx.merge(*_tiny_gpt()), str(folder))
   tokenizer.save(str(folder / "tokenizer.json"))
   return str(folder)
 
@@ -228,7 +233,7 @@ def tuned(files, tiny_gpt2_folder, tmp_path_factory):
   what it printed)."""
   workdir = str(tmp_path_factory.mktemp("tuned") / "run")
   with _captured_stdout() as out:
-    result = instruct.instruction_tune(_config(tiny_gpt2_folder, files), workdir)
+    result = instruction_tuning.instruction_tune(_config(tiny_gpt2_folder, files), workdir)
   return workdir, result, out.getvalue()
 
 
@@ -240,14 +245,14 @@ def test_tiny_gpt2_tunes_from_an_hf_folder_and_reads_back_from_its_workdir(files
   assert saved["eval_pairs"] == 8 and saved["eval_loss"] < saved["start_eval_loss"]
   report = open(os.path.join(workdir, "report.md")).read()
   assert "Held-out prompts (greedy)" in report and "reverse: " in report
-  assert isinstance(hf.from_pretrained(os.path.join(workdir, instruct.HF_MODEL)), GPT)
+  assert isinstance(hf_weights.from_pretrained(os.path.join(workdir, instruction_tuning.HF_MODEL)), GPT)
   config_json = json.loads(open(os.path.join(workdir, "config.json")).read())
   assert config_json["train"]["steps"] == saved["step"] and config_json["data"]["seq_len"] == saved["seq_len"]
 
   # init_from the run's workdir reads back the tuned weights that hf_model/ holds, bit for bit.
   mesh = sharding.make_mesh(config_lib.MeshConfig())
-  decoder = instruct.load_decoder(_config(workdir, files), mesh)
-  exported = nnx.state(hf.from_pretrained(os.path.join(workdir, instruct.HF_MODEL)), nnx.Param).to_pure_dict()
+  decoder = instruction_tuning.load_decoder(_config(workdir, files), mesh)
+  exported = nnx.state(hf_weights.from_pretrained(os.path.join(workdir, instruction_tuning.HF_MODEL)), nnx.Param).to_pure_dict()
   assert decoder.model_config.num_layers == 1 and decoder.tokenizer.to_str() == tokenizer.to_str()
   jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), decoder.params, exported)
 
@@ -256,13 +261,13 @@ def test_lora_instruction_tuning_starts_from_the_frozen_base(files, tmp_path, ti
   """lora.rank > 0 takes classification's LoRA train state: the HF base frozen, only the adapters in the optimizer,
   and (B = 0) the held-out loss before the first step equals the full-tuning run's, the base model's."""
   config = _config(tiny_gpt2_folder, files, **{"lora.rank": 4, "train.steps": 1})
-  config, mesh, kernels = train.prepare_run(config, str(tmp_path / "lora"), causal=True)
-  config, task = instruct.instruction_task(config, str(tmp_path / "lora"), mesh, kernels)
+  config, mesh, kernels = loop.prepare_run(config, str(tmp_path / "lora"), causal=True)
+  config, task = instruction_tuning.instruction_task(config, str(tmp_path / "lora"), mesh, kernels)
   state = task.start(task.state, 0)
   assert "frozen" in state and set(lora.state_bytes(state)) >= {"frozen_base_bytes", "optimizer_state_bytes"}
   assert all(name in ("lora_a", "lora_b") for name in _leaf_names(state["params"]))
-  lora_start = json.loads((tmp_path / "lora" / instruct.START_EVAL).read_text())
-  full_start = json.loads(open(os.path.join(tuned[0], instruct.START_EVAL)).read())  # the same base, no adapters
+  lora_start = json.loads((tmp_path / "lora" / instruction_tuning.START_EVAL).read_text())
+  full_start = json.loads(open(os.path.join(tuned[0], instruction_tuning.START_EVAL)).read())  # the same base, no adapters
   assert lora_start["eval_loss"] == pytest.approx(full_start["eval_loss"], rel=1e-5)
 
 

@@ -23,7 +23,7 @@ from jaxlm.kernels.attention import causal_block_attention, dot_product_attentio
 from jaxlm.kernels.cross_entropy import fused_cross_entropy
 from jaxlm.models.gpt import GPT
 from jaxlm.models.masks import causal_mask, padding_mask
-from jaxlm import steps as steps_lib
+from jaxlm.training import steps as steps_lib
 
 TINY = ModelConfig(vocab_size=96, num_layers=2, d_model=32, num_heads=4, max_seq_len=32, compute_dtype="float32")
 LLAMA = dataclasses.replace(TINY, flavour="llama", num_kv_heads=2, d_ff=48, tie_embeddings=False)
@@ -272,10 +272,10 @@ def test_recompute_attention_gradients_with_padding_and_bf16():
 
 def test_recompute_attention_saves_no_probabilities():
   """The residuals of a 2-layer GPT at T=32: the reference keeps [B, H, T, T] probabilities per layer, recompute
-  only a [B, H, T] log-sum-exp, as cuDNN's flash kernel does (jaxlm.predict counts what each saves)."""
-  from jaxlm import predict  # noqa: PLC0415
-  reference = predict.saved_activation_bytes(TINY, REF, 32, 1, 2)
-  recompute = predict.saved_activation_bytes(TINY, Kernels(attention="recompute"), 32, 1, 2)
+  only a [B, H, T] log-sum-exp, as cuDNN's flash kernel does (jaxlm.planner.estimates counts what each saves)."""
+  from jaxlm.planner import estimates  # noqa: PLC0415
+  reference = estimates.saved_activation_bytes(TINY, REF, 32, 1, 2)
+  recompute = estimates.saved_activation_bytes(TINY, Kernels(attention="recompute"), 32, 1, 2)
   probabilities = TINY.num_layers * 2 * TINY.num_heads * 32 * 32 * 4  # f32 [B, H, T, T] per layer
   assert reference - recompute >= 0.9 * probabilities, (reference, recompute, probabilities)
 
@@ -344,8 +344,10 @@ def test_cudnn_attention_close_to_xla_attention_in_bf16():
 
 
 def _mesh_step(model, kernels, data_devices):
-  from jaxlm import hlo, optim, sharding  # noqa: PLC0415
   from jaxlm.config import Config, DataConfig, MeshConfig, TrainConfig  # noqa: PLC0415
+  from jaxlm.parallel import sharding
+  from jaxlm.planner import hlo_traffic  # noqa: PLC0415
+  from jaxlm.training import optim
   config = Config(model=model, kernels=kernels.as_config(), mesh=MeshConfig(data=data_devices), data=DataConfig(seq_len=16),
                   train=TrainConfig(steps=10, batch_size=4, warmup_steps=1))
   mesh = sharding.make_mesh(config.mesh, jax.devices()[:data_devices])
@@ -355,7 +357,7 @@ def _mesh_step(model, kernels, data_devices):
   batch = steps_lib.to_global_batch(_batch(model.vocab_size, b=4), mesh)
   compiled = train_step.lower(state, batch).compile()
   _, metrics = compiled(state, batch)
-  return jax.device_get(metrics), hlo.collective_bytes(compiled.as_text(), data_devices)
+  return jax.device_get(metrics), hlo_traffic.collective_bytes(compiled.as_text(), data_devices)
 
 
 @pytest.mark.parametrize("scatter", [True, False], ids=["scatter_form", "one_hot_form"])

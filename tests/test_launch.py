@@ -1,5 +1,5 @@
 """The cluster launch files: SLURM runs for real under a stand-in `srun`; the SkyPilot and Kubernetes files are
-checked against what jaxlm.distributed reads and against the repository's scripts and configs."""
+checked against what jaxlm.parallel.distributed reads and against the repository's scripts and configs."""
 
 import json
 import os
@@ -10,7 +10,7 @@ import sys
 
 import yaml
 
-from jaxlm import distributed
+from jaxlm.parallel import distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JAXLM_ENV = {distributed.ENV_COORDINATOR, distributed.ENV_NUM_PROCESSES, distributed.ENV_PROCESS_ID}
@@ -19,7 +19,7 @@ JAXLM_ENV = {distributed.ENV_COORDINATOR, distributed.ENV_NUM_PROCESSES, distrib
 PROBE = """
 import json, os, sys
 import numpy as np
-from jaxlm import distributed
+from jaxlm.parallel import distributed
 joined = distributed.initialize(timeout_s=60)
 import jax
 from jax.experimental import multihost_utils

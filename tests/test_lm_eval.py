@@ -1,4 +1,4 @@
-"""jaxlm decoders as an lm-eval model (jaxlm.harness): loglikelihoods equal jaxlm's own scoring (the training loss
+"""jaxlm decoders as an lm-eval model (jaxlm.interop.lm_eval_model): loglikelihoods equal jaxlm's own scoring (the training loss
 kernel) for float and int8 weights, on one device and a mesh; rolling loglikelihoods are summed token log-probs;
 tasks defined from local files run offline end to end; a task that needs a download is a one-line error."""
 
@@ -10,14 +10,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
-# Through jaxlm.harness, which keeps experiments/lm_eval.py from shadowing the package.
-harness = pytest.importorskip("jaxlm.harness", reason="lm-eval is not installed (pip install -e '.[eval]')")
+# Through jaxlm.interop.lm_eval_model, which keeps experiments/lm_eval.py from shadowing the package.
+harness = pytest.importorskip("jaxlm.interop.lm_eval_model", reason="lm-eval is not installed (pip install -e '.[eval]')")
 from lm_eval.api.instance import Instance  # noqa: E402
 
 from jaxlm import data as data_lib  # noqa: E402
-from jaxlm import generate, sharding  # noqa: E402
 from jaxlm.config import MeshConfig, ModelConfig  # noqa: E402
+from jaxlm.inference import generate  # noqa: E402
 from jaxlm.models.gpt import GPT  # noqa: E402
+from jaxlm.parallel import sharding
 
 CONFIG = ModelConfig(vocab_size=300, num_layers=2, d_model=32, num_heads=4, num_kv_heads=2, flavour="llama",
                      d_ff=48, max_seq_len=32, rope_theta=100.0, compute_dtype="float32")
@@ -104,7 +105,7 @@ LOGLIKELIHOOD_REQUESTS = ([(d["question"], c) for d in CHOICES for c in d["choic
 
 
 def test_loglikelihoods_equal_jaxlm_scoring_for_float_and_int8_weights_and_on_a_mesh(setup, reference):
-  from jaxlm import quant
+  from jaxlm.compress import quantization
 
   lm, tokenizer = setup["lm"], setup["tokenizer"]
   pairs = _pairs(tokenizer, LOGLIKELIHOOD_REQUESTS)
@@ -114,7 +115,7 @@ def test_loglikelihoods_equal_jaxlm_scoring_for_float_and_int8_weights_and_on_a_
   np.testing.assert_allclose([o[0] for o in ours], [e[0] for e in expected], rtol=1e-5)
   assert [o[1] for o in ours] == [e[1] for e in expected]
 
-  int8_def, int8_params = nnx.split(quant.quantize(nnx.merge(setup["graphdef"], setup["params"]), "weight_only"))
+  int8_def, int8_params = nnx.split(quantization.quantize(nnx.merge(setup["graphdef"], setup["params"]), "weight_only"))
   int8_lm = harness.JaxlmLM(int8_def, int8_params, tokenizer, batch_size=BATCH)
   int8_ours = int8_lm.loglikelihood(_requests("loglikelihood", LOGLIKELIHOOD_REQUESTS[:BATCH]))
   int8_expected = [reference(int8_def, int8_params, *p) for p in pairs[:BATCH]]
@@ -160,7 +161,7 @@ def test_local_tasks_run_offline_and_their_metrics_follow_the_scores(setup, refe
   words = sum(len(re.split(r"\s+", t)) for t in TEXTS)
   rolling = lm.loglikelihood_rolling(_requests("loglikelihood_rolling", [(t,) for t in TEXTS]))
   assert metrics["local_text/word_perplexity"] == pytest.approx(np.exp(-sum(rolling) / words), rel=1e-5)
-  # generate_until: jaxlm.generate's greedy tokens, cut before the first stop string.
+  # generate_until: jaxlm.inference.generate's greedy tokens, cut before the first stop string.
   prompt = tokenizer.encode("def f(x):").ids
   free = tokenizer.decode(generate.generate(setup["graphdef"], setup["params"], [prompt] * BATCH, 6,
                                             pad_id=lm.eot_token_id)[0])

@@ -1,4 +1,4 @@
-"""LoRA and QLoRA (jaxlm/lora.py): zero-B adapters are the base model, the frozen base stays bit-identical and out
+"""LoRA and QLoRA (jaxlm/adapters/lora.py): zero-B adapters are the base model, the frozen base stays bit-identical and out
 of the optimizer, a step on a sharded mesh with accumulation equals the single-device unaccumulated one, merging
 equals base + adapters, QLoRA's state is small, resume is exact, and bad input is a one-line error."""
 
@@ -10,17 +10,31 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import write_labelled_words
 from flax import nnx
 
-from conftest import write_labelled_words
-from jaxlm import finetune, int8, lora, nf4, optim, sharding
-from jaxlm.checkpoint import Checkpointer, abstract_with_shardings
-from jaxlm import steps as steps_lib
-from jaxlm.config import (CheckpointConfig, Config, DataConfig, LogConfig, LoRAConfig, MeshConfig, ModelConfig,
-                          TrainConfig, default_config, from_config_dict)
+from jaxlm.adapters import lora, nf4
+from jaxlm.compress import int8
+from jaxlm.config import (
+  CheckpointConfig,
+  Config,
+  DataConfig,
+  LogConfig,
+  LoRAConfig,
+  MeshConfig,
+  ModelConfig,
+  TrainConfig,
+  default_config,
+  from_config_dict,
+)
 from jaxlm.kernels import Kernels
 from jaxlm.models.bert import BertForSequenceClassification
 from jaxlm.models.gpt import GPT
+from jaxlm.parallel import sharding
+from jaxlm.recipes import classifier_finetuning
+from jaxlm.training import optim
+from jaxlm.training import steps as steps_lib
+from jaxlm.training.checkpoint import Checkpointer, abstract_with_shardings
 
 SEQ = 16
 GPT2 = ModelConfig(vocab_size=128, num_layers=2, d_model=64, num_heads=4, max_seq_len=32, compute_dtype="float32")
@@ -210,7 +224,7 @@ def test_qlora_state_resumes_from_a_checkpoint_bit_for_bit(trained, tmp_path):
 
 def test_qlora_finetuning_reports_its_state_and_exports_its_adapters(tmp_path):
   config = _classifier_config(tmp_path, steps=2, base="nf4")
-  result = finetune.finetune(config, str(tmp_path / "run"))
+  result = classifier_finetuning.finetune(config, str(tmp_path / "run"))
   saved = json.loads((tmp_path / "run" / "eval.json").read_text())
   assert saved["lora_base"] == "nf4" and saved["trainable_params"] == result["trainable_params"] > 0
   assert saved["frozen_base_bytes"] > saved["adapter_bytes"] > 0 and saved["optimizer_state_bytes"] > 0

@@ -1,4 +1,4 @@
-"""LoRA / QLoRA load and merged export one parameter at a time (jaxlm/lora_io.py), against the whole-tree path
+"""LoRA / QLoRA load and merged export one parameter at a time (jaxlm/interop/streaming.py), against the whole-tree path
 (lora.load_base of the float model; lora.merge + save) for int8, NF4 and float bases: the loaded state bit for bit,
 the merged weights to float32 rounding; the empty base of `lora.init_train_state(..., empty_base=True)` differs from
 the random one only in the frozen weights."""
@@ -11,11 +11,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxlm import hf, hf_config, instruct, lora, lora_io, optim, pretrained, sharding
+from jaxlm.adapters import lora
 from jaxlm.config import LoRAConfig, MeshConfig, ModelConfig, TrainConfig
+from jaxlm.interop import hf_config, hf_weights, streaming
 from jaxlm.kernels import Kernels
 from jaxlm.models.bert import Bert, BertForSequenceClassification
 from jaxlm.models.gpt import GPT
+from jaxlm.parallel import sharding
+from jaxlm.recipes import init_from, instruction_tuning
+from jaxlm.training import optim
 
 GPT2 = ModelConfig(vocab_size=64, num_layers=2, d_model=64, num_heads=4, max_seq_len=16, compute_dtype="float32")
 LLAMA = dataclasses.replace(GPT2, flavour="llama", d_model=128, num_kv_heads=2, d_ff=256, tie_embeddings=False)
@@ -37,7 +41,7 @@ def test_streamed_load_and_merged_export_equal_the_whole_tree_path(model_config,
   else:
     save = GPT(model_config, rngs=nnx.Rngs(7))
     make = lambda rngs: GPT(model_config, kernels=Kernels(), rngs=rngs)
-  hf.save_pretrained(save, str(tmp_path / "base"))
+  hf_weights.save_pretrained(save, str(tmp_path / "base"))
   graphdef, abstract = nnx.split(nnx.eval_shape(lambda: make(nnx.Rngs(0))))
   mesh = sharding.make_mesh(MeshConfig(data=1, fsdp=2, tensor=2) if base == "nf4" else MeshConfig(), jax.devices()[
       :4 if base == "nf4" else 1])
@@ -50,29 +54,29 @@ def test_streamed_load_and_merged_export_equal_the_whole_tree_path(model_config,
 
   # The whole-tree path: the float model loaded, merged into the dequantized state, quantized again.
   folder = str(tmp_path / "base")
-  whole = nnx.state(hf.from_pretrained(folder), nnx.Param).to_pure_dict()
-  _, source = lora_io.hf_source(folder)
+  whole = nnx.state(hf_weights.from_pretrained(folder), nnx.Param).to_pure_dict()
+  _, source = streaming.hf_source(folder)
   if model_config.flavour == "bert":
     whole, source = {"bert": whole}, {"bert": source}
     old, old_kept = lora.load_base(state, shardings, lora_config, make, mesh, lambda p, s: (
-        pretrained.merge_pretrained(p, whole, s, folder)))
-    new, kept = lora_io.load_base(state, shardings, lora_config, make, mesh, source, folder, strict=False)
+        init_from.merge_pretrained(p, whole, s, folder)))
+    new, kept = streaming.load_base(state, shardings, lora_config, make, mesh, source, folder, strict=False)
     assert kept == old_kept == ["classifier/b", "classifier/w"]
   else:
     old, _ = lora.load_base(state, shardings, lora_config, make, mesh, lambda p, s: (
-        instruct.place_params(whole, p, s, folder), None))
+        instruction_tuning.place_params(whole, p, s, folder), None))
     with pytest.raises(ValueError, match="has no parameter blocks/"):  # strict (instruction tuning): all or nothing
-      lora_io.load_base(state, shardings, lora_config, make, mesh, {}, folder)
-    new, _ = lora_io.load_base(state, shardings, lora_config, make, mesh, source, folder)
+      streaming.load_base(state, shardings, lora_config, make, mesh, {}, folder)
+    new, _ = streaming.load_base(state, shardings, lora_config, make, mesh, source, folder)
   assert _same(old, new)
 
   # Trained-looking adapters (B no longer zero), then the merged export against lora.merge of the whole tree.
   trainable = jax.jit(lambda t: jax.tree.map(lambda x: x + 0.01 * jax.random.normal(jax.random.key(3), x.shape), t))(
       new["params"])
   params = lora.combine(trainable, new["frozen"])
-  lora_io.save_merged(graphdef, params, str(tmp_path / "merged"))
+  streaming.save_merged(graphdef, params, str(tmp_path / "merged"))
   merged_model = nnx.merge(graphdef, lora.merge(params))
-  written = nnx.state(hf.from_pretrained(str(tmp_path / "merged")), nnx.Param).to_pure_dict()
+  written = nnx.state(hf_weights.from_pretrained(str(tmp_path / "merged")), nnx.Param).to_pure_dict()
   expected = nnx.state(merged_model, nnx.Param).to_pure_dict()
   assert jax.tree.structure(written) == jax.tree.structure(expected)
   for path, value in lora._flat(expected).items():  # per layer: the adapters' product may round by one ulp

@@ -1,4 +1,4 @@
-"""float16 with dynamic loss scaling (jaxlm/loss_scale.py): unscaled float16 gradients underflow where scaled ones
+"""float16 with dynamic loss scaling (jaxlm/training/loss_scale.py): unscaled float16 gradients underflow where scaled ones
 match float32; overflow skips, lowers the scale and leaves params bit-identical; growth after N good steps; the scale
 is checkpointed and resumes exactly; overflow skips do not trip train.max_consecutive_nonfinite, a divergence does;
 bf16 and f32 steps are the unscaled step, unchanged.
@@ -17,13 +17,25 @@ import optax
 import pytest
 
 from jaxlm import kernels as kernels_lib
-from jaxlm import loss_scale, optim, reliability, sharding, train
-from jaxlm import steps as steps_lib
-from jaxlm.checkpoint import CheckpointMismatchError, Checkpointer
-from jaxlm.config import (LOSS_SCALE_MAX, CheckpointConfig, Config, DataConfig, KernelsConfig, LogConfig,
-                          LossScaleConfig, MeshConfig, ModelConfig, TrainConfig, from_config_dict,
-                          default_config)
+from jaxlm.config import (
+  LOSS_SCALE_MAX,
+  CheckpointConfig,
+  Config,
+  DataConfig,
+  KernelsConfig,
+  LogConfig,
+  LossScaleConfig,
+  MeshConfig,
+  ModelConfig,
+  TrainConfig,
+  default_config,
+  from_config_dict,
+)
 from jaxlm.models.gpt import GPT
+from jaxlm.parallel import sharding
+from jaxlm.training import loop, loss_scale, optim, reliability
+from jaxlm.training import steps as steps_lib
+from jaxlm.training.checkpoint import Checkpointer, CheckpointMismatchError
 
 MODEL = ModelConfig(vocab_size=320, num_layers=1, d_model=64, num_heads=4, max_seq_len=32, compute_dtype="float16",
                     init_std=1e-3)
@@ -280,18 +292,18 @@ class _Batches:
 
 
 def _run_loop(trained, workdir, steps, poisoned=(), stop_at_step=None, max_consecutive_nonfinite=5):
-  """jaxlm.train.run_loop on the fixture's compiled float16 step from its initial state; the metrics.jsonl lines."""
+  """jaxlm.training.loop.run_loop on the fixture's compiled float16 step from its initial state; the metrics.jsonl lines."""
   config = dataclasses.replace(
       trained["config"], train=dataclasses.replace(trained["config"].train, steps=steps,
                                                    max_consecutive_nonfinite=max_consecutive_nonfinite),
       checkpoint=CheckpointConfig(every_steps=100, keep=2), log=LogConfig(every_steps=1, progress_bar=False))
-  task = train.Task(
+  task = loop.Task(
       title="fp16 run", state=jax.device_put(trained["states"][0], trained["shardings"]),
       state_shardings=trained["shardings"], train_step=trained["train_step"], batches=_Batches(poisoned),
       count=lambda batch: {"tokens": batch["loss_mask"].size}, evaluate=lambda step, params: {},
-      finish=lambda end: train.Report(summary=end.last))
+      finish=lambda end: loop.Report(summary=end.last))
   with reliability.StopSignals(announce=False) as stop:
-    train.run_loop(config, str(workdir), trained["mesh"], task, stop, stop_at_step=stop_at_step)
+    loop.run_loop(config, str(workdir), trained["mesh"], task, stop, stop_at_step=stop_at_step)
   return [json.loads(line) for line in open(workdir / "metrics.jsonl")]
 
 

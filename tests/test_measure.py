@@ -1,8 +1,8 @@
-"""jaxlm.measure's statistics for speed measurements: the median's interval and the wall-time shares."""
+"""jaxlm.planner.check_against_runs's statistics for speed measurements: the median's interval and the wall-time shares."""
 
 import pytest
 
-from jaxlm.measure import median_interval, wall_time_shares
+from jaxlm.planner.check_against_runs import median_interval, wall_time_shares
 
 
 def test_median_interval_is_the_order_statistics_interval():

@@ -8,9 +8,10 @@ import subprocess
 import sys
 
 import numpy as np
-
 from conftest import demo_config, write_token_corpus
-from jaxlm import distributed, train
+
+from jaxlm.parallel import distributed
+from jaxlm.recipes import pretraining
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -44,7 +45,7 @@ def test_two_processes_stopped_and_resumed_match_one_process(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
   assert {"2", "4"} <= set(os.listdir(tmp_path / "two" / "checkpoints"))
 
-  train.train(demo_config(overrides), str(tmp_path / "one"))
+  pretraining.train(demo_config(overrides), str(tmp_path / "one"))
   one, two = _losses(tmp_path / "one"), _losses(tmp_path / "two")
   assert len(one) == len(two) == 4
   np.testing.assert_allclose(two, one, rtol=1e-5)
@@ -53,7 +54,7 @@ def test_two_processes_stopped_and_resumed_match_one_process(tmp_path):
 def test_unreachable_coordinator_fails_with_a_timeout_not_a_hang(tmp_path):
   env = dict(os.environ, JAXLM_COORDINATOR_ADDRESS="127.0.0.1:1", JAXLM_NUM_PROCESSES="2", JAXLM_PROCESS_ID="1",
              JAX_PLATFORMS="cpu")
-  code = "from jaxlm import distributed; distributed.initialize(timeout_s=5)"
+  code = "from jaxlm.parallel import distributed; distributed.initialize(timeout_s=5)"
   result = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True,
                           timeout=120)
   assert result.returncode != 0
@@ -66,7 +67,7 @@ def test_slurm_task_with_unreachable_first_node_fails_with_a_timeout_not_a_hang(
   env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "JAXLM_"))}
   env.update(SLURM_JOB_ID="7", SLURM_STEP_NODELIST="127.0.0.1", SLURM_NTASKS="2", SLURM_PROCID="1",
              SLURM_LOCALID="1", JAX_PLATFORMS="cpu")
-  code = "from jaxlm import distributed; distributed.initialize(timeout_s=3)"
+  code = "from jaxlm.parallel import distributed; distributed.initialize(timeout_s=3)"
   result = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True,
                           timeout=120)
   assert result.returncode != 0

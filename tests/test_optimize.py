@@ -9,10 +9,10 @@ import sys
 
 import numpy as np
 import pytest
+from conftest import xla_flags_without_device_count
 
 from jaxlm import config as config_lib
-from jaxlm import train
-from conftest import xla_flags_without_device_count
+from jaxlm.recipes import pretraining
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -33,7 +33,7 @@ def _trained_workdir(tmp_path):
     section, name = key.split(".")
     setattr(config[section], name, value)
   workdir = str(tmp_path / "run")
-  train.train(config_lib.from_config_dict(config), workdir)
+  pretraining.train(config_lib.from_config_dict(config), workdir)
   return workdir
 
 

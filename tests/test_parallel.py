@@ -5,11 +5,13 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
-
-from jaxlm import optim, sharding, train
-from jaxlm.config import Config, DataConfig, KernelsConfig, MeshConfig, TrainConfig
-from jaxlm import steps as steps_lib
 from test_train import MODEL, _batch
+
+from jaxlm.config import Config, DataConfig, KernelsConfig, MeshConfig, TrainConfig
+from jaxlm.parallel import sharding
+from jaxlm.recipes import pretraining
+from jaxlm.training import optim
+from jaxlm.training import steps as steps_lib
 
 # 4 heads and an MLP width of 256 divide every tensor size used here.
 
@@ -104,7 +106,7 @@ def test_batch_not_divisible_by_data_axes_is_refused_before_compiling(tmp_path):
   config = Config(model=MODEL, mesh=MeshConfig(data=4), data=DataConfig(seq_len=16),
                   train=TrainConfig(steps=2, batch_size=6))
   with pytest.raises(ValueError, match="train.batch_size=6 must be divisible by mesh.data\\*mesh.fsdp"):
-    train.train(config, str(tmp_path / "run"))
+    pretraining.train(config, str(tmp_path / "run"))
 
 
 @pytest.mark.parametrize("axis, slack", [("data", 1.3), ("fsdp", 2.0)])
@@ -114,7 +116,7 @@ def test_hlo_collective_bytes_of_data_parallel_and_fsdp_steps_are_near_the_ring_
   gathers each layer's weights and reduces their gradients: same minimum; 2x allows the un-fused reduce-scatter
   (all-reduce + slice on the CPU) and a second gather. Before weights were gathered explicitly (sharding.gather_fsdp)
   GSPMD sharded activations along `embed` instead and moved ~10x the minimum."""
-  from jaxlm import hlo
+  from jaxlm.planner import hlo_traffic
   for devices in (1, 4):
     config = Config(model=MODEL, mesh=MeshConfig(**{"data": 1, axis: devices}), data=DataConfig(seq_len=16),
                     train=TrainConfig(steps=10, batch_size=8))
@@ -123,19 +125,22 @@ def test_hlo_collective_bytes_of_data_parallel_and_fsdp_steps_are_near_the_ring_
     graphdef, state, shardings = steps_lib.init_train_state(config, mesh, optimizer)
     train_step, _ = steps_lib.jit_steps(graphdef, optimizer, config, mesh, shardings)
     compiled = train_step.lower(state, steps_lib.to_global_batch(_batch(8), mesh)).compile()
-    moved = hlo.collective_bytes(compiled.as_text(), devices)["total"]
+    moved = hlo_traffic.collective_bytes(compiled.as_text(), devices)["total"]
     param_bytes = sum(x.size * 4 for x in jax.tree.leaves(state["params"]))
     minimum = 2 * (devices - 1) / devices * param_bytes
     assert (moved == 0) if devices == 1 else (minimum <= moved <= slack * minimum), (moved, minimum)
 
 
 def _step_collective_bytes(mesh_config, grad_accum):
-  from jaxlm import hlo, measure  # noqa: PLC0415
+  from jaxlm.planner import (
+    check_against_runs,
+    hlo_traffic,  # noqa: PLC0415
+  )
   config = Config(model=MODEL, mesh=mesh_config, data=DataConfig(seq_len=16),
                   train=TrainConfig(steps=10, batch_size=16, grad_accum=grad_accum))
-  compiled, state, _, mesh = measure.compiled_train_step(config)
+  compiled, state, _, mesh = check_against_runs.compiled_train_step(config)
   param_bytes = sum(x.size * 4 for x in jax.tree.leaves(state["params"]))
-  return hlo.collective_bytes(compiled.as_text(), mesh.size)["total"], param_bytes
+  return hlo_traffic.collective_bytes(compiled.as_text(), mesh.size)["total"], param_bytes
 
 
 def test_data_parallel_accumulation_reduces_the_gradients_once_per_step():

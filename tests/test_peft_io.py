@@ -1,4 +1,4 @@
-"""PEFT adapter folders (jaxlm/peft_io.py): what jaxlm exports, `peft` + `transformers` load onto the HF base model
+"""PEFT adapter folders (jaxlm/interop/peft_folders.py): what jaxlm exports, `peft` + `transformers` load onto the HF base model
 with the same outputs; importing it back is bit-identical; the merged model is an ordinary HF checkpoint with the
 same outputs; folders of another base model or of an unsupported kind are one-line errors."""
 
@@ -6,14 +6,14 @@ import json
 import shutil
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from jaxlm import hf, lora, peft_io
+from jaxlm.adapters import lora
 from jaxlm.config import LoRAConfig, ModelConfig
+from jaxlm.interop import hf_weights, peft_folders
 from jaxlm.kernels import Kernels
 from jaxlm.models.bert import BertForSequenceClassification
 from jaxlm.models.gpt import GPT
@@ -62,9 +62,9 @@ def _export(model_config, targets, folder):
 
   params, trainable, ours = build()  # one program: init, adapters and the LoRA model's logits
   base = nnx.merge(graphdef, params)
-  lora_model = peft_io.with_adapters(base, trainable, plan.scale)
-  hf.save_pretrained(base, str(folder / "base"))
-  peft_io.save_adapters(lora_model, str(folder / "adapter"))
+  lora_model = peft_folders.with_adapters(base, trainable, plan.scale)
+  hf_weights.save_pretrained(base, str(folder / "base"))
+  peft_folders.save_adapters(lora_model, str(folder / "adapter"))
   return base, lora_model, trainable, plan, np.asarray(ours)
 
 
@@ -86,10 +86,10 @@ def test_peft_loads_the_export_onto_the_hf_base_with_the_same_outputs(exported):
 
 def test_import_back_is_bit_identical(exported):
   _, folder, base, _, trainable, plan, _, _ = exported
-  imported, scale = peft_io.read_adapters(str(folder / "adapter"), base)
+  imported, scale = peft_folders.read_adapters(str(folder / "adapter"), base)
   assert scale == plan.scale
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(imported), jax.device_get(trainable))
-  loaded = peft_io.from_pretrained(str(folder / "base"), str(folder / "adapter"))
+  loaded = peft_folders.from_pretrained(str(folder / "base"), str(folder / "adapter"))
   ours = lora._flat(nnx.state(exported[3], nnx.Param).to_pure_dict())
   for path, value in lora._flat(nnx.state(loaded, nnx.Param).to_pure_dict()).items():
     for got, want in zip(jax.tree.leaves(value), jax.tree.leaves(ours[path])):
@@ -98,7 +98,7 @@ def test_import_back_is_bit_identical(exported):
 
 def test_the_merged_model_is_an_ordinary_hf_checkpoint_with_the_same_outputs(exported):
   family, folder, _, lora_model, _, _, ours, hf_class = exported
-  hf.save_pretrained(peft_io.merged_model(lora_model), str(folder / "merged"))
+  hf_weights.save_pretrained(peft_folders.merged_model(lora_model), str(folder / "merged"))
   merged = hf_class.from_pretrained(str(folder / "merged"))
   with torch.no_grad():
     theirs = merged.eval()(torch.tensor(IDS)).logits.numpy()
@@ -110,14 +110,14 @@ def test_a_mean_pooling_head_exports_what_peft_reproduces_and_imports_back(tmp_p
   exported head give jaxlm's logits, and jaxlm reads the head's pooling back from the folder."""
   config = ModelConfig(flavour="bert", classifier_pooling="mean", **SMALL)
   base, _, _, _, ours = _export(config, "w_q,w_v,mlp", tmp_path)
-  assert base.bert.pooler is None and (tmp_path / "adapter" / peft_io.HEAD_FILE).is_file()
+  assert base.bert.pooler is None and (tmp_path / "adapter" / peft_folders.HEAD_FILE).is_file()
   model = peft.PeftModel.from_pretrained(transformers.BertForSequenceClassification.from_pretrained(
       str(tmp_path / "base")), str(tmp_path / "adapter")).eval()
   with torch.no_grad():
     hidden = model.base_model.model.bert(torch.tensor(IDS)).last_hidden_state.mean(1)
     theirs = model.base_model.model.classifier(hidden).numpy()
   assert np.abs(ours - theirs).max() <= 1e-4 * np.abs(theirs).max()
-  loaded = peft_io.from_pretrained(str(tmp_path / "base"), str(tmp_path / "adapter"))
+  loaded = peft_folders.from_pretrained(str(tmp_path / "base"), str(tmp_path / "adapter"))
   assert loaded.config.classifier_pooling == "mean"
   np.testing.assert_allclose(np.asarray(loaded(IDS)), ours, rtol=1e-5, atol=1e-6)
 
@@ -126,13 +126,13 @@ def _broken_copy(exported, tmp_path, edit_config=None, edit_tensors=None):
   folder = tmp_path / "adapter"
   shutil.copytree(exported[1] / "adapter", folder)
   if edit_config:
-    config = json.loads((folder / peft_io.CONFIG).read_text())
+    config = json.loads((folder / peft_folders.CONFIG).read_text())
     edit_config(config)
-    (folder / peft_io.CONFIG).write_text(json.dumps(config))
+    (folder / peft_folders.CONFIG).write_text(json.dumps(config))
   if edit_tensors:
-    tensors = load_file(str(folder / peft_io.WEIGHTS))
+    tensors = load_file(str(folder / peft_folders.WEIGHTS))
     edit_tensors(tensors)
-    save_file(tensors, str(folder / peft_io.WEIGHTS))
+    save_file(tensors, str(folder / peft_folders.WEIGHTS))
   return folder
 
 
@@ -160,11 +160,11 @@ def test_unsupported_or_foreign_adapter_folders_are_one_line_errors(exported, tm
   }.get(case, {})
   folder = _broken_copy(exported, tmp_path, **edits)
   if case == "pickle":
-    (folder / peft_io.WEIGHTS).rename(folder / "adapter_model.bin")
+    (folder / peft_folders.WEIGHTS).rename(folder / "adapter_model.bin")
   if case == "no_config":
-    (folder / peft_io.CONFIG).unlink()
+    (folder / peft_folders.CONFIG).unlink()
   before = sorted(p.name for p in folder.iterdir())
   with pytest.raises(ValueError, match=message) as error:
-    peft_io.read_adapters(str(folder), exported[2])
+    peft_folders.read_adapters(str(folder), exported[2])
   assert "\n" not in str(error.value)
   assert sorted(p.name for p in folder.iterdir()) == before  # nothing deleted

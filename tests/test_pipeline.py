@@ -11,10 +11,12 @@ import pytest
 from jax.sharding import NamedSharding
 
 from jaxlm import config as config_lib
-from jaxlm import pipeline, sharding, train
-from jaxlm import steps as steps_lib
-from jaxlm.checkpoint import Checkpointer, abstract_with_shardings
 from jaxlm.config import Config, DataConfig, KernelsConfig, MeshConfig, ModelConfig, TrainConfig
+from jaxlm.parallel import sharding
+from jaxlm.recipes import pretraining
+from jaxlm.training import pipeline
+from jaxlm.training import steps as steps_lib
+from jaxlm.training.checkpoint import Checkpointer, abstract_with_shardings
 
 SEQ, BATCH, MICRO = 16, 8, 4
 GPT2 = ModelConfig(vocab_size=64, num_layers=4, d_model=32, num_heads=2, max_seq_len=SEQ, compute_dtype="float32")
@@ -206,7 +208,7 @@ def test_a_pipeline_that_does_not_fit_the_devices_stops_before_anything_is_writt
   config = dataclasses.replace(_config(dataclasses.replace(GPT2, num_layers=3), MeshConfig(pipeline=3)),
                                train=TrainConfig(steps=1, batch_size=BATCH, grad_accum=3))
   with pytest.raises(ValueError, match=r"mesh.pipeline=3 does not divide the 4 devices"):
-    train.train(config, str(workdir))
+    pretraining.train(config, str(workdir))
   assert sorted(p.name for p in workdir.iterdir()) == ["notes.txt"]
 
 
@@ -217,7 +219,7 @@ def test_a_task_with_its_own_loss_is_refused_on_a_pipeline(four_stages):
 
 
 def test_a_loss_scale_seeds_the_backward_and_scales_loss_and_gradients(four_stages):
-  """float16 runs (jaxlm/loss_scale.py) get the loss and gradients times the scale, as scaled_loss_fn gives them."""
+  """float16 runs (jaxlm/training/loss_scale.py) get the loss and gradients times the scale, as scaled_loss_fn gives them."""
   mesh = four_stages.mesh
   gradient_fn = pipeline.make_gradient_fn(four_stages.graphdef, mesh, MICRO, "1f1b")
   run = jax.jit(sharding.traced_on(mesh, lambda p, b, scale: gradient_fn(p, b, loss_scale=scale)))

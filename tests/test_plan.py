@@ -1,4 +1,4 @@
-"""jaxlm.plan: hardware profiles, candidate meshes, the memory model against XLA's compiled buffers, the roofline,
+"""jaxlm.planner.plan: hardware profiles, candidate meshes, the memory model against XLA's compiled buffers, the roofline,
 costs, and the two promises of issue 7 (gpt2_small fits one H100; GPT-2 XL does not fit one L4 and the plan says
 what does). One compile in the whole file; the rest traces shapes only."""
 
@@ -12,11 +12,12 @@ import sys
 
 import jax
 import pytest
+from conftest import xla_flags_without_device_count
 
 from jaxlm import config as config_lib
-from jaxlm import plan, telemetry
 from jaxlm.kernels import Kernels
-from conftest import xla_flags_without_device_count
+from jaxlm.planner import plan
+from jaxlm.training import telemetry
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = config_lib.Config(
@@ -368,7 +369,7 @@ def test_lora_and_qlora_byte_accounting():
   adapters = 8 * plan.lora_predict._adapter_width_per_layer(config) * m.num_layers
   assert parts["nf4"]["trainable_params"] == adapters and parts["nf4"]["adapter_bytes"] == 4 * adapters
   assert parts["nf4"]["optimizer_state_bytes"] == pytest.approx(2 * 4 * adapters, abs=64)  # Adam's two moments
-  # Loading or exporting (jaxlm/lora_io.py) adds one f32 embedding, or one target layer in f32 twice.
+  # Loading or exporting (jaxlm/interop/streaming.py) adds one f32 embedding, or one target layer in f32 twice.
   assert parts["nf4"]["load_peak_bytes"] == parts["nf4"]["state_bytes"] + max(
       4 * m.vocab_size * m.d_model, 2 * 4 * m.d_model * max(m.mlp_width, m.num_heads * m.head_dim))
   memory = plan.lora_predict.predict_lora_memory(config, (1, 1, 1), 2, "gpu")

@@ -1,4 +1,4 @@
-"""Pruning (jaxlm/prune.py): exact target sparsity (global and per layer), valid 2:4 patterns, masks that survive a
+"""Pruning (jaxlm/compress/prune.py): exact target sparsity (global and per layer), valid 2:4 patterns, masks that survive a
 fine-tune, int8 on top of pruning keeping the zeros, Wanda's activation-aware scores and masks (GPT-2, Llama, BERT),
 SparseGPT's masks and reconstruction (its exact cases, sequential calibration), and the errors for bad input."""
 
@@ -11,11 +11,12 @@ import optax
 import pytest
 from flax import nnx, traverse_util
 
-from jaxlm import optim, prune, quant
+from jaxlm.compress import prune, quantization
 from jaxlm.config import ModelConfig, TrainConfig
 from jaxlm.models.bert import BertForSequenceClassification
 from jaxlm.models.gpt import GPT
-from jaxlm import steps as steps_lib
+from jaxlm.training import optim
+from jaxlm.training import steps as steps_lib
 
 CONFIG = ModelConfig(vocab_size=64, num_layers=2, d_model=32, num_heads=4, max_seq_len=16, compute_dtype="float32",
                      init_std=0.1)
@@ -130,7 +131,7 @@ def test_masks_survive_fine_tuning_and_int8_keeps_the_zeros():
   tuned_state = jax.tree.map(lambda x: x, state)
   nnx.replace_by_pure_dict(tuned_state, tuned)
   tuned_model = nnx.merge(graphdef, tuned_state)
-  qmodel = quant.quantize(tuned_model, "weight_only")
+  qmodel = quantization.quantize(tuned_model, "weight_only")
   qflat = dict(nnx.to_flat_state(nnx.state(qmodel)))
   for path, m in traverse_util.flatten_dict(masks).items():
     assert bool(np.all(np.where(m, True, qflat[path].get_value().q.qvalue == 0))), path
@@ -232,7 +233,7 @@ def _reconstruction_error(w, pruned, gram, contracted):
 
 @pytest.mark.parametrize("name", ["gpt2", "llama", "bert"])
 def test_sparsegpt_keeps_the_row_sparsity_and_2_4_and_reconstructs_better_than_masks_alone(name):
-  from jaxlm import calibration
+  from jaxlm.compress import calibration
 
   model = _model(name)
   weights = prune.prunable(model)

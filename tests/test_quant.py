@@ -1,4 +1,4 @@
-"""int8 post-training quantization (jaxlm/quant.py, jaxlm/int8.py, jaxlm/smoothing.py): quantize -> dequantize
+"""int8 post-training quantization (jaxlm/compress/quantization.py, jaxlm/compress/int8.py, jaxlm/compress/smoothquant.py): quantize -> dequantize
 error bounds, quantized forwards close to the float model (GPT-2, Llama, BERT classifier; weight-only, static and
 dynamic W8A8), SmoothQuant smoothing that keeps the float function and helps where an input channel is an outlier,
 int8 checkpoints that round trip onto a mesh and run through the same generate code, and the errors for bad input."""
@@ -8,15 +8,18 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import qwix
 import numpy as np
 import pytest
+import qwix
 from flax import nnx
 
-from jaxlm import calibration, generate, int8, quant, quant_io, sharding, smoothing
+from jaxlm.compress import calibration, checkpoint_files, int8, smoothquant
+from jaxlm.compress import quantization as quantization_lib
 from jaxlm.config import MeshConfig, ModelConfig
+from jaxlm.inference import generate
 from jaxlm.models.bert import BertForSequenceClassification
 from jaxlm.models.gpt import GPT
+from jaxlm.parallel import sharding
 
 GPT2 = ModelConfig(vocab_size=96, num_layers=2, d_model=32, num_heads=4, max_seq_len=16, compute_dtype="float32",
                    init_std=0.1)
@@ -97,8 +100,8 @@ def test_quantized_forward_is_close_to_float(name, modes):
   # Relative L2 error of the logits. Per-tensor static input scales are coarser than per-token ones.
   tolerance = {"weight_only": 0.02, "w8a8": 0.08, "w8a8_dynamic": 0.04}
   for mode in modes:
-    qmodel = quant.quantize(model, mode, calibration=CALIBRATION, forward=_forward)
-    assert quant.mode_of(qmodel) == mode
+    qmodel = quantization_lib.quantize(model, mode, calibration=CALIBRATION, forward=_forward)
+    assert quantization_lib.mode_of(qmodel) == mode
     weights = [v.get_value() for _, v in nnx.to_flat_state(nnx.state(qmodel))
                if isinstance(v.get_value(), int8.Int8Weight)]
     assert len(weights) >= 6 and all(w.q.qvalue.dtype == jnp.int8 for w in weights)
@@ -151,13 +154,13 @@ def test_calibration_statistics_leave_out_padding_tokens():
 def test_int8_checkpoint_round_trip_onto_a_mesh_and_generate(tmp_path):
   model = _model("gpt2")
   # Smoothed: GPT-2's MLP output projection keeps its 1/s in the int8 weight, which must round trip too.
-  qmodel = quant.quantize(model, "w8a8", calibration=CALIBRATION, forward=_forward, smoothing=0.5)
+  qmodel = quantization_lib.quantize(model, "w8a8", calibration=CALIBRATION, forward=_forward, smoothing=0.5)
   assert nnx.state(qmodel).to_pure_dict()["blocks"]["mlp"]["w_out"].smooth.shape == (GPT2.num_layers, 4 * 32)
-  quant_io.save(qmodel, str(tmp_path / "int8"))
-  quant_io.save(model, str(tmp_path / "fp32"))
+  checkpoint_files.save(qmodel, str(tmp_path / "int8"))
+  checkpoint_files.save(model, str(tmp_path / "fp32"))
   mesh = sharding.make_mesh(MeshConfig(data=2, tensor=2))
-  restored = quant_io.load(str(tmp_path / "int8"), lambda: GPT(GPT2, rngs=nnx.Rngs(0)), mesh=mesh)
-  assert quant.mode_of(restored) == "w8a8"
+  restored = checkpoint_files.load(str(tmp_path / "int8"), lambda: GPT(GPT2, rngs=nnx.Rngs(0)), mesh=mesh)
+  assert quantization_lib.mode_of(restored) == "w8a8"
   saved_leaves = jax.tree.leaves(nnx.state(qmodel).to_pure_dict())
   restored_leaves = jax.tree.leaves(nnx.state(restored).to_pure_dict())
   assert len(saved_leaves) == len(restored_leaves)
@@ -165,7 +168,7 @@ def test_int8_checkpoint_round_trip_onto_a_mesh_and_generate(tmp_path):
     assert a.dtype == b.dtype
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   w_in = nnx.state(restored).to_pure_dict()["blocks"]["mlp"]["w_in"]
-  float_w_in = nnx.state(quant_io.place(model, mesh)).to_pure_dict()["blocks"]["mlp"]["w_in"]
+  float_w_in = nnx.state(checkpoint_files.place(model, mesh)).to_pure_dict()["blocks"]["mlp"]["w_in"]
   assert "tensor" in w_in.q.qvalue.sharding.spec
   assert w_in.q.qvalue.sharding.spec == float_w_in.sharding.spec  # [L, D, F] like the float weight
   assert len(w_in.q.qvalue.addressable_shards) == 4
@@ -178,23 +181,23 @@ def test_int8_checkpoint_round_trip_onto_a_mesh_and_generate(tmp_path):
   assert [len(t) for t in tokens] == [4, 4]
   # Smaller on disk; this tiny model keeps float biases and norms and orbax's metadata weighs ~25 KB, so the ratio
   # is ~2x here (the >= 3.5x of real models is measured by experiments/optimize.py, see WORKSPACE.md).
-  assert quant_io.directory_bytes(str(tmp_path / "fp32")) > 1.7 * quant_io.directory_bytes(str(tmp_path / "int8"))
+  assert checkpoint_files.directory_bytes(str(tmp_path / "fp32")) > 1.7 * checkpoint_files.directory_bytes(str(tmp_path / "int8"))
 
 
 def test_clear_errors():
   model = _model("gpt2")
   with pytest.raises(ValueError, match="not one of weight_only"):
-    quant.quantize(model, "int4")
+    quantization_lib.quantize(model, "int4")
   with pytest.raises(ValueError, match="needs calibration batches"):
-    quant.quantize(model, "w8a8")
+    quantization_lib.quantize(model, "w8a8")
   with pytest.raises(ValueError, match="already quantized"):
-    quant.quantize(quant.quantize(model, "weight_only"), "weight_only")
+    quantization_lib.quantize(quantization_lib.quantize(model, "weight_only"), "weight_only")
 
 
 def _smoothed(name, strength=0.5):
   model = _model(name)
   statistics = calibration.input_statistics(model, CALIBRATION, _forward)
-  return model, statistics, *smoothing.smooth(model, statistics, strength)
+  return model, statistics, *smoothquant.smooth(model, statistics, strength)
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama", "bert"])
@@ -239,7 +242,7 @@ def test_dynamic_scales_and_smoothing_beat_static_scales_on_an_outlier_channel()
   nnx.replace_by_pure_dict(state, pure)
   loud = nnx.merge(graphdef, state)
   ref = _apply(loud)
-  error = {(mode, strength): _rel_error(_apply(quant.quantize(loud, mode, calibration=CALIBRATION, forward=_forward,
+  error = {(mode, strength): _rel_error(_apply(quantization_lib.quantize(loud, mode, calibration=CALIBRATION, forward=_forward,
                                                               smoothing=strength)), ref)
            for mode in ("w8a8", "w8a8_dynamic") for strength in (None, 0.5)}
   assert error["w8a8_dynamic", None] < 0.5 * error["w8a8", None], error
@@ -251,19 +254,19 @@ def test_bad_smoothing_and_calibration_input_are_refused():
   model = _model("gpt2")
   for strength in (-0.1, 1.5):
     with pytest.raises(ValueError, match=f"smoothing strength {strength} is out of range: it must be in \\[0, 1\\]"):
-      quant.quantize(model, "w8a8", calibration=CALIBRATION, forward=_forward, smoothing=strength)
+      quantization_lib.quantize(model, "w8a8", calibration=CALIBRATION, forward=_forward, smoothing=strength)
   with pytest.raises(ValueError, match="it applies to the w8a8 modes, not weight_only"):
-    quant.quantize(model, "weight_only", smoothing=0.5)
+    quantization_lib.quantize(model, "weight_only", smoothing=0.5)
   with pytest.raises(ValueError, match="smoothing needs calibration batches \\(got 0\\)"):
-    quant.quantize(model, "w8a8_dynamic", calibration=[], forward=_forward, smoothing=0.5)
+    quantization_lib.quantize(model, "w8a8_dynamic", calibration=[], forward=_forward, smoothing=0.5)
   with pytest.raises(ValueError, match="the calibration data is empty"):
     calibration.input_statistics(model, [], _forward)
   other_tokenizer = [CALIBRATION[0], np.full((2, 16), GPT2.vocab_size, np.int32)]  # ids of a larger vocabulary
   with pytest.raises(ValueError, match=f"calibration batch 1 holds token id {GPT2.vocab_size}, outside the model's "
                                        f"vocabulary \\[0, {GPT2.vocab_size}\\): it was tokenized with another"):
-    quant.quantize(model, "w8a8", calibration=other_tokenizer, forward=_forward)
+    quantization_lib.quantize(model, "w8a8", calibration=other_tokenizer, forward=_forward)
   with pytest.raises(ValueError, match="calibration batch 0 holds token id -1"):
-    quant.quantize(model, "w8a8", calibration=[{"inputs": -np.ones((2, 4), np.int32)}],
+    quantization_lib.quantize(model, "w8a8", calibration=[{"inputs": -np.ones((2, 4), np.int32)}],
                    forward=lambda m, b: m(b["inputs"]))
 
 

@@ -15,14 +15,16 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxlm import data as data_lib
-from jaxlm import optim, reliability, sharding, train
-from jaxlm import steps as steps_lib
-from jaxlm.checkpoint import CheckpointMismatchError, Checkpointer, abstract_with_shardings
-from jaxlm.config import (CheckpointConfig, Config, DataConfig, LogConfig, MeshConfig, ModelConfig,
-                          TrainConfig)
+from jaxlm.config import CheckpointConfig, Config, DataConfig, LogConfig, MeshConfig, ModelConfig, TrainConfig
+from jaxlm.parallel import sharding
+from jaxlm.recipes import pretraining
+from jaxlm.training import optim, reliability
+from jaxlm.training import steps as steps_lib
+from jaxlm.training.checkpoint import Checkpointer, CheckpointMismatchError, abstract_with_shardings
 
 MODEL = ModelConfig(vocab_size=320, num_layers=2, d_model=64, num_heads=4, max_seq_len=32, compute_dtype="float32")
 
@@ -118,7 +120,7 @@ def test_nonfinite_steps_are_skipped_bit_for_bit_counted_and_stop_the_run(tmp_pa
   config = _run_config(tmp_path, steps=9, max_consecutive_nonfinite=2)
   workdir = tmp_path / "run"
   with pytest.raises(reliability.NonFiniteError, match=r"2 consecutive non-finite steps \(5 to 6.*stopped at step 6"):
-    train.train(config, str(workdir))
+    pretraining.train(config, str(workdir))
 
   lines = {r["step"]: r for r in map(json.loads, open(workdir / "metrics.jsonl"))}
   assert sorted(lines) == [1, 2, 3, 4, 5, 6]
@@ -246,10 +248,10 @@ def test_restore_onto_fewer_devices_is_bit_identical(tmp_path):
 
 
 def test_result_files_are_replaced_whole_or_not_at_all(tmp_path):
-  from jaxlm import files  # noqa: PLC0415
+  from jaxlm.training import atomic_files  # noqa: PLC0415
   path = str(tmp_path / "plan.json")
-  files.write_json(path, {"step_sec": 1.5})
+  atomic_files.write_json(path, {"step_sec": 1.5})
   with pytest.raises(TypeError):
-    files.write_json(path, {"step_sec": object()})  # fails while serialising: the old file must survive
+    atomic_files.write_json(path, {"step_sec": object()})  # fails while serialising: the old file must survive
   assert json.loads(open(path).read()) == {"step_sec": 1.5}
   assert sorted(os.listdir(tmp_path)) == ["plan.json"]

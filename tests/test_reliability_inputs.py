@@ -16,15 +16,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxlm import config as config_lib
-from jaxlm import optim, sharding, train
-from jaxlm.checkpoint import CheckpointMismatchError, Checkpointer
 from jaxlm.config import Config, DataConfig, MeshConfig, ModelConfig, TrainConfig
 from jaxlm.data import build_datasets, make_train_iterator, sources
 from jaxlm.data import tokenizer as tok_lib
 from jaxlm.data.packing import PackedSequences
+from jaxlm.parallel import sharding
+from jaxlm.recipes import pretraining
+from jaxlm.training import optim
+from jaxlm.training.checkpoint import Checkpointer, CheckpointMismatchError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = ModelConfig(vocab_size=320, num_layers=2, d_model=64, num_heads=4, max_seq_len=32, compute_dtype="float32")
@@ -94,13 +97,13 @@ def test_a_mesh_that_does_not_fit_the_devices(mesh, message):
 def test_a_batch_that_does_not_split_over_the_mesh(tmp_path):  # row 14
   config = Config(model=MODEL, mesh=MeshConfig(data=4, fsdp=1, tensor=1), train=TrainConfig(batch_size=6))
   with pytest.raises(ValueError, match=r"train.batch_size=6 must be divisible by mesh.data\*mesh.fsdp\*train.grad_"):
-    train.train(config, str(tmp_path / "run"))
+    pretraining.train(config, str(tmp_path / "run"))
 
 
 def test_a_workdir_that_is_a_file(tmp_path):  # row 15
   (tmp_path / "run").write_text("not a folder")
   with pytest.raises(ValueError, match=r"--workdir=.*run' is a file, not a folder"):
-    train.train(Config(model=MODEL), str(tmp_path / "run"))
+    pretraining.train(Config(model=MODEL), str(tmp_path / "run"))
 
 
 # --------------------------------------------------------------------------------------------- data files

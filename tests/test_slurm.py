@@ -19,9 +19,9 @@ import time
 
 import numpy as np
 import pytest
-
 from conftest import demo_config, write_token_corpus, xla_flags_without_device_count
-from jaxlm import train
+
+from jaxlm.recipes import pretraining
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SBIN_PATH = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])
@@ -42,7 +42,7 @@ STEP_DELAY_S = 0.1  # per training step of the SLURM job, so that the signal lan
 # at least 1.8 s to reach the tasks before step 20, the last step at which the two can still agree to stop early.
 SLOW_TRAIN_LM = f"""
 import os, runpy, sys, time
-from jaxlm import steps
+from jaxlm.training import steps
 to_global_batch = steps.to_global_batch
 def slowed(*args, **kwargs):
   time.sleep({STEP_DELAY_S})
@@ -271,7 +271,7 @@ def test_sigterm_to_the_job_saves_exits_0_and_the_requeued_job_resumes_with_the_
   report = (workdir / "report.md").read_text()
   assert re.search(rf"resumed_from_step\W+{stop_step}\b", report), report
 
-  train.train(demo_config(overrides), str(tmp_path / "one"))  # one process, four devices, straight through
+  pretraining.train(demo_config(overrides), str(tmp_path / "one"))  # one process, four devices, straight through
   one, two = _losses(tmp_path / "one"), _losses(workdir)
   assert sorted(two) == sorted(one) == list(range(1, OVERRIDES["train.steps"] + 1))
   np.testing.assert_allclose([two[s] for s in sorted(two)], [one[s] for s in sorted(one)], rtol=1e-5)

@@ -1,4 +1,4 @@
-"""Tests for jaxlm.telemetry and jaxlm.report: FLOP counts, metrics.jsonl, resume, report, peak, throughput."""
+"""Tests for jaxlm.training.telemetry and jaxlm.training.report: FLOP counts, metrics.jsonl, resume, report, peak, throughput."""
 
 import json
 import math
@@ -7,8 +7,8 @@ import os
 import numpy as np
 import pytest
 
-from jaxlm import telemetry
 from jaxlm.config import ModelConfig
+from jaxlm.training import telemetry
 
 
 def _lines(workdir):
@@ -65,7 +65,7 @@ def test_tensorboard_writer_does_not_import_torch(tmp_path):
   still imports afterwards."""
   import subprocess  # noqa: PLC0415
   import sys  # noqa: PLC0415
-  code = ("import sys, importlib.util; from jaxlm import telemetry\n"
+  code = ("import sys, importlib.util; from jaxlm.training import telemetry\n"
           f"with telemetry.MetricsWriter({str(tmp_path)!r}) as w: w.write(1, {{'loss': 1.0}})\n"
           "assert 'torch' not in sys.modules, 'torch imported'\n"
           "if importlib.util.find_spec('torch'): import torch; print('torch', torch.__version__)\n")

@@ -10,11 +10,13 @@ import chex
 import jax
 import numpy as np
 import pytest
-
 from conftest import write_labelled_words
-from jaxlm import finetune, optim, sharding, train
-from jaxlm.config import Config, DataConfig, LogConfig, MeshConfig, ModelConfig, TrainConfig, CheckpointConfig
-from jaxlm import steps as steps_lib
+
+from jaxlm.config import CheckpointConfig, Config, DataConfig, LogConfig, MeshConfig, ModelConfig, TrainConfig
+from jaxlm.parallel import sharding
+from jaxlm.recipes import classifier_finetuning, pretraining
+from jaxlm.training import loop, optim
+from jaxlm.training import steps as steps_lib
 
 MODEL = ModelConfig(vocab_size=512, num_layers=2, d_model=64, num_heads=4, max_seq_len=32, compute_dtype="float32")
 SEQ = 16
@@ -228,21 +230,21 @@ class _SigtermAt:
 
 @pytest.mark.parametrize("kind", ["pretraining", "finetuning"])
 def test_sigterm_then_resume_equals_uninterrupted_training_bit_for_bit(tmp_path, monkeypatch, kind):
-  """Pretraining and fine-tuning share train.run_loop: the kill (through the loop's batches) and the resume are the
+  """Pretraining and fine-tuning share loop.run_loop: the kill (through the loop's batches) and the resume are the
   same code, so the same check holds for both."""
-  run, config = {"pretraining": (train.train, _file_config(tmp_path, steps=8)),
-                 "finetuning": (finetune.finetune, _classifier_config(tmp_path, steps=8))}[kind]
+  run, config = {"pretraining": (pretraining.train, _file_config(tmp_path, steps=8)),
+                 "finetuning": (classifier_finetuning.finetune, _classifier_config(tmp_path, steps=8))}[kind]
   straight, resumed = tmp_path / "straight", tmp_path / "resumed"
   run(config, str(straight))
 
-  real_loop = train.run_loop
+  real_loop = loop.run_loop
 
   def sigterm_at_step_5(config, workdir, mesh, task, *args, **kwargs):
     task.batches = _SigtermAt(task.batches, step=5)
     return real_loop(config, workdir, mesh, task, *args, **kwargs)
 
   with monkeypatch.context() as patch:
-    patch.setattr(train, "run_loop", sigterm_at_step_5)
+    patch.setattr(loop, "run_loop", sigterm_at_step_5)
     stopped = run(config, str(resumed))
   assert stopped["preempted_at_step"] == 5 and max(_losses(resumed)) == 5
   assert sorted(os.listdir(resumed / "checkpoints")) == ["3", "5"]  # the stop saved its step

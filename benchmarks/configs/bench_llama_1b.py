@@ -4,7 +4,7 @@ Command:  python benchmarks/bench.py --config=benchmarks/configs/bench_llama_1b.
             --frameworks=jaxlm --sections=peak,step,gpu
 Runtime:  about a minute on an H100/H200, mostly compiling; far too slow for a CPU.
 Expected: jaxlm_mfu above 0.5 of the bf16 datasheet peak on an H200 (the goal is 0.6; model FLOPs of
-          jaxlm.telemetry.flops_per_token).
+          jaxlm.training.telemetry.flops_per_token).
 
 There is no torch reference for the Llama flavour; the kernels stay `auto`.
 """

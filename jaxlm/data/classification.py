@@ -19,7 +19,7 @@ Handling of bad rows, every case counted in the statistics or raised as a one-li
   * a label outside the classes (negative id, id >= number of classes, a name not in `data.labels`, an eval label
     never seen in training, a fractional number): an error naming the file, row and value;
   * a text longer than `data.seq_len` tokens: cut (longest-first for pairs) and counted (`truncated_examples`,
-    `truncation_rate`); data.seq_len=0 chooses the length from the training texts (jaxlm/fit.py);
+    `truncation_rate`); data.seq_len=0 chooses the length from the training texts (jaxlm/data/seq_lengths.py);
   * a file that is missing, empty, binary or not UTF-8: an error naming the file (and the byte offset).
 
 Batching (`data.batching`): each batch is padded to its longest example rounded up to a power of two (>= 16, at
@@ -41,8 +41,8 @@ import jax
 import numpy as np
 import tokenizers
 
-from jaxlm import fit
 from jaxlm.config import DataConfig
+from jaxlm.data import seq_lengths
 
 _LOADER_BY_SUFFIX = {".csv": "csv", ".tsv": "csv", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 _TEXT_SUFFIXES = (".csv", ".tsv", ".jsonl", ".json")
@@ -271,7 +271,7 @@ def build_classification_data(config: DataConfig, tokenizer: tokenizers.Tokenize
                               cache_dir: str | None = None, vocab_size: int | None = None,
                               max_positions: int = 512) -> ClassificationData:
   """Reads, validates, splits and tokenizes the labelled rows described by `config` (module docstring).
-  data.seq_len=0 chooses the length from the training rows' tokenized lengths (`jaxlm.fit.choose_seq_len`, at most
+  data.seq_len=0 chooses the length from the training rows' tokenized lengths (`jaxlm.data.seq_lengths.choose_seq_len`, at most
   `max_positions`)."""
   if vocab_size is not None and tokenizer.get_vocab_size(with_added_tokens=True) > vocab_size:
     raise ValueError(f"the tokenizer has {tokenizer.get_vocab_size(with_added_tokens=True)} tokens but the model's "
@@ -331,7 +331,7 @@ def build_classification_data(config: DataConfig, tokenizer: tokenizers.Tokenize
     texts = [r[2] for r in train_rows]
     encode_inputs = list(zip(texts, pairs)) if pairs is not None else texts
     lengths = np.array([len(e.ids) for e in tokenizer.encode_batch(encode_inputs)], np.int64)
-    config = dataclasses.replace(config, seq_len=fit.choose_seq_len(lengths, max_positions))
+    config = dataclasses.replace(config, seq_len=seq_lengths.choose_seq_len(lengths, max_positions))
   splits, full_lengths = {}, []
   for split, rows in (("train", train_rows), ("eval", eval_rows)):
     examples, lengths = tokenize(tokenizer, [r[2] for r in rows],

@@ -15,8 +15,8 @@ Sources: `.csv`/`.tsv`/`.jsonl`/`.parquet` files or an HF dataset, read as for c
 data.eval_files or a seeded data.eval_fraction held out), columns `data.prompt_column` and `data.response_column`.
 Bad input: a missing column or a prompt that fills data.seq_len by itself is a one-line error naming the key or the
 row; a row with an empty prompt or response is skipped and counted; a pair longer than data.seq_len keeps its prompt
-and the start of its response (counted, and warned about above `jaxlm.fit.TRUNCATION_WARNING_RATE`).
-data.seq_len=0 chooses the length from the training pairs (`jaxlm.fit.choose_seq_len`), long enough for every prompt.
+and the start of its response (counted, and warned about above `jaxlm.data.seq_lengths.TRUNCATION_WARNING_RATE`).
+data.seq_len=0 chooses the length from the training pairs (`jaxlm.data.seq_lengths.choose_seq_len`), long enough for every prompt.
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ from typing import Any
 import numpy as np
 import tokenizers
 
-from jaxlm import fit
 from jaxlm.config import DataConfig
 from jaxlm.data import classification as cls_data
+from jaxlm.data import seq_lengths
 from jaxlm.data.tokenizer import eos_id as tokenizer_eos_id
 
 
@@ -175,7 +175,7 @@ def build_instruction_data(config: DataConfig, tokenizer: tokenizers.Tokenizer, 
   if seq_len == 0:
     prompts, responses = encoded["train"]
     lengths = np.array([len(p) + len(r) for p, r in zip(prompts, responses)])  # inputs: the pair + EOS - 1
-    seq_len = fit.choose_seq_len(lengths, max_positions, at_least=max(len(p) for p in prompts) + 1)
+    seq_len = seq_lengths.choose_seq_len(lengths, max_positions, at_least=max(len(p) for p in prompts) + 1)
   pairs, full_lengths = {}, []
   for split, rows in (("train", train_rows), ("eval", eval_rows)):
     prompts, responses = encoded[split]

@@ -53,7 +53,7 @@ def _call(op: str, *args, **kwargs):
 
 
 def _plain(name: str, w) -> None:
-  if not isinstance(w, jax.Array):  # tracers are jax.Arrays; jaxlm.quant's int8 weights are not
+  if not isinstance(w, jax.Array):  # tracers are jax.Arrays; jaxlm.compress.quantization's int8 weights are not
     raise ValueError(f"tokamax takes plain float arrays; {name} is a {type(w).__name__} (a quantized weight?): "
                      "use the xla kernels for quantized models")
 

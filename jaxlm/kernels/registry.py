@@ -164,9 +164,9 @@ class Kernels:
   # ------------------------------------------------------------------------------------------- ops
 
   def einsum(self, subscripts: str, x: jax.Array, w, **kwargs) -> jax.Array:
-    """An activation x weight contraction. A weight that is not a plain array (jaxlm.quant's int8 weights) takes
+    """An activation x weight contraction. A weight that is not a plain array (jaxlm.compress.quantization's int8 weights) takes
     the XLA path, where quantization intercepts jnp.einsum."""
-    if hasattr(w, "lora_einsum"):  # a jaxlm.lora.LoRAWeight: its base matmul (through here) plus the adapters
+    if hasattr(w, "lora_einsum"):  # a jaxlm.adapters.lora.LoRAWeight: its base matmul (through here) plus the adapters
       return w.lora_einsum(subscripts, x, self.einsum, **kwargs)
     if self.matmul == "blas" and isinstance(w, jax.Array):
       return cpu.einsum(subscripts, x, w)
@@ -219,7 +219,7 @@ class Kernels:
 
   def cross_entropy_sums(self, x_ND, table_VD, targets_N, weights_N) -> tuple[jax.Array, jax.Array]:
     """(sum_n w_n * CE(x_n @ table^T, target_n), sum_n w_n * [argmax == target]) with f32 logits."""
-    if not isinstance(table_VD, jax.Array):  # a quantized table (jaxlm.quant): read by the intercepted einsum
+    if not isinstance(table_VD, jax.Array):  # a quantized table (jaxlm.compress.quantization): read by the intercepted einsum
       return xla.cross_entropy_sums(x_ND, table_VD, targets_N, weights_N, self.einsum)
     if self.cross_entropy == "chunked":
       return chunked_ce.fused_cross_entropy(x_ND, table_VD, targets_N, weights_N, self.cross_entropy_chunk,

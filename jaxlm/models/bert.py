@@ -22,8 +22,8 @@ from jaxlm.config import ModelConfig
 from jaxlm.kernels import Kernels
 from jaxlm.models.masks import padding_mask
 from jaxlm.models.layers import MLP, Attention, Dense, Embed, LayerNorm, scan_blocks, stacked
-from jaxlm.precision import Policy
-from jaxlm.sharding import constrain
+from jaxlm.models.precision import Policy
+from jaxlm.parallel.sharding import constrain
 
 RESIDUAL_AXES = ("act_batch", "act_residual_seq", "act_embed")
 

@@ -6,7 +6,7 @@ Both support grouped-query / multi-query attention (`num_kv_heads`).
 
 Blocks are created once with a leading layer axis (`nnx.vmap`) and run with `jax.lax.scan` (or a loop, as
 `kernels.layers` says). `model(input_ids) -> logits [B, T, V]` in f32; `model.decode(input_ids, cache, ...)` is the
-incremental (KV-cache) form of the same function, used by `jaxlm.generate`. `GPT(config, kernels=...)` takes a
+incremental (KV-cache) form of the same function, used by `jaxlm.inference.generate`. `GPT(config, kernels=...)` takes a
 resolved `jaxlm.kernels.Kernels`; None resolves `auto` for the default backend.
 """
 
@@ -24,8 +24,8 @@ from jaxlm.kernels import Kernels
 from jaxlm.models.masks import cache_mask, causal_mask
 from jaxlm.models.layers import (MLP, Attention, Embed, GatedMLP, KVCache, LayerKV, LayerNorm, RMSNorm, Rotary,
                                  rotary_tables, scan_blocks, stacked)
-from jaxlm.precision import Policy
-from jaxlm.sharding import constrain, gather_fsdp
+from jaxlm.models.precision import Policy
+from jaxlm.parallel.sharding import constrain, gather_fsdp
 
 RESIDUAL_AXES = ("act_batch", "act_residual_seq", "act_embed")
 FLAVOURS = ("gpt2", "llama")

@@ -7,7 +7,7 @@ Dimension alphabet used in names and comments:
   V vocab   L layers
 
 We write these few layers ourselves instead of using `nnx.Linear` & co. because each parameter must carry its
-logical axis names (`axes=` metadata, read by `jaxlm.sharding`), each matmul must follow the precision policy
+logical axis names (`axes=` metadata, read by `jaxlm.parallel.sharding`), each matmul must follow the precision policy
 (f32 params cast to the compute dtype; softmax, norms and logits in f32), and every op goes through the kernel
 registry (`kernels`, a resolved `jaxlm.kernels.Kernels`). Parameters are read with `p[...]`.
 """
@@ -23,8 +23,8 @@ from flax import nnx
 
 from jaxlm.kernels import Kernels
 from jaxlm.kernels.registry import REMAT_POLICIES
-from jaxlm.precision import Policy
-from jaxlm.sharding import constrain, gather_fsdp
+from jaxlm.models.precision import Policy
+from jaxlm.parallel.sharding import constrain, gather_fsdp
 
 
 def _lead(v: jax.Array, ndim: int) -> jax.Array:
@@ -230,7 +230,7 @@ class Attention(nnx.Module):
     return constrain(y, ("act_batch", "act_seq", heads_axis, None))  # [B, T, H or G, K]
 
   def _qkv(self, x_BTD: jax.Array, rotary: Rotary | None):
-    # Quantized weights (jaxlm.quant's int8 tensors, not arrays) are read by one intercepted matmul each.
+    # Quantized weights (jaxlm.compress.quantization's int8 tensors, not arrays) are read by one intercepted matmul each.
     if self.kernels.fuse_qkv == "fused" and isinstance(self.w_q[...], jax.Array):
       q, k, v = self._fused_project(x_BTD)
     else:

@@ -1,0 +1,366 @@
+"""int8 weights in the parameter tree, and the interception that runs a model's matmuls on them.
+
+  w = int8.Int8Weight(int8.quantize_array(w_float, contracted))   # int8 values, one f32 scale per output channel
+  model = int8.with_interception(model)    # jnp.einsum / jnp.take read Int8Weight, SmoothedWeight and Probe
+
+Three stand-ins for a float weight, each read by the intercepted `jnp.einsum` (`_einsum`) and `jnp.take` (`_take`):
+`Int8Weight` (quantized: weight-only, static or per-token W8A8; jaxlm.compress.quantization builds them), `SmoothedWeight` (a float
+weight with SmoothQuant factors still to apply to its input; jaxlm.compress.smoothquant) and `Probe` (a float weight whose input
+statistics are recorded; jaxlm.compress.calibration).
+
+What is qwix and what is ours. From qwix (0.1.8): the quantized array (`qwix.QArray`), `qwix.quantize` (per-channel
+absmax), `qwix.dequantize`, `qwix.einsum` (weight-only on accelerators: XLA fuses the dequantize into the dot),
+qwix's einsum parser for the per-token axes, and qwix's interception (which swaps `jnp.einsum` while a model runs).
+Ours, for speed on the CPU (see `_int8_dot` and `_einsum`): the int8 x int8 -> int32 dot of our plain
+contractions, and materialising a weight-only layer's float weight before its dot.
+Ours, because qwix's model-level PTQ (`quantize_model` + `PtqProvider`) can not serve these models: (1) it replaces
+each weight inside the module that uses it during a first call, but our blocks run under `jax.lax.scan` on modules
+rebuilt by `nnx.merge` inside the scan body, so the replacement is lost and `quantize_params` finds no quantized
+weight; (2) its static activation scales and calibration statistics are variables created in that same per-call
+module, so they are lost too, and there would be one per stacked weight, not one per layer; (3) for NNX it intercepts
+a single method, while a decoder needs `__call__` and `decode` (generation). So `Int8Weight` keeps the int8 weight
+and its calibrated input scales *in the parameter tree*, with the leading layer axis, where `scan` slices them like
+any parameter; and calibration (jaxlm/compress/calibration.py) reads the per-layer input ranges out of the scan with
+`jax.debug.callback`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import qwix
+from flax import nnx
+# Private qwix modules, pinned by the qwix version in pyproject.toml: interception is how qwix's own providers swap
+# jnp.einsum, and the einsum parser gives the per-token (channelwise) axes of an input.
+from qwix._src import interception
+from qwix._src.core import einsum as qwix_einsum
+
+
+INT8_MAX = 127.0
+
+# Parameter name -> the axes the model contracts it over (in one layer's parameter, without the stacked [L] axis).
+# Every other axis gets its own scale. Names not listed (biases, norm scales, the MLM vocab bias) stay float.
+CONTRACTED_AXES = {
+    "w_q": (0,), "w_k": (0,), "w_v": (0,),  # [D, H|G, K]
+    "w_o": (0, 1),  # [H, K, D]
+    "w_in": (0,), "w_out": (0,), "w_gate": (0,), "w_up": (0,), "w_down": (0,),  # [D, F] / [F, D]
+    "w": (0,),  # Dense [in, out] (BERT pooler, classifier, MLM transform)
+    "embedding": (1,),  # [V, D]: one scale per row serves both the lookup and the tied output projection
+}
+
+
+@flax.struct.dataclass
+class Int8Weight:
+  """The value of a quantized parameter: int8 values with per-channel scales, plus the calibrated input scale.
+
+  It stands in for the float array inside the unchanged model code: `param[...]` and `.astype(compute dtype)` return
+  an Int8Weight, and the intercepted `jnp.einsum` / `jnp.take` read it (see `_einsum`, `_take`)."""
+  q: qwix.QArray  # qvalue int8 [..weight shape], scale f32 with 1 on the contracted axes
+  act_scale: jax.Array | None = None  # w8a8: input scale, [L] for stacked blocks, [] otherwise
+  mode: str = flax.struct.field(pytree_node=False, default="weight_only")
+  smooth: jax.Array | None = None  # SmoothQuant not folded into an earlier op: 1/s per input channel ([L,] + C)
+
+  shape = property(lambda self: self.q.shape)
+  ndim = property(lambda self: self.q.ndim)
+  dtype = property(lambda self: self.q.dtype)  # the dequantized dtype, so the precision policy casts it
+
+  def __getitem__(self, index):
+    if index is not Ellipsis:
+      raise TypeError(f"an int8 weight is read whole (param[...]), not indexed with {index!r}")
+    return self
+
+  def astype(self, dtype) -> "Int8Weight":
+    return self.replace(q=self.q.astype(dtype))
+
+  def dequantize(self) -> jax.Array:
+    return qwix.dequantize(self.q)
+
+
+class _FloatStandIn:
+  """What the model code reads of a float weight `w` wrapped with extra data: shape, dtype, `param[...]`, astype."""
+  shape = property(lambda self: self.w.shape)
+  ndim = property(lambda self: self.w.ndim)
+  dtype = property(lambda self: self.w.dtype)
+
+  def __getitem__(self, index):
+    return self
+
+  def astype(self, dtype):
+    return self.replace(w=self.w.astype(dtype))
+
+
+@flax.struct.dataclass
+class SmoothedWeight(_FloatStandIn):
+  """A float weight already multiplied by its SmoothQuant factors s (per input channel) whose input is divided by s
+  when it runs: the smoothing of a matmul whose input comes from no op that could absorb 1/s (jaxlm.compress.smoothquant)."""
+  w: jax.Array
+  inv_scale: jax.Array  # 1/s, the weight's contracted axes ([L,] + C)
+
+
+@flax.struct.dataclass
+class Probe(_FloatStandIn):
+  """Calibration stand-in for a float weight: `tag` (one id per layer, sliced by scan) names whose input it saw."""
+  w: jax.Array
+  tag: jax.Array
+  gram: bool = flax.struct.field(pytree_node=False, default=False)  # also record X^T X (SparseGPT): off for W8A8/Wanda
+
+
+nnx.register_data_type(Int8Weight)
+nnx.register_data_type(SmoothedWeight)
+nnx.register_data_type(Probe)
+
+# Calibration: tag -> per call (input absmax per channel, input sum of squares per channel), host side. Channels are
+# the weight's contracted axes in its own order (w_o: [H, K]).
+PROBE_RECORDS: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
+# tag -> the input's Gram matrix X^T X [C, C] (C flattened), summed over calls in float64: only for Probe(gram=True).
+PROBE_GRAMS: dict[int, np.ndarray] = {}
+
+
+# The calibration batch's token mask [B, S] (1 = a real token) while `calibration.input_statistics` traces a probed
+# forward, else None: padding rows are zeroed in the statistics, so no scale, factor or reconstruction fits pad tokens.
+PROBE_TOKENS: list = [None]
+
+
+def _real_tokens(x: jax.Array) -> jax.Array:
+  """x with its padding rows zeroed, when x is a per-token activation [B, S, ...channels] of the traced batch."""
+  mask = PROBE_TOKENS[0]
+  if mask is None or x.ndim < 3 or x.shape[:2] != mask.shape:
+    return x  # a pooled input [B, D] (a head's) has no padding rows
+  return x * mask.reshape(mask.shape + (1,) * (x.ndim - 2)).astype(x.dtype)
+
+
+def _add_gram(tag, gram) -> None:
+  tag, gram = int(tag), np.asarray(gram, np.float64)
+  PROBE_GRAMS[tag] = PROBE_GRAMS[tag] + gram if tag in PROBE_GRAMS else gram
+
+
+# ----------------------------------------------------------------------------------------------- the interception
+
+
+def _lhs_contracted(eq: str, lhs_ndim: int, rhs_ndim: int) -> list[int]:
+  how = qwix_einsum.get_how_to_quantize(einsum_str=eq, ndims=(lhs_ndim, rhs_ndim), for_lhs=True, tile_size=None,
+                                        qtype=jnp.int8)
+  return [a for a in range(lhs_ndim) if a not in how.channelwise_axes]
+
+
+def _per_input_channel(v: jax.Array, eq: str, x_ndim: int, w_ndim: int) -> jax.Array:
+  """`v` over the weight's contracted axes (in the weight's order), reshaped to broadcast against the input x."""
+  dims = _dot_dims(eq, x_ndim, w_ndim)
+  if dims is None:
+    raise ValueError(f"smoothing needs a plain contraction, not {eq!r}")
+  lhs_c, rhs_c = dims
+  weight_order = sorted(range(len(rhs_c)), key=lambda i: rhs_c[i])  # v's axis i is contraction weight_order[i]
+  lhs_axes = [lhs_c[i] for i in weight_order]
+  v = jnp.transpose(v, np.argsort(lhs_axes))  # now in the input's axis order
+  shape = [1] * x_ndim
+  for i, axis in enumerate(sorted(lhs_axes)):
+    shape[axis] = v.shape[i]
+  return v.reshape(shape)
+
+
+def _channel_stats(eq: str, x: jax.Array, w_ndim: int) -> tuple[jax.Array, jax.Array]:
+  """(absmax, sum of squares) of x per input channel, in the weight's contracted-axes order."""
+  lhs_c, rhs_c = _dot_dims(eq, x.ndim, w_ndim)
+  weight_order = sorted(range(len(rhs_c)), key=lambda i: rhs_c[i])
+  x = jnp.moveaxis(x.astype(jnp.float32), [lhs_c[i] for i in weight_order], range(x.ndim - len(lhs_c), x.ndim))
+  rows = tuple(range(x.ndim - len(lhs_c)))
+  return jnp.max(jnp.abs(x), axis=rows), jnp.sum(jnp.square(x), axis=rows)
+
+
+def _channel_gram(eq: str, x: jax.Array, w_ndim: int) -> jax.Array:
+  """X^T X [C, C] of x's rows, its input channels flattened in the weight's contracted-axes order."""
+  lhs_c, rhs_c = _dot_dims(eq, x.ndim, w_ndim)
+  weight_order = sorted(range(len(rhs_c)), key=lambda i: rhs_c[i])
+  x = jnp.moveaxis(x.astype(jnp.float32), [lhs_c[i] for i in weight_order], range(x.ndim - len(lhs_c), x.ndim))
+  rows = x.reshape(-1, int(np.prod(x.shape[x.ndim - len(lhs_c):])))
+  return jnp.einsum("ti,tj->ij", rows, rows, precision=jax.lax.Precision.HIGHEST)
+
+
+def _quantize_input(eq: str, x: jax.Array, w: Int8Weight) -> jax.Array | qwix.QArray:
+  if w.smooth is not None:
+    x = x * _per_input_channel(w.smooth, eq, x.ndim, w.ndim).astype(x.dtype)
+  if w.mode == "weight_only":
+    return x
+  if w.mode == "w8a8_dynamic":  # per token: one absmax scale per row of every non-contracted axis
+    how_axes = [a for a in range(x.ndim) if a not in _lhs_contracted(eq, x.ndim, w.ndim)]
+    return qwix.quantize(x, jnp.int8, channelwise_axes=how_axes)
+  scale = w.act_scale.astype(x.dtype).reshape((1,) * x.ndim)  # static, per tensor
+  qvalue = jnp.clip(jnp.round(x / scale), -INT8_MAX, INT8_MAX).astype(jnp.int8)
+  return qwix.QArray(qvalue=qvalue, scale=scale)
+
+
+def _dot_dims(eq: str, lhs_ndim: int, rhs_ndim: int) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+  """(lhs, rhs) contracted axes when `eq` is a plain contraction whose output is lhs's free axes then rhs's, in
+  order (every weight einsum of jaxlm's layers); else None."""
+  inputs, out = eq.replace(" ", "").split("->")
+  lhs, rhs = inputs.split(",")
+  if "..." in lhs:  # stand-in letters for the ellipsis axes
+    extra = "".join(chr(0x3B1 + i) for i in range(lhs_ndim - (len(lhs) - 3)))
+    lhs, out = lhs.replace("...", extra), out.replace("...", extra)
+  if "..." in rhs + out or len(lhs) != lhs_ndim or len(rhs) != rhs_ndim:
+    return None
+  if len(set(lhs)) != len(lhs) or len(set(rhs)) != len(rhs):  # a repeated letter (a trace or diagonal)
+    return None
+  contracted = [c for c in lhs if c in rhs and c not in out]
+  if out != "".join([c for c in lhs if c not in contracted] + [c for c in rhs if c not in contracted]):
+    return None
+  return tuple(lhs.index(c) for c in contracted), tuple(rhs.index(c) for c in contracted)
+
+
+def _int8_dot(x: qwix.QArray, w: qwix.QArray, dims, result_dtype) -> jax.Array:
+  """int8 x int8 -> int32 `dot_general`, then one f32 rescale by the input's and the weight's scales.
+
+  Ours rather than `qwix.einsum` for the plain contractions of our layers: qwix's lowering put the weight first and
+  transposed the result, which XLA:CPU runs far slower than this layout (docs/optimization.md). The arithmetic is
+  the same: int32 accumulation, scales applied to the output."""
+  lhs_c, rhs_c = dims
+  acc = jax.lax.dot_general(x.qvalue, w.qvalue, ((lhs_c, rhs_c), ((), ())), preferred_element_type=jnp.int32)
+  lhs_free = [a for a in range(x.ndim) if a not in lhs_c]
+  rhs_free = [a for a in range(w.ndim) if a not in rhs_c]
+  x_scale = x.scale.astype(jnp.float32).reshape([x.scale.shape[a] for a in lhs_free] + [1] * len(rhs_free))
+  w_scale = w.scale.astype(jnp.float32).reshape([1] * len(lhs_free) + [w.scale.shape[a] for a in rhs_free])
+  return (acc.astype(jnp.float32) * x_scale * w_scale).astype(result_dtype)
+
+
+def _einsum(*args, **kwargs):
+  if len(args) == 3 and isinstance(args[2], Int8Weight):
+    eq, x, w = args
+    kwargs.pop("precision", None)
+    lhs = _quantize_input(eq, x, w)
+    if isinstance(lhs, qwix.QArray):
+      dims = _dot_dims(eq, x.ndim, w.ndim)
+      if dims is not None:
+        return _int8_dot(lhs, w.q, dims, kwargs.get("preferred_element_type") or x.dtype)
+    elif jax.default_backend() == "cpu":
+      # Weight-only on the CPU: XLA fuses the dequantize into the dot and then runs a loop slower than its f32
+      # GEMM; the barrier materialises this layer's float weight first. Accelerators keep qwix's fused path.
+      return jnp.einsum(eq, lhs, jax.lax.optimization_barrier(qwix.dequantize(w.q)), **kwargs)  # lhs: smoothed
+    return qwix.einsum(eq, lhs, w.q, **kwargs)
+  if len(args) == 3 and isinstance(args[2], SmoothedWeight):
+    eq, x, w = args
+    return jnp.einsum(eq, x * _per_input_channel(w.inv_scale, eq, x.ndim, w.ndim).astype(x.dtype), w.w, **kwargs)
+  if len(args) == 3 and isinstance(args[2], Probe):
+    eq, x, probe = args
+    real = _real_tokens(x)
+    absmax, sumsq = _channel_stats(eq, real, probe.ndim)
+    jax.debug.callback(lambda tag, a, q: PROBE_RECORDS.setdefault(int(tag), []).append((np.asarray(a), np.asarray(q))),
+                       probe.tag, absmax, sumsq)
+    if probe.gram:
+      jax.debug.callback(_add_gram, probe.tag, _channel_gram(eq, real, probe.ndim))
+    return jnp.einsum(eq, x, probe.w, **kwargs)
+  return jnp.einsum(*args, **kwargs)
+
+
+def _take(a, indices, axis=None, **kwargs):
+  if isinstance(a, Int8Weight):  # embedding lookup: gather int8 rows and their scales, then dequantize
+    if axis != 0:
+      raise ValueError(f"int8 tables support lookups along axis 0 only, got axis={axis}")
+    rows = jnp.take(a.q.qvalue, indices, axis=0, **kwargs)
+    scales = jnp.take(a.q.scale, indices, axis=0, **kwargs)
+    return rows.astype(a.q.scale.dtype) * scales
+  if isinstance(a, SmoothedWeight):
+    raise ValueError("a smoothed weight is a matmul's, not a lookup table")
+  if isinstance(a, Probe):
+    a = a.w
+  return jnp.take(a, indices, axis=axis, **kwargs)
+
+
+_INTERCEPTOR_ID = 0x6A61786C6D  # a stable id: jit caches compiled functions of the intercepted methods by it
+_METHODS = ("__call__", "decode", "encode", "pool", "loss_sums")
+_INTERCEPTED_CLASSES: dict[type, type] = {}
+
+
+def _interceptor() -> interception.Interceptor:
+  return interception.Interceptor(mapping={"jax.numpy.einsum": _einsum, "jax.numpy.take": _take},
+                                  id=_INTERCEPTOR_ID)
+
+
+def intercepted_class(cls: type) -> type:
+  """A subclass of a model class whose entry points run with `jnp.einsum` / `jnp.take` reading Int8Weights.
+  One subclass per class, so graph definitions (and jit caches) of quantized models compare equal."""
+  if getattr(cls, "_jaxlm_float_class", None) is not None:
+    return cls
+  if cls not in _INTERCEPTED_CLASSES:
+    fields = {name: interception.wrap_func_intercepted(getattr(cls, name), _interceptor, disable_jit=False)
+              for name in _METHODS if hasattr(cls, name)}
+    fields["_jaxlm_float_class"] = cls
+    _INTERCEPTED_CLASSES[cls] = type(f"Int8{cls.__name__}", (cls,), fields)
+  return _INTERCEPTED_CLASSES[cls]
+
+
+def _with_interception(model: nnx.Module) -> nnx.Module:
+  model.__class__ = intercepted_class(type(model))
+  return model
+
+
+# ----------------------------------------------------------------------------------------------- int8 parameters
+
+
+def is_stacked(variable: nnx.Variable, value: Any) -> bool:
+  axes = variable.get_metadata().get("axes")
+  return bool(axes) and len(axes) == value.ndim - 1  # blocks carry one leading [L] axis more than their names
+
+
+def quantizable(path: tuple, variable: nnx.Variable) -> tuple[int, ...] | None:
+  """Contracted axes of a quantizable parameter (including a stacked layer axis), or None if it stays float."""
+  if not isinstance(variable, nnx.Param) or path[-1] not in CONTRACTED_AXES:
+    return None
+  value = variable.get_value()
+  if not hasattr(value, "ndim") or value.ndim < 2:
+    return None
+  shift = 1 if is_stacked(variable, value) else 0
+  return tuple(a + shift for a in CONTRACTED_AXES[path[-1]])
+
+
+def quantize_array(w: jax.Array, contracted: tuple[int, ...]) -> qwix.QArray:
+  """Symmetric int8 with one f32 scale per channel (every axis but the contracted ones): |w - deq| <= scale / 2."""
+  channels = tuple(a for a in range(w.ndim) if a not in contracted)
+  return qwix.quantize(w.astype(jnp.float32), jnp.int8, channelwise_axes=channels)
+
+
+@jax.jit
+def _quantize_arrays(weights: dict[str, jax.Array], contracted: dict[str, tuple[int, ...]]) -> dict:
+  # One compiled program for all weights (eagerly, each of qwix's small ops would compile on its own: 10 s on the CPU).
+  return {name: quantize_array(w, contracted[name]) for name, w in weights.items()}
+
+
+def quantize_state(state: nnx.State, mode: str, act_scales: dict | None) -> nnx.State:
+  targets = {}
+  for path, variable in nnx.to_flat_state(state):
+    contracted = quantizable(path, variable)
+    if contracted is not None:
+      targets["/".join(map(str, path))] = (variable, contracted)
+  values = {name: v.get_value() for name, (v, _) in targets.items()}
+  quantized = _quantize_arrays({name: getattr(v, "w", v) for name, v in values.items()},
+                               _Static({name: c for name, (_, c) in targets.items()}))
+  for name, (variable, _) in targets.items():
+    act, w_mode = None, mode
+    if mode == "w8a8":
+      # A weight that no calibrated matmul read (e.g. the position table, only looked up) stays weight-only.
+      act = (act_scales or {}).get(name)
+      w_mode = mode if act is not None else "weight_only"
+    smooth = values[name].inv_scale if isinstance(values[name], SmoothedWeight) else None
+    variable.set_value(Int8Weight(quantized[name], act, w_mode, smooth))
+  return state
+
+
+class _Static(dict):
+  """A dict that jit treats as a static argument (hashable by value)."""
+
+  def __hash__(self):
+    return hash(tuple(sorted(self.items())))
+
+
+jax.tree_util.register_static(_Static)
+
+
+def with_interception(model: nnx.Module) -> nnx.Module:
+  """A quantized (smoothed, probed) model whose matmuls run through the int8 paths (`quantize` returns models like this
+  already)."""
+  special = any(isinstance(v.get_value(), (Int8Weight, SmoothedWeight, Probe))
+                for _, v in nnx.to_flat_state(nnx.state(model)))
+  return _with_interception(model) if special else model

@@ -1,0 +1,1 @@
+"""Generation with a KV cache (generate.py)."""

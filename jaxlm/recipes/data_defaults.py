@@ -1,0 +1,49 @@
+"""Defaults that fit the data: fine-tuning's steps and warmup are derived from the examples unless the config sets
+them (the sequence length is jaxlm/data/seq_lengths.py's).
+
+  train.steps = 0        steps = ceil(train.epochs * training examples / train.batch_size)  (`resolve_steps`)
+  train.warmup_steps=-1  warmup = round(train.warmup_fraction * steps)                     (`optim.warmup_steps`)
+
+An explicit value always wins. Pretraining packs a token stream into rows, so it has no examples to count: it needs
+explicit train.steps and data.seq_len (`require_fixed`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+
+from jaxlm.config import Config, TrainConfig
+from jaxlm.training import optim
+
+
+def resolve_steps(train: TrainConfig, num_examples: int) -> TrainConfig:
+  """`train` with steps derived from train.epochs when train.steps is 0 (at least one step)."""
+  if train.steps > 0:
+    return train
+  if num_examples < 1:
+    raise ValueError("train.steps=0 derives the steps from the training examples, but there are none; add data")
+  return dataclasses.replace(train, steps=max(1, math.ceil(train.epochs * num_examples / train.batch_size)))
+
+
+def describe_steps(train: TrainConfig, num_examples: int, derived: bool, unit: str = "examples") -> str:
+  """One line for the start of a run: the steps, how many passes over the data they make, and the warmup."""
+  epochs = train.steps * train.batch_size / max(1, num_examples)
+  origin = f"train.epochs={train.epochs:g}:" if derived else "train.steps;"
+  return (f"steps: {train.steps} ({origin} {epochs:.3g} epochs of {num_examples} {unit} at batch "
+          f"{train.batch_size}), warmup {optim.warmup_steps(train)} steps")
+
+
+def print_on_process_0(line: str | None) -> None:
+  if line and jax.process_index() == 0:
+    print(line, flush=True)
+
+
+def require_fixed(config: Config, what: str) -> None:
+  """Runs without countable examples (packed pretraining) need explicit train.steps and data.seq_len."""
+  if config.train.steps == 0:
+    raise ValueError(f"train.steps=0 derives the steps from fine-tuning examples; {what} needs train.steps >= 1")
+  if config.data.seq_len == 0:
+    raise ValueError(f"data.seq_len=0 chooses the length from fine-tuning examples; {what} needs data.seq_len >= 1")

@@ -1,0 +1,243 @@
+"""Instruction tuning a GPT-2 or Llama decoder on prompt/response pairs (the loss on the response tokens only).
+
+The run goes through `loop.run_loop`, as pretraining and classifier fine-tuning do (resume, stop signals,
+non-finite skipping, eval cadence, checkpoints, report.md); this module is its `loop.Task`:
+
+  init_from   an HF GPT-2 / Llama folder (config.json + safetensors + tokenizer.json) or a jaxlm run workdir
+              (experiments/train_lm.py's, or an earlier instruction-tuning run): the model's shape, weights and
+              tokenizer come from it; `model.compute_dtype`, `model.param_dtype` and `kernels` from the config.
+  data        jaxlm/data/instructions.py: pairs packed whole into rows (no attention across pairs), the loss mask on
+              response targets; the batches have pretraining's layout, so the steps are pretraining's
+              (`steps_lib.jit_steps` with the token-weighted next-token loss).
+  eval        every `train.eval_every_steps` and at the end, on every held-out pair: `eval_loss` (mean over response
+              tokens), `eval_perplexity`, `eval_token_accuracy`.
+  report      report.md gets greedy responses for the first held-out prompts next to the reference responses
+              (`log.sample_tokens` new tokens at most); eval.json the final evaluation as flat numbers;
+              `<workdir>/hf_model/` the tuned model as an HF folder (transformers loads it).
+  LoRA        `lora.rank > 0`: the base frozen (int8/NF4 with `lora.base`), only the adapters train, through the same
+              train state as classification (jaxlm/adapters/lora.py); hf_model/ holds the merged weights, `<workdir>/adapter/`
+              the adapters as a PEFT folder (jaxlm/interop/peft_folders.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from typing import Any
+
+import jax
+import tokenizers
+from flax import nnx
+from jax.sharding import Mesh
+
+from jaxlm.adapters import lora
+from jaxlm.config import Config, ModelConfig
+from jaxlm.data import instructions as instr_data
+from jaxlm.data import load_tokenizer, make_train_iterator, seq_lengths
+from jaxlm.inference import generate
+from jaxlm.interop import hf_weights, peft_folders, streaming
+from jaxlm.kernels import Kernels
+from jaxlm.models.gpt import FLAVOURS, GPT
+from jaxlm.recipes import data_defaults
+from jaxlm.recipes import init_from as pretrained_lib
+from jaxlm.training import atomic_files, loop, optim, reliability, telemetry
+from jaxlm.training import steps as steps_lib
+
+HF_MODEL = "hf_model"
+ADAPTER = "adapter"  # LoRA runs: the final adapters as a PEFT folder
+START_EVAL = "start_eval.json"  # the base model's evaluation, before the first step
+GENERATED_EXAMPLES = 4  # held-out prompts answered in report.md
+
+
+@dataclasses.dataclass
+class Decoder:
+  model_config: ModelConfig
+  tokenizer: tokenizers.Tokenizer
+  params: dict | None  # pure dict of the GPT's parameters; None once loaded into the train state
+
+
+def load_decoder(config: Config, mesh: Mesh) -> Decoder:
+  """The decoder and tokenizer of `init_from` (an HF folder or a jaxlm workdir), in the config's precision."""
+  source, m = config.init_from, config.model
+  if not source:
+    raise ValueError("instruction tuning needs init_from: an HF GPT-2/Llama folder or a jaxlm run workdir")
+  if not os.path.isdir(source):
+    raise FileNotFoundError(f"init_from={source!r} is not a folder; give an HF checkpoint folder (config.json + "
+                            f"model.safetensors) or a jaxlm run workdir")
+  precision = dict(compute_dtype=m.compute_dtype, param_dtype=m.param_dtype)
+
+  def check(model_config: ModelConfig) -> None:
+    if model_config.flavour not in FLAVOURS:
+      raise ValueError(f"init_from={source!r} holds a {model_config.flavour} model; instruction tuning needs a "
+                       f"decoder ({', '.join(FLAVOURS)}), or set model.flavour=bert to fine-tune a classifier")
+
+  if os.path.isdir(os.path.join(source, "checkpoints")):
+    model_config, params = pretrained_lib.read_jaxlm_checkpoint(source, mesh, precision, check)
+  elif config.lora.rank:  # LoRA: each parameter is read when the quantized base takes it (jaxlm/interop/streaming.py)
+    model, params = streaming.hf_source(source, **precision)
+    check(model.config)
+    model_config = model.config
+  else:
+    model = hf_weights.from_pretrained(source, mesh=mesh, **precision)
+    check(model.config)
+    model_config, params = model.config, nnx.state(model, nnx.Param).to_pure_dict()
+  tokenizer_path = config.data.tokenizer or source
+  if os.path.isdir(tokenizer_path) and not os.path.isfile(os.path.join(tokenizer_path, "tokenizer.json")):
+    raise ValueError(f"{tokenizer_path!r} has no tokenizer.json; put the model's tokenizer there or set "
+                     f"data.tokenizer")
+  tokenizer = load_tokenizer(tokenizer_path)
+  tokenizer.no_padding()  # HF tokenizer.json files may pad or cut; the pairs are laid out here
+  tokenizer.no_truncation()
+  if tokenizer.get_vocab_size(with_added_tokens=True) > model_config.vocab_size:
+    raise ValueError(f"the tokenizer of {tokenizer_path!r} has {tokenizer.get_vocab_size(with_added_tokens=True)} "
+                     f"tokens but the model's vocabulary holds {model_config.vocab_size}; use the model's tokenizer")
+  # Packed pairs must not attend to each other, whatever document masking the checkpoint was pretrained with.
+  return Decoder(dataclasses.replace(model_config, document_mask=True, **precision), tokenizer, params)
+
+
+def instruction_tune(config: Config, workdir: str, stop_at_step: int | None = None) -> dict:
+  """Instruction-tunes (or resumes) a decoder into `workdir`; returns the final evaluation (also in eval.json)."""
+  with reliability.StopSignals() as stop:
+    started = time.time()
+    config, mesh, kernels = loop.prepare_run(config, workdir, causal=True)
+    config, task = instruction_task(config, workdir, mesh, kernels)
+    return loop.run_loop(config, workdir, mesh, task, stop, stop_at_step, started)
+
+
+def instruction_task(config: Config, workdir: str, mesh: Mesh, kernels: Kernels) -> tuple[Config, loop.Task]:
+  """The run's config (its model from init_from, steps and seq_len fitted to the data) and its `loop.Task`."""
+  t, d = config.train, config.data
+  decoder = load_decoder(config, mesh)
+  model_config = decoder.model_config
+  if d.seq_len > model_config.max_seq_len:
+    raise ValueError(f"data.seq_len={d.seq_len} exceeds the model's {model_config.max_seq_len} positions; lower "
+                     f"data.seq_len or set it to 0 to choose it from the data")
+  data = instr_data.build_instruction_data(d, decoder.tokenizer, t.seed, os.path.join(workdir, "data_cache", "hf"),
+                                           model_config.max_seq_len)
+  derived_steps, chosen_seq_len = t.steps == 0, d.seq_len == 0
+  t, d = data_defaults.resolve_steps(t, len(data.train)), dataclasses.replace(d, seq_len=data.seq_len)
+  config = dataclasses.replace(config, model=model_config, train=t, data=d)
+  stats = data.stats
+  data_defaults.print_on_process_0(seq_lengths.truncation_warning(stats["truncated_pairs"], stats["train_pairs"] + stats["eval_pairs"],
+                                                d.seq_len, model_config.max_seq_len, chosen_seq_len))
+  data_defaults.print_on_process_0(data_defaults.describe_steps(t, len(data.train), derived_steps, unit="packed rows"))
+  if jax.process_index() == 0:
+    print("data: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in stats.items()),
+          flush=True)
+    decoder.tokenizer.save(os.path.join(workdir, "tokenizer.json.tmp"))  # init_from=<this workdir> reads it
+    os.replace(os.path.join(workdir, "tokenizer.json.tmp"), os.path.join(workdir, "tokenizer.json"))
+
+  optimizer = optim.make_optimizer(t)
+  make_model = lambda rngs: GPT(model_config, kernels=kernels, rngs=rngs)
+  graphdef, state, state_shardings = steps_lib.init_train_state(config, mesh, optimizer, make_model)
+  train_step, eval_step = steps_lib.jit_steps(graphdef, optimizer, config, mesh, state_shardings)
+  eval_batches = instr_data.eval_batches(data.eval, t.batch_size, jax.process_index(), jax.process_count())
+  local_batch_size = t.batch_size // jax.process_count()
+  flops_per_token = telemetry.flops_per_token(model_config, d.seq_len)
+  latest: dict[str, float] = {}
+
+  def start(state: steps_lib.TrainState, start_step: int) -> steps_lib.TrainState:
+    if start_step == 0:
+      if "frozen" in state:  # LoRA: the checkpoint becomes the frozen base, one leaf at a time (jaxlm/interop/streaming.py)
+        state, _ = streaming.load_base(state, state_shardings, config.lora, make_model, mesh, decoder.params,
+                                     config.init_from, t.seed)
+      else:
+        state["params"] = place_params(decoder.params, state["params"], state_shardings["params"], config.init_from)
+      # The base model's held-out loss, kept in the workdir so that a resumed run still reports it.
+      before = steps_lib.evaluate(eval_step, steps_lib.model_params(state), eval_batches, mesh)
+      atomic_files.write_json_on_process_0(os.path.join(workdir, START_EVAL), before)
+      if jax.process_index() == 0:
+        print(f"init_from {config.init_from}: loaded; eval_loss before tuning {before['eval_loss']:.4f}", flush=True)
+    decoder.params = None  # a resumed run never needs them
+    return state
+
+  def count(local: dict) -> dict[str, float]:
+    """Response tokens (those with a loss) and the FLOPs of every slot of the global batch."""
+    processes = jax.process_count()
+    return {"tokens": float(local["loss_mask"].sum()) * processes,
+            "flops": local["inputs"].size * processes * flops_per_token}
+
+  def evaluate_step(step: int, params) -> dict[str, float]:
+    latest.clear()
+    latest.update(steps_lib.evaluate(eval_step, params, eval_batches, mesh))
+    return dict(latest)
+
+  def finish(end: loop.RunEnd) -> loop.Report:
+    params = steps_lib.model_params(end.state)  # with LoRA: the adapted weights (lora.LoRAWeight values)
+    examples = generated_examples(graphdef, params, decoder.tokenizer, data, config.log.sample_tokens,
+                                  model_config, t.seed)
+    # Every process joins the gathers; process 0 writes. LoRA: hf_model/ holds the merged weights.
+    hf_weights.save_pretrained(nnx.merge(graphdef, params), os.path.join(workdir, HF_MODEL))  # merged one weight at a time
+    if jax.process_index() == 0:
+      decoder.tokenizer.save(os.path.join(workdir, HF_MODEL, "tokenizer.json"))
+    result: dict[str, Any] = {f"start_{k}": v for k, v in _read_json(os.path.join(workdir, START_EVAL)).items()}
+    result.update({**latest, "step": t.steps, "seq_len": d.seq_len, "train_pairs": stats["train_pairs"],
+                   "eval_pairs": stats["eval_pairs"], "train_rows": stats["train_rows"],
+                   "final_train_loss": end.last.get("loss"), "init_from": config.init_from,
+                   "wall_time_sec": end.facts["wall_time_sec"], "devices": jax.device_count()})
+    result.update({k: v for k, v in end.rates.items() if k.endswith("_per_sec") or k == "mfu"})
+    result.update(lora.state_bytes(end.state))  # per device: trainable params, optimizer state, frozen base
+    if config.lora.rank:  # the adapters as a PEFT folder (peft.PeftModel.from_pretrained loads it onto the base)
+      result.update(lora_rank=config.lora.rank, lora_alpha=config.lora.alpha, lora_targets=config.lora.targets,
+                    lora_base=config.lora.base)
+      peft_folders.save_adapters(nnx.merge(graphdef, params), os.path.join(workdir, ADAPTER),
+                            base_model_name_or_path=config.init_from)
+    atomic_files.write_json_on_process_0(os.path.join(workdir, "eval.json"), result)
+    summary = {**result, **{k: end.facts[k] for k in ("mesh", "device_kind", "peak_flops_per_device")}}
+    return loop.Report(summary, result=result, data_stats=stats,
+                        sections=[("Held-out prompts (greedy)", examples_markdown(examples))])
+
+  return config, loop.Task(
+      title="Instruction-tuning run", state=state, state_shardings=state_shardings, train_step=train_step,
+      batches=make_train_iterator(data.train, local_batch_size, t.seed, d.shuffle), count=count,
+      evaluate=evaluate_step, finish=finish, start=start)
+
+
+def _read_json(path: str) -> dict:
+  if not os.path.isfile(path):
+    return {}
+  with open(path) as f:
+    return json.load(f)
+
+
+def place_params(source: dict, target: dict, shardings: dict, where: str, path: tuple = ()) -> dict:
+  """The checkpoint's parameters on the train state's shardings; every parameter must be there, in its shape."""
+  placed = {}
+  for key, value in target.items():
+    found = source.get(key) if isinstance(source, dict) else None
+    name = "/".join(map(str, (*path, key)))
+    if isinstance(value, dict):
+      if not isinstance(found, dict):
+        raise ValueError(f"init_from={where!r} has no parameters {name}/...; is it a decoder checkpoint?")
+      placed[key] = place_params(found, value, shardings[key], where, (*path, key))
+    elif found is None or found.shape != value.shape:
+      raise ValueError(f"init_from={where!r} has {'no' if found is None else f'a {found.shape}'} parameter {name} "
+                       f"for the model's {value.shape}; is it a decoder checkpoint?")
+    else:
+      placed[key] = jax.device_put(found.astype(value.dtype), shardings[key])
+  return placed
+
+
+def generated_examples(graphdef, params, tokenizer, data: instr_data.InstructionData, max_new_tokens: int,
+                       model_config: ModelConfig, seed: int) -> list[tuple[str, str, str]]:
+  """(prompt, reference, greedy response) for the first held-out pairs; every process joins the jitted sampler."""
+  pairs = data.eval_pairs
+  count = min(GENERATED_EXAMPLES, len(pairs))
+  prompts = [pairs.prompts[i] for i in range(count)]
+  room = model_config.max_seq_len - max(len(p) for p in prompts)  # gpt2's learned positions end there
+  new_tokens = min(max_new_tokens, room)
+  if count == 0 or new_tokens < 1:
+    return []
+  outputs = generate.generate(graphdef, params, prompts, new_tokens, stop_tokens=(data.eos_id,), seed=seed)
+  return [(pairs.texts[i][0], pairs.texts[i][1],
+           tokenizer.decode([x for x in outputs[i] if x != data.eos_id])) for i in range(count)]
+
+
+def examples_markdown(examples: list[tuple[str, str, str]]) -> str:
+  if not examples:
+    return "No held-out prompt was answered (log.sample_tokens=0 or no room left in the position table)."
+  fence = lambda text: "```\n" + text.replace("```", "`\u200b``") + "\n```"
+  return "\n\n".join(f"**Prompt {i + 1}**\n\n{fence(p)}\n\nReference:\n\n{fence(r)}\n\nGenerated:\n\n{fence(g)}"
+                     for i, (p, r, g) in enumerate(examples))

@@ -1,0 +1,70 @@
+"""Language-model pretraining: a GPT on packed token sequences, next-token loss, held-out perplexity and a sample
+in the report, run through THE loop (jaxlm/training/loop.py's `run_loop`)."""
+
+from __future__ import annotations
+
+import time
+
+import jax
+from jax.sharding import Mesh
+
+from jaxlm import data as data_lib
+from jaxlm.config import Config
+from jaxlm.inference import generate
+from jaxlm.kernels import Kernels
+from jaxlm.recipes import data_defaults
+from jaxlm.training import loop, optim, reliability, telemetry
+from jaxlm.training import steps as steps_lib
+
+
+def train(config: Config, workdir: str, stop_at_step: int | None = None) -> dict:
+  """Trains (or resumes) a GPT into `workdir`; returns the summary written into report.md.
+
+  `stop_at_step` ends this run early after checkpointing that step (as a preemption would); re-running resumes.
+  SIGTERM or SIGINT does the same at the end of the current step: it returns the last logged metrics with
+  `preempted_at_step`, and the next run with this workdir resumes exactly there (jaxlm/training/reliability.py).
+  Raises reliability.NonFiniteError after train.max_consecutive_nonfinite skipped (non-finite) steps in a row.
+  """
+  with reliability.StopSignals() as stop:  # handlers restored on return and on errors
+    started = time.time()
+    config, mesh, kernels = loop.prepare_run(config, workdir, causal=True)
+    task = language_model_task(config, workdir, mesh, kernels)
+    return loop.run_loop(config, workdir, mesh, task, stop, stop_at_step, started)
+
+
+def language_model_task(config: Config, workdir: str, mesh: Mesh, kernels: Kernels) -> loop.Task:
+  """Pretraining a GPT on packed token sequences: next-token loss, held-out perplexity, a sample in the report."""
+  data_defaults.require_fixed(config, "pretraining (packed token rows)")
+  t = config.train
+  datasets = data_lib.build_datasets(config.data, config.model.vocab_size, workdir, t.seed)
+  optimizer = optim.make_optimizer(t)
+  graphdef, state, state_shardings = steps_lib.init_train_state(config, mesh, optimizer, kernels=kernels)
+  train_step, eval_step = steps_lib.jit_steps(graphdef, optimizer, config, mesh, state_shardings)
+  local_batch_size = t.batch_size // jax.process_count()
+  eval_batches = data_lib.eval_batches(datasets.eval, local_batch_size, t.eval_batches)
+  tokens = t.batch_size * config.data.seq_len  # every position of the packed rows
+  counts = {"tokens": tokens, "flops": tokens * telemetry.flops_per_token(config.model, config.data.seq_len)}
+
+  def finish(end: loop.RunEnd) -> loop.Report:
+    summary = {**end.last, **end.eval, **end.facts, **{f"average_{k}": v for k, v in end.rates.items()}}
+    sample = None
+    if config.log.sample_tokens:  # every process joins the jitted sampler; only process 0 writes the report
+      sample = sample_text(graphdef, steps_lib.model_params(end.state), datasets.tokenizer,
+                           config.log.sample_prompt, config.log.sample_tokens, config.model.max_seq_len, t.seed,
+                           datasets.eos_id)
+    return loop.Report(summary, sample_text=sample, data_stats=datasets.stats)
+
+  return loop.Task(
+      title="Training run", state=state, state_shardings=state_shardings, train_step=train_step,
+      batches=data_lib.make_train_iterator(datasets.train, local_batch_size, t.seed, config.data.shuffle),
+      count=lambda local_batch: counts,
+      evaluate=lambda step, params: steps_lib.evaluate(eval_step, params, eval_batches, mesh),
+      finish=finish)
+
+
+def sample_text(graphdef, params, tokenizer, prompt: str, num_tokens: int, max_len: int, seed: int,
+                eos_id: int | None) -> str:
+  prompt_ids = tokenizer.encode(prompt).ids or [eos_id or 0]
+  ids = generate.sample_tokens(graphdef, params, prompt_ids, num_tokens, max_len, seed=seed,
+                               eos_id=eos_id)
+  return tokenizer.decode(ids)

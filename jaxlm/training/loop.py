@@ -1,0 +1,237 @@
+"""THE training loop. The steps it runs (jitted, sharded, state donated) are in jaxlm/training/steps.py. Metrics stay on the
+device and are read one step late, so the host never waits for the device.
+
+Every kind of run goes through one loop, `run_loop`: language-model pretraining (`train`) and classifier fine-tuning
+(jaxlm/recipes/classifier_finetuning.py) each describe themselves as a `Task` (their steps, data, per-step counts, evaluation and report),
+and the loop does the rest: resume, stop signals, non-finite steps, metric windows, eval cadence, checkpoints and
+report.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from typing import Any, Callable
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from jaxlm import data as data_lib
+from jaxlm import kernels as kernels_lib
+from jaxlm.config import Config
+from jaxlm.kernels import Kernels
+from jaxlm.parallel import sharding
+from jaxlm.training import atomic_files, pipeline, reliability, telemetry
+from jaxlm.training import steps as steps_lib
+from jaxlm.training.checkpoint import Checkpointer, abstract_with_shardings
+
+# ----------------------------------------------------------------------------------------------- the loop
+
+
+@dataclasses.dataclass
+class Task:
+  """One kind of run, as `run_loop` sees it: the parts that differ between kinds. Language-model pretraining
+  (`language_model_task` below) and classifier fine-tuning (jaxlm/recipes/classifier_finetuning.py) each build one."""
+  title: str  # report.md's heading: "Training run", "Fine-tuning run"
+  state: steps_lib.TrainState  # freshly initialised (steps_lib.init_train_state); the loop takes it over or restores
+  state_shardings: Any
+  train_step: Callable  # jitted (state, global batch) -> (state, metrics on the device), from `steps_lib.jit_steps`
+  batches: Any  # endless iterator over this process's rows of each global batch; get_state() / set_state(dict)
+  count: Callable[[dict], dict[str, float]]  # (this process's rows) -> host-side counts of the global batch:
+  # each count becomes `<name>_per_sec` in the metrics, except "flops", which becomes `mfu`
+  evaluate: Callable[[int, Any], dict[str, float]]  # (step, params) -> the eval entries of that step's metrics
+  finish: Callable[[RunEnd], Report]  # the report of a completed run
+  # The state the first step takes, from the restored (start_step > 0) or fresh one: fine-tuning loads init_from.
+  start: Callable[[steps_lib.TrainState, int], steps_lib.TrainState] = lambda state, start_step: state
+  renames: dict[str, str] = dataclasses.field(default_factory=dict)  # train-step metric -> name in metrics.jsonl
+
+
+@dataclasses.dataclass
+class RunEnd:
+  """What the loop hands `Task.finish` when a run has reached train.steps."""
+  state: steps_lib.TrainState
+  last: dict[str, Any]  # the last line written to metrics.jsonl (empty when this run took no step)
+  eval: dict[str, Any]  # the final evaluation, as `Task.evaluate` returned it
+  facts: dict[str, Any]  # steps, resumed_from_step, devices, mesh, device kind, peak FLOP/s, wall time
+  rates: dict[str, float]  # tokens_per_sec, mfu, ... over this run's steps after its first; empty when none
+
+
+@dataclasses.dataclass
+class Report:
+  """What a task puts into report.md at the end of a completed run, and what the run returns."""
+  summary: dict[str, Any]  # the summary table, after the loss figures read from metrics.jsonl
+  result: dict[str, Any] | None = None  # what the run returns; None: `summary`
+  sections: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (heading, markdown) before the config
+  sample_text: str | None = None
+  data_stats: dict[str, Any] | None = None
+
+
+def prepare_run(config: Config, workdir: str, causal: bool = True) -> tuple[Config, Mesh, Kernels]:
+  """What every run checks and settles before building anything: the workdir is a folder (created), the mesh fits
+  the devices, the batch splits over the data axes, the micro-batches and the processes, and config.kernels resolves
+  for this platform, compute dtype and mesh (`causal`: a decoder's attention; printed once). Returns the config with
+  the resolved kernels in place of `auto` (what config.json and report.md record), the mesh and the kernels."""
+  if os.path.exists(workdir) and not os.path.isdir(workdir):
+    raise ValueError(f"--workdir={workdir!r} is a file, not a folder; give a folder path (it is created)")
+  os.makedirs(workdir, exist_ok=True)
+  mesh = sharding.make_mesh(config.mesh)
+  num_data_shards = mesh.shape["data"] * mesh.shape["fsdp"]
+  t = config.train
+  if t.batch_size % (num_data_shards * t.grad_accum):
+    raise ValueError(
+        f"train.batch_size={t.batch_size} must be divisible by mesh.data*mesh.fsdp*train.grad_accum="
+        f"{num_data_shards * t.grad_accum}")
+  if t.batch_size % jax.process_count():
+    raise ValueError(f"train.batch_size={t.batch_size} is not divisible by the {jax.process_count()} processes")
+  kernels = kernels_lib.resolve(config.kernels, compute_dtype=config.model.compute_dtype, causal=causal,
+                                head_dim=config.model.head_dim, mesh=mesh)
+  if jax.process_index() == 0:
+    print(f"kernels: {kernels.describe()}", flush=True)
+  return dataclasses.replace(config, kernels=kernels.as_config()), mesh, kernels
+
+
+def run_loop(config: Config, workdir: str, mesh: Mesh, task: Task, stop: reliability.StopSignals,
+             stop_at_step: int | None = None, started: float | None = None) -> dict:
+  """Runs `task` to step train.steps, from the latest checkpoint in `workdir` if there is one.
+
+  Each step: the next batch; the jitted train step (which skips a non-finite update on the device); the metrics of
+  the previous step (read one step late, so the host never waits for the device); the task's evaluation on eval
+  steps (every train.eval_every_steps and at the end); a checkpoint of the state and the data position (every
+  checkpoint.every_steps, at the end, and when stopping). metrics.jsonl gets one line at the run's first step,
+  every log.every_steps, at eval steps and at the end: the means over the steps since the previous line.
+
+  Returns `task.finish`'s result, with report.md written, when the run reaches train.steps. A stop signal
+  (SIGTERM/SIGINT, reliability.StopSignals) or `stop_at_step` ends the run early after checkpointing the current
+  step: it returns the last logged metrics (with `preempted_at_step` after a signal), and running again resumes
+  there bit for bit. Raises reliability.NonFiniteError after train.max_consecutive_nonfinite skipped steps in a row,
+  without saving again (the checkpoints so far hold finite, pre-skip states).
+  """
+  t = config.train
+  started = time.time() if started is None else started
+  state, task.state = task.state, None  # the loop owns the state from here (each step donates it)
+
+  # Resume: the newest readable checkpoint that fits this run, with the data position it was saved at (unreadable
+  # ones are moved aside, mismatched ones raise).
+  checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), config.checkpoint.every_steps,
+                              config.checkpoint.keep)
+  restored = checkpointer.restore_latest(abstract_with_shardings(state, task.state_shardings), config.model)
+  start_step = 0
+  if restored is not None:
+    start_step, state, data_state = restored
+    data_lib.set_loader_state(task.batches, data_state)
+  state = task.start(state, start_step)
+  atomic_files.write_json_on_process_0(os.path.join(workdir, "config.json"), dataclasses.asdict(config))
+
+  peak_per_device, peak_source = telemetry.peak_flops_per_device(dtype=config.model.compute_dtype)
+  peak_flops = peak_per_device * jax.device_count()
+  writer = telemetry.MetricsWriter(workdir, start_step=start_step)
+  bar = telemetry.ProgressBar(t.steps, initial_step=start_step, enable=config.log.progress_bar)
+  nonfinite = reliability.NonFiniteCounter(t.max_consecutive_nonfinite)
+  failure: str | None = None  # set when too many non-finite steps in a row end the run
+  window: list[dict] = []  # device metrics of the steps since the last line
+  window_times = telemetry.StepTimes()  # host counts and seconds of the timed steps since the last line
+  run_times = telemetry.StepTimes()  # ... and of this run
+  last: dict[str, Any] = {}  # the last line written
+  final_eval: dict[str, Any] | None = None
+  clock = time.perf_counter()
+
+  def finish_step(step: int, device_metrics: dict, counts: dict, eval_metrics: dict | None) -> None:
+    """Step `step`'s bookkeeping, one step late: its time, the non-finite count, and on a log step the line."""
+    nonlocal last, failure, clock
+    # Waiting for step s while step s + 1 runs keeps one step in flight: the host still prepares the next batch in
+    # parallel, and on simulated CPU devices two multi-device steps in flight can starve each other's collectives.
+    jax.block_until_ready(device_metrics)
+    now = time.perf_counter()
+    if step > start_step + 1:  # the first step of a run holds the compile: it is not timed
+      window_times.add(counts, now - clock)
+      run_times.add(counts, now - clock)
+    clock = now
+    # An overflow skip (float16: finite loss, inf/nan gradients, scale above loss_scale.min) lowers the scale and
+    # is expected, not a divergence (jaxlm/training/loss_scale.py, docs/reliability.md).
+    failure = failure or nonfinite.update(step, bool(device_metrics["skipped_steps"]),
+                                          overflow=bool(device_metrics.get("overflow_steps", 0)))
+    window.append(device_metrics)
+    if not (step == start_step + 1 or step % config.log.every_steps == 0 or eval_metrics or step == t.steps):
+      bar.update(step)
+      return
+    last = window_metrics(jax.device_get(window), task.renames)
+    last["skipped_steps_total"] = nonfinite.total
+    last.update(window_times.rates(peak_flops))
+    last.update(eval_metrics or {})
+    writer.write(step, last)
+    window.clear()
+    window_times.clear()
+    accuracy = {"acc": last[k] for k in ("train_accuracy", "eval_accuracy") if k in last}  # the eval's, if any
+    bar.update(step, loss=last["loss"], **accuracy, tokens_per_sec=last.get("tokens_per_sec"), mfu=last.get("mfu"))
+
+  # A stop signal during set-up ends the run before its first step: the latest checkpoint is still the one to use.
+  stopped_at = start_step if reliability.should_stop(stop.requested, start_step) else None
+  pending = None  # (step, device metrics, host counts, eval entries) of the previous step
+  for step in range(start_step + 1, t.steps + 1):
+    if stopped_at is not None:
+      break
+    local_batch = next(task.batches)
+    counts = task.count(local_batch)
+    state, metrics = task.train_step(state, steps_lib.to_global_batch(local_batch, mesh))
+    if pending is not None:
+      finish_step(*pending)
+      pending = None
+    if failure:  # stop before evaluating or saving again; checkpoints so far hold finite (pre-skip) states
+      break
+    eval_metrics = None
+    if step == t.steps or (t.eval_every_steps and step % t.eval_every_steps == 0):
+      eval_metrics = final_eval = task.evaluate(step, steps_lib.model_params(state))
+      clock = time.perf_counter()  # eval time is not train time
+    pending = (step, metrics, counts, eval_metrics)
+    if reliability.should_stop(stop.requested, step) or step == stop_at_step:
+      stopped_at = step
+    if step == t.steps or stopped_at is not None or checkpointer.should_save(step):
+      checkpointer.save(step, state, data_lib.get_loader_state(task.batches), config.model)
+  if pending is not None:
+    finish_step(*pending)
+  bar.close()
+  checkpointer.close()  # waits for the last save: a preempted run exits only once its checkpoint is complete
+  writer.close()
+  if failure:
+    raise reliability.NonFiniteError(failure)
+  if stopped_at is not None and stopped_at < t.steps:
+    if stop.requested:
+      last["preempted_at_step"] = stopped_at
+    return last
+
+  if final_eval is None:  # resumed at the last step: evaluate the restored state
+    final_eval = task.evaluate(t.steps, steps_lib.model_params(state))
+  facts = {
+      "steps": t.steps, "resumed_from_step": start_step, "devices": jax.device_count(),
+      "mesh": "x".join(str(mesh.shape[a]) for a in sharding.MESH_AXES), "device_kind": jax.devices()[0].device_kind,
+      "peak_flops_per_device": peak_per_device, "peak_flops_source": peak_source,
+      "wall_time_sec": round(time.time() - started, 1),
+      **pipeline.report_facts(config, mesh, state),  # bubble and per-stage memory; empty without a pipeline
+  }
+  rates = {**run_times.rates(peak_flops), "timed_steps": run_times.steps} if run_times.steps else {}
+  report = task.finish(RunEnd(state, last, final_eval, facts, rates))
+  telemetry.write_report(workdir, title=f"{task.title} {os.path.basename(os.path.abspath(workdir))}",
+                         summary=report.summary, config_text=json.dumps(dataclasses.asdict(config), indent=2),
+                         sample_text=report.sample_text, data_stats=report.data_stats,
+                         extra_sections=report.sections)
+  return report.summary if report.result is None else report.result
+
+
+def window_metrics(fetched: list[dict], renames: dict[str, str] | None = None) -> dict[str, float]:
+  """One metrics line from the train-step metrics of the steps since the previous line: each metric's mean over
+  the steps whose update was applied (a skipped step's NaN stays out), learning_rate and param_norm at the last
+  step, and skipped_steps as a count (float16 runs: overflow_steps too, loss_scale and overflow_steps_total at the last
+  step); `renames` maps train-step names to the line's."""
+  applied = [m for m in fetched if not m["skipped_steps"]] or fetched
+  line = {k: float(np.mean([m[k] for m in applied])) for k in fetched[-1]}
+  line["skipped_steps"] = float(sum(m["skipped_steps"] for m in fetched))
+  if "overflow_steps" in fetched[-1]:
+    line["overflow_steps"] = float(sum(m["overflow_steps"] for m in fetched))
+  last_values = ("learning_rate", "param_norm", "loss_scale", "overflow_steps_total")
+  line.update({k: float(fetched[-1][k]) for k in last_values if k in fetched[-1]})
+  return {(renames or {}).get(k, k): v for k, v in line.items()}
+
+
