@@ -74,6 +74,7 @@ from jaxlm.training import (
   telemetry,
 )
 from jaxlm.training import steps as steps_lib  # noqa: E402
+from jaxlm.recipes import features as features_lib
 
 _CONFIG = config_flags.DEFINE_config_file("config", "benchmarks/configs/bench_cpu.py", "model and batch to time",
                                           lock_config=True)
@@ -130,13 +131,14 @@ def peak_section(platform: str, dtype: str) -> dict:
 
 
 class JaxlmStep:
-  """jaxlm's real train step (steps_lib.init_train_state + steps_lib.jit_steps) on one fixed batch."""
+  """jaxlm's real train step (features_lib.train_state_from_config + steps_lib.jit_steps) on one fixed batch."""
 
   def __init__(self, config, batch: dict):
     mesh = sharding.make_mesh(config.mesh)
     optimizer = optim.make_optimizer(config.train)
-    graphdef, self.state, shardings = steps_lib.init_train_state(config, mesh, optimizer)
-    step, _ = steps_lib.jit_steps(graphdef, optimizer, config, mesh, shardings)
+    graphdef, self.state, shardings, features = features_lib.train_state_from_config(
+      config, mesh, optimizer, features_lib.decoder_factory(config, mesh))
+    step, _ = steps_lib.jit_steps(graphdef, optimizer, config, mesh, shardings, features)
     self.batch = steps_lib.to_global_batch(batch, mesh)
     started = time.perf_counter()
     compiled = step.lower(self.state, self.batch).compile()
@@ -256,7 +258,8 @@ def abstract_train_inputs(config):
            "opt_state": jax.eval_shape(optimizer.init, params)}
   _, batch = random_batch(config)
   batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in batch.items()}
-  step = steps_lib.make_train_step(graphdef, optimizer, config.train.grad_accum, optim.learning_rate_schedule(config.train))
+  step = steps_lib.make_train_step(graphdef, optimizer, optim.learning_rate_schedule(config.train),
+                                   steps_lib.DataParallelGradients(config.train.grad_accum))
   return jax.jit(step, donate_argnums=0), state, batch
 
 

@@ -6,11 +6,11 @@ time, each in a fresh process on the CPU (one device: device memory is host memo
 
 A random Llama is saved as an HF folder first (in its own process). Then, per path, a process builds the LoRA train
 state, loads the folder into its frozen base and writes the merged HF folder:
-  whole   lora.init_train_state (random base), lora.load_base (the float model from hf_weights.from_pretrained, merged into
+  whole   the train state with lora.LoRASplit (random base), lora.load_base (the float model from hf_weights.from_pretrained, merged into
           the dequantized state, quantized again), lora.merge of the whole tree + every tensor on the host, then one
           safetensors write (the code before lora_io)
-  whole_load  the same from lora.init_train_state(empty_base=True): the whole-tree load and export alone
-  leaf    lora.init_train_state(empty_base=True), streaming.hf_source + streaming.load_base, streaming.save_merged
+  whole_load  the same from the train state with lora.LoRASplit(empty_base=True): the whole-tree load and export alone
+  leaf    the train state with lora.LoRASplit(empty_base=True), streaming.hf_source + streaming.load_base, streaming.save_merged
 Each (with the same non-zero adapters) reports its peak RSS after each phase (getrusage's ru_maxrss); the two merged folders are then compared tensor
 by tensor (float32 rounding apart, they agree). Writes <workdir>/qlora_load_peak.json.
 """
@@ -76,6 +76,7 @@ def _run(mode: str) -> dict:
   from jaxlm.config import LoRAConfig, MeshConfig, TrainConfig
   from jaxlm.interop import hf_weights, streaming
   from jaxlm.kernels import Kernels
+  from jaxlm.training.state import Features, init_train_state
   from jaxlm.models.gpt import GPT
   from jaxlm.parallel import sharding
   from jaxlm.recipes import instruction_tuning
@@ -92,8 +93,8 @@ def _run(mode: str) -> dict:
   optimizer, lora_config = optim.make_optimizer(TrainConfig(steps=10)), LoRAConfig(rank=8, base=FLAGS.base,
                                                                                     targets="all")
   started = time.time()
-  _, state, shardings = lora.init_train_state(lora_config, 0, mesh, optimizer, make, abstract,
-                                              empty_base=mode != "whole")
+  split = lora.LoRASplit(lora.make_plan(abstract, lora_config), empty_base=mode != "whole")
+  _, state, shardings = init_train_state(make, 0, mesh, optimizer, Features(split))
   jax.block_until_ready(state)
   peaks["init"] = _peak_mib()
   if mode != "leaf":

@@ -27,6 +27,7 @@ from jaxlm.planner import check_against_runs as measure_lib
 from jaxlm.planner import hlo_traffic, plan
 from jaxlm.training import optim, pipeline
 from jaxlm.training import steps as steps_lib
+from jaxlm.recipes import features as features_lib
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "where scaling.json and scaling.png go")
@@ -98,8 +99,9 @@ def measure(config, strategy: str, num_devices: int) -> dict:
   config_lib.validate(config)
   mesh = sharding.make_mesh(config.mesh, jax.devices()[:num_devices])
   optimizer = optim.make_optimizer(config.train)
-  graphdef, state, shardings = steps_lib.init_train_state(config, mesh, optimizer)
-  train_step, _ = steps_lib.jit_steps(graphdef, optimizer, config, mesh, shardings)
+  graphdef, state, shardings, features = features_lib.train_state_from_config(
+      config, mesh, optimizer, features_lib.decoder_factory(config, mesh))
+  train_step, _ = steps_lib.jit_steps(graphdef, optimizer, config, mesh, shardings, features)
   b, t = config.train.batch_size, config.data.seq_len
   batch = measure_lib.synthetic_batch(b, t, config.model.vocab_size, mesh)
   compiled = train_step.lower(state, batch).compile()

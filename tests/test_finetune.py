@@ -171,7 +171,8 @@ def test_classification_loss_accumulates_exactly_with_padding_and_zero_weights()
   state = {"step": np.int32(0), "params": params.to_pure_dict(), "opt_state": optimizer.init(params.to_pure_dict())}
   results = []
   for accum in (1, 2):
-    step = jax.jit(steps_lib.make_train_step(graphdef, optimizer, accum, optim.learning_rate_schedule(train_config),
+    step = jax.jit(steps_lib.make_train_step(graphdef, optimizer, optim.learning_rate_schedule(train_config),
+                                             steps_lib.DataParallelGradients(accum),
                                          loss_fn=classifier_finetuning.make_classification_loss_fn(graphdef)))
     new_state, metrics = step(state, batch)
     results.append((new_state["params"], metrics))

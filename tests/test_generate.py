@@ -210,7 +210,7 @@ def test_experiment_script_loads_the_latest_checkpoint(tmp_path):
 
   config = Config(model=GPT2, data=DataConfig(seq_len=16), mesh=MeshConfig(data=1), train=TrainConfig(steps=1))
   graphdef, params = _split("gpt2")
-  # The train state that jaxlm.training.steps.init_train_state builds, without compiling its initialiser.
+  # The train state that jaxlm.training.state.init_train_state builds, without compiling its initialiser.
   state = {"step": jnp.zeros((), jnp.int32), "params": params,
            "opt_state": optim.make_optimizer(config.train).init(params)}
   checkpointer = Checkpointer(str(tmp_path / "checkpoints"), every_steps=1, keep=1)

@@ -23,6 +23,7 @@ from jaxlm.kernels.attention import causal_block_attention, dot_product_attentio
 from jaxlm.kernels.cross_entropy import fused_cross_entropy
 from jaxlm.models.gpt import GPT
 from jaxlm.models.masks import causal_mask, padding_mask
+from jaxlm.recipes import features as features_lib
 from jaxlm.training import steps as steps_lib
 
 TINY = ModelConfig(vocab_size=96, num_layers=2, d_model=32, num_heads=4, max_seq_len=32, compute_dtype="float32")
@@ -352,8 +353,9 @@ def _mesh_step(model, kernels, data_devices):
                   train=TrainConfig(steps=10, batch_size=4, warmup_steps=1))
   mesh = sharding.make_mesh(config.mesh, jax.devices()[:data_devices])
   optimizer = optim.make_optimizer(config.train)
-  graphdef, state, shardings = steps_lib.init_train_state(config, mesh, optimizer)
-  train_step, _ = steps_lib.jit_steps(graphdef, optimizer, config, mesh, shardings)
+  graphdef, state, shardings, features = features_lib.train_state_from_config(
+      config, mesh, optimizer, features_lib.decoder_factory(config, mesh))
+  train_step, _ = steps_lib.jit_steps(graphdef, optimizer, config, mesh, shardings, features)
   batch = steps_lib.to_global_batch(_batch(model.vocab_size, b=4), mesh)
   compiled = train_step.lower(state, batch).compile()
   _, metrics = compiled(state, batch)

@@ -33,7 +33,9 @@ from jaxlm.models.gpt import GPT
 from jaxlm.parallel import sharding
 from jaxlm.recipes import classifier_finetuning
 from jaxlm.training import optim
+from jaxlm.recipes import features as features_lib
 from jaxlm.training import steps as steps_lib
+from jaxlm.training.state import Features, abstract_model, init_train_state
 from jaxlm.training.checkpoint import Checkpointer, abstract_with_shardings
 
 SEQ = 16
@@ -57,8 +59,9 @@ def _batch(batch_size=8, seed=0, vocab=128):
 def _setup(config, devices=None):
   mesh = sharding.make_mesh(config.mesh, devices)
   optimizer = optim.make_optimizer(config.train)
-  graphdef, state, shardings = steps_lib.init_train_state(config, mesh, optimizer, kernels=Kernels())
-  train_step, _ = steps_lib.jit_steps(graphdef, optimizer, config, mesh, shardings)
+  graphdef, state, shardings, features = features_lib.train_state_from_config(
+      config, mesh, optimizer, features_lib.decoder_factory(config, mesh, Kernels()))
+  train_step, _ = steps_lib.jit_steps(graphdef, optimizer, config, mesh, shardings, features)
   return mesh, graphdef, state, train_step
 
 
@@ -84,7 +87,7 @@ def test_zero_b_adapters_are_the_base_model(flavour, base):
     make = lambda rngs: BertForSequenceClassification(model_config, 3, kernels=Kernels(), rngs=rngs)
   else:
     make = lambda rngs: GPT(model_config, kernels=Kernels(), rngs=rngs)
-  graphdef, abstract = steps_lib.abstract_model(make)
+  graphdef, abstract = abstract_model(make)
   plan = lora.make_plan(abstract, LoRAConfig(rank=4, base=base))
   ids = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, SEQ)))
 
@@ -147,7 +150,7 @@ def test_sharded_accumulated_step_equals_one_device_unaccumulated(trained):
 
 def test_merge_equals_base_plus_scaled_adapter_product(trained):
   config, _, graphdef, _, state, _, _ = trained
-  params = jax.device_get(steps_lib.model_params(state))
+  params = jax.device_get(lora.combine(state["params"], state["frozen"]))
   merged = jax.device_get(lora.merge(params))
   w, a, b = (state["frozen"]["blocks"]["attn"]["w_o"]["lora_base"], state["params"]["blocks"]["attn"]["w_o"]["lora_a"],
              state["params"]["blocks"]["attn"]["w_o"]["lora_b"])
@@ -163,17 +166,17 @@ def test_qlora_state_is_at_most_35_percent_of_full_finetuning(devices):
   mesh = sharding.make_mesh(mesh_config, jax.devices()[:devices])
   make = lambda rngs: GPT(LLAMA, kernels=Kernels(), rngs=rngs)
   optimizer = optim.make_optimizer(TrainConfig())
-  abstract = steps_lib.abstract_model(make)[1]
+  abstract = abstract_model(make)[1]
   param_shardings = sharding.param_shardings(abstract, mesh)
   params = abstract_with_shardings(abstract.to_pure_dict(), param_shardings)
-  opt_state = optax.tree_map_params(  # AdamW's moments laid out like the parameters, as steps.init_train_state does
+  opt_state = optax.tree_map_params(  # AdamW's moments laid out like the parameters, as the train-state builder does
       optimizer, lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
       jax.eval_shape(optimizer.init, params), param_shardings,
       transform_non_params=lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding.replicated(mesh)))
   full = lora.state_bytes({"params": params, "opt_state": opt_state})
   for base in ("int8", "nf4"):
-    _, state, _ = lora.init_train_state(LoRAConfig(rank=8, base=base), 0, mesh, optimizer, make, abstract,
-                                        abstract_only=True)
+    split = lora.LoRASplit(lora.make_plan(abstract, LoRAConfig(rank=8, base=base)))
+    _, state, _ = init_train_state(make, 0, mesh, optimizer, Features(split), abstract_only=True)
     qlora = lora.state_bytes(state)
     assert qlora["state_bytes"] <= 0.35 * full["state_bytes"], (base, qlora, full)
     assert qlora["optimizer_state_bytes"] < 0.1 * full["optimizer_state_bytes"]
@@ -240,7 +243,7 @@ def test_qlora_finetuning_reports_its_state_and_exports_its_adapters(tmp_path):
     (dict(rank=4, base="nf4"), "lora.base=nf4 needs each target weight's input size divisible by 128"),
 ])
 def test_bad_targets_and_ranks_are_one_line_errors(change, message):
-  abstract = steps_lib.abstract_model(lambda rngs: GPT(GPT2, kernels=Kernels(), rngs=rngs))[1]
+  abstract = abstract_model(lambda rngs: GPT(GPT2, kernels=Kernels(), rngs=rngs))[1]
   with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")) as error:
     lora.make_plan(abstract, LoRAConfig(**{"rank": 4, **change}))
   assert "\n" not in str(error.value)

@@ -1,6 +1,6 @@
 """LoRA / QLoRA load and merged export one parameter at a time (jaxlm/interop/streaming.py), against the whole-tree path
 (lora.load_base of the float model; lora.merge + save) for int8, NF4 and float bases: the loaded state bit for bit,
-the merged weights to float32 rounding; the empty base of `lora.init_train_state(..., empty_base=True)` differs from
+the merged weights to float32 rounding; the empty base of `lora.LoRASplit(..., empty_base=True)` differs from
 the random one only in the frozen weights."""
 
 import dataclasses
@@ -20,6 +20,7 @@ from jaxlm.models.gpt import GPT
 from jaxlm.parallel import sharding
 from jaxlm.recipes import init_from, instruction_tuning
 from jaxlm.training import optim
+from jaxlm.training.state import Features, init_train_state
 
 GPT2 = ModelConfig(vocab_size=64, num_layers=2, d_model=64, num_heads=4, max_seq_len=16, compute_dtype="float32")
 LLAMA = dataclasses.replace(GPT2, flavour="llama", d_model=128, num_kv_heads=2, d_ff=256, tie_embeddings=False)
@@ -46,10 +47,11 @@ def test_streamed_load_and_merged_export_equal_the_whole_tree_path(model_config,
   mesh = sharding.make_mesh(MeshConfig(data=1, fsdp=2, tensor=2) if base == "nf4" else MeshConfig(), jax.devices()[
       :4 if base == "nf4" else 1])
   optimizer, lora_config = optim.make_optimizer(TrainConfig(steps=2)), LoRAConfig(rank=4, base=base, targets="all")
-  _, state, shardings = lora.init_train_state(lora_config, 0, mesh, optimizer, make, abstract, empty_base=True)
+  plan = lora.make_plan(abstract, lora_config)
+  _, state, shardings = init_train_state(make, 0, mesh, optimizer, Features(lora.LoRASplit(plan, empty_base=True)))
   assert all(not np.any(np.asarray(x)) for x in jax.tree.leaves(state["frozen"]) if x.ndim > 1)
   if base == "int8":  # the empty base changes nothing else
-    _, random_state, _ = lora.init_train_state(lora_config, 0, mesh, optimizer, make, abstract)
+    _, random_state, _ = init_train_state(make, 0, mesh, optimizer, Features(lora.LoRASplit(plan)))
     assert _same(random_state["params"], state["params"]) and _same(random_state["opt_state"], state["opt_state"])
 
   # The whole-tree path: the float model loaded, merged into the dequantized state, quantized again.

@@ -34,7 +34,9 @@ from jaxlm.config import (
 from jaxlm.models.gpt import GPT
 from jaxlm.parallel import sharding
 from jaxlm.training import loop, loss_scale, optim, reliability
+from jaxlm.recipes import features as features_lib
 from jaxlm.training import steps as steps_lib
+from jaxlm.training.state import abstract_model
 from jaxlm.training.checkpoint import Checkpointer, CheckpointMismatchError
 
 MODEL = ModelConfig(vocab_size=320, num_layers=1, d_model=64, num_heads=4, max_seq_len=32, compute_dtype="float16",
@@ -61,8 +63,9 @@ def _batch(seed=0):
 def _setup(config, devices):
   mesh = sharding.make_mesh(config.mesh, devices)
   optimizer = optim.make_optimizer(config.train)
-  graphdef, state, shardings = steps_lib.init_train_state(config, mesh, optimizer)
-  train_step, _ = steps_lib.jit_steps(graphdef, optimizer, config, mesh, shardings)
+  graphdef, state, shardings, features = features_lib.train_state_from_config(
+      config, mesh, optimizer, features_lib.decoder_factory(config, mesh))
+  train_step, _ = steps_lib.jit_steps(graphdef, optimizer, config, mesh, shardings, features)
   return mesh, optimizer, graphdef, state, shardings, train_step
 
 
@@ -159,14 +162,13 @@ def test_unscaled_float16_gradients_underflow_to_zero_and_scaled_ones_match_floa
   loss32, g32, *_ = _host(float32["reference"](initial["params"], initial["opt_state"], batch))
   # The same float32 master weights, computed in float16 with the kernels `auto` picks for it.
   kernels = kernels_lib.resolve(compute_dtype="float16", head_dim=MODEL.head_dim, devices=1)
-  graphdef, _ = steps_lib.abstract_model(lambda rngs: GPT(MODEL, kernels=kernels, rngs=rngs))
-  rule = loss_scale.from_config(_config())
+  graphdef, _ = abstract_model(lambda rngs: GPT(MODEL, kernels=kernels, rngs=rngs))
 
   @jax.jit
   def float16_gradients(params, batch, scale):  # scale 1.0 is the unscaled step exactly (x * 1.0 == x)
-    loss_fn = rule.scaled_loss_fn(steps_lib.make_loss_fn(graphdef), scale)
+    loss_fn = steps_lib.scaled_loss_fn(steps_lib.make_loss_fn(graphdef), scale)
     loss, _, grads, _ = optim.accumulate_gradients(loss_fn, params, batch, 1)
-    return rule.unscale(loss, grads, scale)
+    return loss / scale, jax.tree.map(lambda g: g / scale, grads)
 
   (loss16, g16), (loss16_scaled, g16_scaled) = (
       _host(float16_gradients(initial["params"], batch, jnp.float32(s))) for s in (1.0, 1024.0))
@@ -194,11 +196,10 @@ UNSCALED_METRICS = {"loss", "token_accuracy", "tokens", "grad_norm", "update_nor
 def test_float32_and_bfloat16_steps_are_the_unscaled_step_unchanged(float32):
   state, mesh = float32["state"], float32["mesh"]
   assert set(state) == {"step", "params", "opt_state"}  # no loss-scale state
-  for dtype in ("bfloat16", "float32"):  # both take the unscaled step (loss_scaling=None) and keep their state
+  for dtype in ("bfloat16", "float32"):  # both take the unscaled step (no state entry) and keep their state
     config = _config(model=dataclasses.replace(MODEL, compute_dtype=dtype))
     assert loss_scale.from_config(config) is None
-    new_state, new_shardings = loss_scale.with_loss_scale(config, mesh, state, {})
-    assert new_state is state and new_shardings == {}
+    assert features_lib.features_from_config(config, mesh, lambda rngs: None).entries == ()
   params, opt_state = float32["initial"]["params"], float32["initial"]["opt_state"]
   for i in range(3):
     batch = steps_lib.to_global_batch(_batch(seed=i), mesh)
@@ -301,7 +302,8 @@ def _run_loop(trained, workdir, steps, poisoned=(), stop_at_step=None, max_conse
       title="fp16 run", state=jax.device_put(trained["states"][0], trained["shardings"]),
       state_shardings=trained["shardings"], train_step=trained["train_step"], batches=_Batches(poisoned),
       count=lambda batch: {"tokens": batch["loss_mask"].size}, evaluate=lambda step, params: {},
-      finish=lambda end: loop.Report(summary=end.last))
+      finish=lambda end: loop.Report(summary=end.last),
+      features=features_lib.features_from_config(config, trained["mesh"], lambda rngs: None))
   with reliability.StopSignals(announce=False) as stop:
     loop.run_loop(config, str(workdir), trained["mesh"], task, stop, stop_at_step=stop_at_step)
   return [json.loads(line) for line in open(workdir / "metrics.jsonl")]

@@ -11,6 +11,7 @@ from jaxlm.config import Config, DataConfig, KernelsConfig, MeshConfig, TrainCon
 from jaxlm.parallel import sharding
 from jaxlm.recipes import pretraining
 from jaxlm.training import optim
+from jaxlm.recipes import features as features_lib
 from jaxlm.training import steps as steps_lib
 
 # 4 heads and an MLP width of 256 divide every tensor size used here.
@@ -24,8 +25,9 @@ def _run(mesh_config, gradient_sync="auto", grad_accum=1, steps=2, devices=None,
                                     learning_rate=3e-3))
   mesh = sharding.make_mesh(config.mesh, devices)
   optimizer = optim.make_optimizer(config.train)
-  graphdef, state, shardings = steps_lib.init_train_state(config, mesh, optimizer)
-  train_step, _ = steps_lib.jit_steps(graphdef, optimizer, config, mesh, shardings)
+  graphdef, state, shardings, features = features_lib.train_state_from_config(
+      config, mesh, optimizer, features_lib.decoder_factory(config, mesh))
+  train_step, _ = steps_lib.jit_steps(graphdef, optimizer, config, mesh, shardings, features)
   batch = steps_lib.to_global_batch(_batch(8, pad_rows={1: 6, 5: 2}), mesh)
   losses = []
   for _ in range(steps):
@@ -122,8 +124,9 @@ def test_hlo_collective_bytes_of_data_parallel_and_fsdp_steps_are_near_the_ring_
                     train=TrainConfig(steps=10, batch_size=8))
     mesh = sharding.make_mesh(config.mesh, jax.devices()[:devices])
     optimizer = optim.make_optimizer(config.train)
-    graphdef, state, shardings = steps_lib.init_train_state(config, mesh, optimizer)
-    train_step, _ = steps_lib.jit_steps(graphdef, optimizer, config, mesh, shardings)
+    graphdef, state, shardings, features = features_lib.train_state_from_config(
+        config, mesh, optimizer, features_lib.decoder_factory(config, mesh))
+    train_step, _ = steps_lib.jit_steps(graphdef, optimizer, config, mesh, shardings, features)
     compiled = train_step.lower(state, steps_lib.to_global_batch(_batch(8), mesh)).compile()
     moved = hlo_traffic.collective_bytes(compiled.as_text(), devices)["total"]
     param_bytes = sum(x.size * 4 for x in jax.tree.leaves(state["params"]))

@@ -15,6 +15,7 @@ from jaxlm.config import Config, DataConfig, KernelsConfig, MeshConfig, ModelCon
 from jaxlm.parallel import sharding
 from jaxlm.recipes import pretraining
 from jaxlm.training import pipeline
+from jaxlm.recipes import features as features_lib
 from jaxlm.training import steps as steps_lib
 from jaxlm.training.checkpoint import Checkpointer, abstract_with_shardings
 
@@ -62,13 +63,17 @@ class Run:
     self.mesh = sharding.make_mesh(mesh_config, devices)
     optimizer = optax.sgd(LEARNING_RATE)
     if start_from is None:
-      self.graphdef, state, self.shardings = steps_lib.init_train_state(self.config, self.mesh, optimizer)
+      self.graphdef, state, self.shardings, self.features = features_lib.train_state_from_config(
+          self.config, self.mesh, optimizer, features_lib.decoder_factory(self.config, self.mesh))
       self.initial_state = jax.device_get(state)
     else:  # the reference's specs name every mesh axis (all of size 1 there), so they carry over as they are
       self.graphdef = start_from.graphdef
       self.shardings = jax.tree.map(lambda s: NamedSharding(self.mesh, s.spec), start_from.shardings)
       state = jax.device_put(start_from.initial_state, self.shardings)
-    self.train_step, _ = steps_lib.jit_steps(self.graphdef, optimizer, self.config, self.mesh, self.shardings)
+      self.features = features_lib.features_from_config(self.config, self.mesh,
+                                                        features_lib.decoder_factory(self.config, self.mesh))
+    self.train_step, _ = steps_lib.jit_steps(
+        self.graphdef, optimizer, self.config, self.mesh, self.shardings, self.features)
     self.params = [jax.device_get(state["params"])]
     self.losses, self.metrics = [], []
     for batch in BATCHES:
@@ -215,11 +220,12 @@ def test_a_pipeline_that_does_not_fit_the_devices_stops_before_anything_is_writt
 def test_a_task_with_its_own_loss_is_refused_on_a_pipeline(four_stages):
   loss_fn = lambda params, batch: (0.0, (1.0, {}))
   with pytest.raises(ValueError, match=r"a task with another loss \(fine-tuning\) needs mesh.pipeline=1"):
-    steps_lib.make_gradient_fn(loss_fn, MICRO, four_stages.mesh)
+    features_lib.features_from_config(four_stages.config, four_stages.mesh, lambda rngs: None,
+                                      language_model_loss=False)
 
 
 def test_a_loss_scale_seeds_the_backward_and_scales_loss_and_gradients(four_stages):
-  """float16 runs (jaxlm/training/loss_scale.py) get the loss and gradients times the scale, as scaled_loss_fn gives them."""
+  """float16 runs (jaxlm/training/loss_scale.py) get the loss and gradients times the scale, as steps.scaled_loss_fn gives them."""
   mesh = four_stages.mesh
   gradient_fn = pipeline.make_gradient_fn(four_stages.graphdef, mesh, MICRO, "1f1b")
   run = jax.jit(sharding.traced_on(mesh, lambda p, b, scale: gradient_fn(p, b, loss_scale=scale)))

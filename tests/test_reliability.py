@@ -23,7 +23,7 @@ from jaxlm.config import CheckpointConfig, Config, DataConfig, LogConfig, MeshCo
 from jaxlm.parallel import sharding
 from jaxlm.recipes import pretraining
 from jaxlm.training import optim, reliability
-from jaxlm.training import steps as steps_lib
+from jaxlm.recipes import features as features_lib
 from jaxlm.training.checkpoint import Checkpointer, CheckpointMismatchError, abstract_with_shardings
 
 MODEL = ModelConfig(vocab_size=320, num_layers=2, d_model=64, num_heads=4, max_seq_len=32, compute_dtype="float32")
@@ -230,7 +230,8 @@ def test_restore_onto_fewer_devices_is_bit_identical(tmp_path):
   """Saved from a 2x2 (data x fsdp) mesh of 4 devices, restored onto 2 devices and onto 1."""
   config = Config(model=MODEL, mesh=MeshConfig(data=2, fsdp=2, tensor=1), train=TrainConfig(batch_size=8))
   optimizer = optim.make_optimizer(config.train)
-  _, state, shardings = steps_lib.init_train_state(config, sharding.make_mesh(config.mesh), optimizer)
+  _, state, shardings, features = features_lib.train_state_from_config(
+      config, sharding.make_mesh(config.mesh), optimizer, features_lib.decoder_factory(config, sharding.make_mesh(config.mesh)))
   saved = jax.device_get(state)
   checkpointer = Checkpointer(str(tmp_path / "ckpt"), every_steps=1, keep=2)
   checkpointer.save(1, state, {"next_index": 1}, MODEL)

@@ -16,7 +16,9 @@ from jaxlm.config import CheckpointConfig, Config, DataConfig, LogConfig, MeshCo
 from jaxlm.parallel import sharding
 from jaxlm.recipes import classifier_finetuning, pretraining
 from jaxlm.training import loop, optim
+from jaxlm.recipes import features as features_lib
 from jaxlm.training import steps as steps_lib
+from jaxlm.training.state import check_mesh_fits_model
 
 MODEL = ModelConfig(vocab_size=512, num_layers=2, d_model=64, num_heads=4, max_seq_len=32, compute_dtype="float32")
 SEQ = 16
@@ -47,8 +49,9 @@ def _batch(batch_size, seed=0, pad_rows=None):
 def _setup(config, devices=None):
   mesh = sharding.make_mesh(config.mesh, devices)
   optimizer = optim.make_optimizer(config.train)
-  graphdef, state, shardings = steps_lib.init_train_state(config, mesh, optimizer)
-  train_step, eval_step = steps_lib.jit_steps(graphdef, optimizer, config, mesh, shardings)
+  graphdef, state, shardings, features = features_lib.train_state_from_config(
+      config, mesh, optimizer, features_lib.decoder_factory(config, mesh))
+  train_step, eval_step = steps_lib.jit_steps(graphdef, optimizer, config, mesh, shardings, features)
   _setup.graphdef = graphdef
   return mesh, state, train_step
 
@@ -163,7 +166,7 @@ def test_mesh_errors_are_one_line_and_actionable():
     sharding.make_mesh(MeshConfig(data=3, fsdp=1, tensor=1))
   with pytest.raises(ValueError, match="model.num_heads=2 is not divisible by mesh.tensor=4"):
     config = _config(mesh=MeshConfig(data=1, fsdp=1, tensor=4))
-    steps_lib.check_mesh_fits_model(dataclasses.replace(MODEL, num_heads=2, d_model=64), sharding.make_mesh(config.mesh))
+    check_mesh_fits_model(dataclasses.replace(MODEL, num_heads=2, d_model=64), sharding.make_mesh(config.mesh))
   chex.assert_equal(sharding.mesh_shape(MeshConfig(data=-1, fsdp=2, tensor=1), 4), (2, 2, 1))
 
 

@@ -26,7 +26,6 @@ from typing import Any
 import flax
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx, traverse_util
 from jax.sharding import Mesh, NamedSharding
 
@@ -303,37 +302,34 @@ def state_bytes(state: dict) -> dict[str, int]:
 # ----------------------------------------------------------------------------------------------- the train state
 
 
-def init_train_state(lora: LoRAConfig, seed: int, mesh: Mesh, optimizer, make_model, abstract_state: nnx.State,
-                     abstract_only: bool = False, empty_base: bool = False) -> tuple[Plan, dict, dict]:
-  """(plan, state, shardings) of a LoRA run, initialised directly in their shardings (see the module docstring).
-  `abstract_only`: the state as ShapeDtypeStructs with shardings, nothing allocated (for memory estimates).
-  `empty_base`: the frozen weights start as zeros, for a checkpoint to fill (`lora_io.load_base`), so that no float
-  copy of the base is ever built (XLA drops the unused random init)."""
-  plan = make_plan(abstract_state, lora)
+@dataclasses.dataclass(frozen=True)
+class LoRASplit:
+  """LoRA as the train state's trainable/frozen split (jaxlm.training.state.ParamSplit): the adapters and the head
+  train, the rest is frozen (target weights in the plan's base storage). `empty_base`: the frozen weights start as
+  zeros, for a checkpoint to fill (streaming.load_base), so that no float copy of the base is ever built (XLA drops
+  the unused random init)."""
+  plan: Plan
+  empty_base: bool = False
 
-  def init():
-    params = nnx.split(make_model(nnx.Rngs(seed)))[1].to_pure_dict()
-    trainable = init_adapters(plan, params, jax.random.fold_in(jax.random.key(seed), 0x10A))
-    frozen = freeze(plan, params)
-    if empty_base:
+  def init(self, params: dict, seed: int) -> tuple[dict, dict]:
+    trainable = init_adapters(self.plan, params, jax.random.fold_in(jax.random.key(seed), 0x10A))
+    frozen = freeze(self.plan, params)
+    if self.empty_base:
       frozen = _nested({p: v if p.endswith("/lora_scale") else jax.tree.map(jnp.zeros_like, v)
                         for p, v in _flat(frozen).items()})
-    return {"step": jnp.zeros((), jnp.int32), "params": trainable, "frozen": frozen,
-            "opt_state": optimizer.init(trainable)}
+    return trainable, frozen
 
-  abstract = jax.eval_shape(init)
-  param_shardings = shardings_of(plan, abstract["params"], mesh)
-  state_shardings = {
-      "step": sharding.replicated(mesh),
-      "params": param_shardings,
-      "frozen": shardings_of(plan, abstract["frozen"], mesh),
-      "opt_state": optax.tree_map_params(optimizer, lambda _, s: s, abstract["opt_state"], param_shardings,
-                                         transform_non_params=lambda _: sharding.replicated(mesh)),
-  }
-  if abstract_only:
-    return plan, jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract,
-                              state_shardings), state_shardings
-  return plan, jax.jit(init, out_shardings=state_shardings)(), state_shardings
+  def shardings(self, abstract_params: nnx.State, trainable: Any, frozen: Any, mesh: Mesh) -> tuple[Any, Any]:
+    return shardings_of(self.plan, trainable, mesh), shardings_of(self.plan, frozen, mesh)
+
+  def combine(self, trainable: Any, frozen: Any) -> Any:
+    return combine(trainable, frozen)
+
+
+def split_for(make_model, lora: LoRAConfig, empty_base: bool = False) -> LoRASplit:
+  """The LoRA split of `make_model(rngs)`'s model: `lora.targets` resolved on its parameter shapes."""
+  abstract = nnx.split(nnx.eval_shape(lambda: make_model(nnx.Rngs(0))))[1]
+  return LoRASplit(make_plan(abstract, lora), empty_base)
 
 
 def refreeze(plan: Plan, state: dict, shardings: dict, plain: dict) -> dict:

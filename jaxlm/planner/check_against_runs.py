@@ -22,6 +22,7 @@ from jaxlm.parallel import sharding
 from jaxlm.training import telemetry
 from jaxlm.config import Config
 from jaxlm.training import steps as steps_lib
+from jaxlm.recipes import features as features_lib
 
 
 def synthetic_batch(batch_size: int, seq_len: int, vocab_size: int, mesh: Mesh, seed: int = 0) -> dict:
@@ -40,8 +41,9 @@ def compiled_train_step(config: Config, devices: Sequence[jax.Device] | None = N
   returns (compiled step, initial train state, that batch, mesh)."""
   mesh = sharding.make_mesh(config.mesh, devices)
   optimizer = optim.make_optimizer(config.train)
-  graphdef, state, shardings = steps_lib.init_train_state(config, mesh, optimizer)
-  train_step, _ = steps_lib.jit_steps(graphdef, optimizer, config, mesh, shardings)
+  graphdef, state, shardings, features = features_lib.train_state_from_config(
+      config, mesh, optimizer, features_lib.decoder_factory(config, mesh))
+  train_step, _ = steps_lib.jit_steps(graphdef, optimizer, config, mesh, shardings, features)
   batch = synthetic_batch(config.train.batch_size, config.data.seq_len, config.model.vocab_size, mesh)
   return train_step.lower(state, batch).compile(compiler_options), state, batch, mesh
 

@@ -35,6 +35,7 @@ from jaxlm.config import Config, KernelsConfig, ModelConfig, TrainConfig
 from jaxlm.planner.hardware import Hardware
 from jaxlm.kernels import Kernels
 from jaxlm.models.gpt import GPT
+from jaxlm.training import state as state_lib
 from jaxlm.training import steps as steps_lib
 
 
@@ -82,7 +83,7 @@ def _resolve(kernels: KernelsConfig, compute_dtype: str, head_dim: int, platform
 
 def abstract_model(model: ModelConfig, kernels: Kernels) -> tuple[nnx.GraphDef, nnx.State]:
   """Graph definition and parameter shapes of the decoder with these kernels, nothing allocated."""
-  return steps_lib.abstract_model(lambda rngs: GPT(model, kernels=kernels, rngs=rngs))
+  return state_lib.abstract_model(lambda rngs: GPT(model, kernels=kernels, rngs=rngs))
 
 
 def saved_activation_bytes(model: ModelConfig, kernels: Kernels, seq_len: int, tensor: int, local_batch: int

@@ -32,6 +32,7 @@ from jaxlm.training import optim
 from jaxlm.parallel import sharding
 from jaxlm.training import telemetry
 from jaxlm.training import steps as steps_lib
+from jaxlm.training.state import Features, init_train_state
 from jaxlm.config import Config, LoRAConfig, ModelConfig, TrainConfig
 from jaxlm.planner.hardware import Hardware
 from jaxlm.kernels import Kernels
@@ -59,9 +60,10 @@ def _lora_state_bytes(model: ModelConfig, lora: LoRAConfig, kernels: Kernels, tr
   optimizer = optim.make_optimizer(train_config)
 
   def measured(mesh_sizes):
-    plan, state, _ = lora_lib.init_train_state(lora, 0, _abstract_mesh(mesh_sizes), optimizer, make_model,
-                                               abstract_params, abstract_only=True)
-    return plan, lora_lib.state_bytes(state)
+    split = lora_lib.LoRASplit(lora_lib.make_plan(abstract_params, lora))
+    _, state, _ = init_train_state(make_model, 0, _abstract_mesh(mesh_sizes), optimizer, Features(split),
+                                   abstract_only=True)
+    return split.plan, lora_lib.state_bytes(state)
 
   plan, parts = measured(sizes)
   whole = measured((1, 1, 1))[1]
@@ -212,8 +214,8 @@ def lora_saved_activation_bytes(config: Config, kernels: Kernels, tensor: int, l
   graphdef, abstract_params = nnx.split(nnx.eval_shape(lambda: make_model(nnx.Rngs(0))))
   mesh = _abstract_mesh((1, 1, tensor))
   optimizer = optim.make_optimizer(dataclasses.replace(config.train, grad_accum=1, batch_size=1))
-  _, state, shardings = lora_lib.init_train_state(config.lora, 0, mesh, optimizer, make_model, abstract_params,
-                                                  abstract_only=True)
+  split = lora_lib.LoRASplit(lora_lib.make_plan(abstract_params, config.lora))
+  _, state, shardings = init_train_state(make_model, 0, mesh, optimizer, Features(split), abstract_only=True)
   specs = jax.tree.map(lambda s: s.spec, (shardings["params"], shardings["frozen"]))
   loss_fn = steps_lib.make_loss_fn(graphdef)
   batch = abstract_batch(local_batch, config.data.seq_len)

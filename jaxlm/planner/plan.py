@@ -21,21 +21,17 @@ import math
 from typing import Any, Iterable, Sequence
 
 import jax
-import jax.numpy as jnp
-import optax
-from jax.sharding import Mesh
 
 from jaxlm.planner import hlo_traffic
-from jaxlm.training import loss_scale
 from jaxlm.training import optim
 from jaxlm.parallel import sharding
-from jaxlm.adapters import lora as lora_lib
 from jaxlm.planner import estimates_lora as lora_predict
 from jaxlm.planner import estimates_pipeline as pipeline_predict
 from jaxlm.training import steps as steps_lib
 from jaxlm.config import Config, validate_pipeline
-from jaxlm.kernels import Kernels, runnable_on
+from jaxlm.kernels import runnable_on
 from jaxlm.models.gpt import GPT
+from jaxlm.recipes import features as features_lib
 # The planner is the public face of the three modules: callers use plan.Hardware, plan.predict_memory, ...
 from jaxlm.planner.hardware import GIB, PROFILES_PATH, Hardware, load_hardware, planned_dtype  # noqa: F401
 from jaxlm.planner.layouts import Layout, accumulation_splits, as_layout, layouts, mesh_shapes  # noqa: F401
@@ -96,40 +92,6 @@ def with_mesh(config: Config, sizes: "tuple[int, ...] | Layout", grad_accum: int
   return dataclasses.replace(config, mesh=mesh, train=train_config)
 
 
-def abstract_train_state(config: Config, mesh: Mesh, optimizer: optax.GradientTransformation, kernels: Kernels):
-  """(graphdef, state of ShapeDtypeStructs, state shardings): what `steps_lib.init_train_state` builds with `kernels`,
-  unallocated: with LoRA jaxlm.adapters.lora's state (frozen base apart), with float16 the loss scale beside it."""
-  graphdef, abstract_params = abstract_model(config.model, kernels)
-  if config.lora.rank:
-    make_model = lambda rngs: GPT(config.model, kernels=kernels, rngs=rngs)
-    _, state, shardings = lora_lib.init_train_state(config.lora, 0, mesh, optimizer, make_model, abstract_params,
-                                                    abstract_only=True)
-    return graphdef, *_with_loss_scale(config, mesh, state, shardings)
-  param_shardings = sharding.param_shardings(abstract_params, mesh)
-  params = abstract_params.to_pure_dict()
-  state = {"step": jax.ShapeDtypeStruct((), jnp.int32), "params": params,
-           "opt_state": jax.eval_shape(optimizer.init, params)}
-  shardings = {
-      "step": sharding.replicated(mesh),
-      "params": param_shardings,
-      "opt_state": optax.tree_map_params(optimizer, lambda _, s: s, state["opt_state"], param_shardings,
-                                         transform_non_params=lambda _: sharding.replicated(mesh)),
-  }
-  state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings)
-  return graphdef, *_with_loss_scale(config, mesh, state, shardings)
-
-
-def _with_loss_scale(config: Config, mesh: Mesh, state: dict, shardings: dict) -> tuple[dict, dict]:
-  scaler = loss_scale.from_config(config)
-  if scaler is None:
-    return state, shardings
-  replicated = sharding.replicated(mesh)
-  scale_state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
-                             jax.eval_shape(scaler.init))
-  return ({**state, "loss_scale": scale_state},
-          {**shardings, "loss_scale": jax.tree.map(lambda _: replicated, scale_state)})
-
-
 def compile_train_step(config: Config, devices: Sequence[jax.Device] | None = None, platform: str | None = None):
   """The train step `steps_lib.jit_steps` builds, compiled for `config.mesh` over `devices` (simulated CPU devices are
   fine: nothing is allocated or run) with the kernels planned for `platform` devices (None: those of `devices`);
@@ -141,10 +103,12 @@ def compile_train_step(config: Config, devices: Sequence[jax.Device] | None = No
   kernels = runnable_on(planned_kernels(config, sizes, platform or here), here, platform or here)
   # Written out, so that whatever reads config.kernels on the way sees the kernels compiled, not `auto`.
   config = dataclasses.replace(config, kernels=kernels.as_config())
-  steps_lib.check_mesh_fits_model(config.model, mesh)
   optimizer = optim.make_optimizer(config.train)
-  graphdef, state, shardings = abstract_train_state(config, mesh, optimizer, kernels)
-  train_step, _ = steps_lib.jit_steps(graphdef, optimizer, config, mesh, shardings)
+  make_model = lambda rngs: GPT(config.model, kernels=kernels, rngs=rngs)
+  # The one train-state builder, unallocated: LoRA's frozen base apart, float16's loss scale beside the state.
+  graphdef, state, shardings, features = features_lib.train_state_from_config(config, mesh, optimizer, make_model,
+                                                                              abstract_only=True)
+  train_step, _ = steps_lib.jit_steps(graphdef, optimizer, config, mesh, shardings, features)
   return train_step.lower(state, abstract_batch(config.train.batch_size, config.data.seq_len)).compile()
 
 

@@ -2,7 +2,7 @@
 
 The run goes through pretraining's loop, `loop.run_loop` (resume, stop signals, non-finite skipping, metric windows,
 eval cadence, checkpoints with the loader position, report.md), and its pieces: the sharded init
-(`steps_lib.init_train_state`) and the jitted steps (`steps_lib.jit_steps` with a classification loss). This module keeps
+(`features_lib.train_state_from_config`) and the jitted steps (`steps_lib.jit_steps` with a classification loss). This module keeps
 what is specific to classification (its `loop.Task`):
 
   init_from   (jaxlm/recipes/init_from.py) an HF checkpoint folder (config.json + safetensors, e.g. all-MiniLM-L6-v2)
@@ -51,11 +51,13 @@ from jaxlm.interop import hf_weights, peft_folders, streaming
 from jaxlm.kernels import Kernels
 from jaxlm.models.bert import BertForSequenceClassification
 from jaxlm.recipes import data_defaults
+from jaxlm.recipes import features as features_lib
 from jaxlm.recipes import init_from as pretrained_lib
 from jaxlm.recipes.init_from import LABELS_FILE, TOKENIZER_FILE
 from jaxlm.training import atomic_files, loop, optim, reliability, telemetry
 from jaxlm.training import metrics as metrics_lib
 from jaxlm.training import steps as steps_lib
+from jaxlm.training.state import TrainState
 
 BEST_MODEL = "best_model"
 ADAPTER = "adapter"  # LoRA runs: the final adapters as a PEFT folder
@@ -155,8 +157,9 @@ def classification_task(config: Config, workdir: str, mesh: Mesh, kernels: Kerne
   num_labels = len(class_names)
   optimizer = optim.make_optimizer(t)
   make_model = lambda rngs: BertForSequenceClassification(model_config, num_labels, kernels=kernels, rngs=rngs)
-  graphdef, state, state_shardings = steps_lib.init_train_state(config, mesh, optimizer, make_model)
-  train_step, eval_step = steps_lib.jit_steps(graphdef, optimizer, config, mesh, state_shardings,
+  graphdef, state, state_shardings, features = features_lib.train_state_from_config(
+      config, mesh, optimizer, make_model, language_model_loss=False)
+  train_step, eval_step = steps_lib.jit_steps(graphdef, optimizer, config, mesh, state_shardings, features,
                                               loss_fn=make_classification_loss_fn(graphdef),
                                               eval_fn=make_eval_step(graphdef))
   eval_batches = cls_data.eval_batches(data.eval, t.batch_size, d.seq_len, d.batching)
@@ -165,7 +168,7 @@ def classification_task(config: Config, workdir: str, mesh: Mesh, kernels: Kerne
   best = _read_best(workdir, t.best_metric)  # (step, value) of best_model/, kept across resumes
   latest: dict[str, float] = {}  # the latest evaluation, every metric
 
-  def start(state: steps_lib.TrainState, start_step: int) -> steps_lib.TrainState:
+  def start(state: TrainState, start_step: int) -> TrainState:
     if start_step == 0 and pretrained.params is not None:
       # The checkpoint's head is kept only for the same classes in the same order (or HF's anonymous LABEL_i names).
       saved_names = pretrained.class_names
@@ -217,7 +220,7 @@ def classification_task(config: Config, workdir: str, mesh: Mesh, kernels: Kerne
     if config.lora.rank:  # the adapters as a PEFT folder (peft.PeftModel.from_pretrained loads it onto the base)
       result.update(lora_rank=config.lora.rank, lora_alpha=config.lora.alpha, lora_targets=config.lora.targets,
                     lora_base=config.lora.base)
-      peft_folders.save_adapters(nnx.merge(graphdef, steps_lib.model_params(end.state)), os.path.join(workdir, ADAPTER),
+      peft_folders.save_adapters(nnx.merge(graphdef, features.model_params(end.state)), os.path.join(workdir, ADAPTER),
                             base_model_name_or_path=config.init_from)
     atomic_files.write_json_on_process_0(os.path.join(workdir, "eval.json"), result)
     summary = {k: v for k, v in result.items() if "/" not in k}
@@ -234,7 +237,7 @@ def classification_task(config: Config, workdir: str, mesh: Mesh, kernels: Kerne
       title="Fine-tuning run", state=state, state_shardings=state_shardings, train_step=train_step,
       batches=cls_data.ClassificationLoader(data.train, t.batch_size, t.seed, d.batching, d.seq_len, d.shuffle),
       count=count, evaluate=evaluate_step, finish=finish, start=start,
-      renames={"token_accuracy": "train_accuracy", "tokens": "examples"})
+      renames={"token_accuracy": "train_accuracy", "tokens": "examples"}, features=features)
 
 
 # ----------------------------------------------------------------------------------------------- workdir files

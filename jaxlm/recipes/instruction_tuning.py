@@ -41,9 +41,11 @@ from jaxlm.interop import hf_weights, peft_folders, streaming
 from jaxlm.kernels import Kernels
 from jaxlm.models.gpt import FLAVOURS, GPT
 from jaxlm.recipes import data_defaults
+from jaxlm.recipes import features as features_lib
 from jaxlm.recipes import init_from as pretrained_lib
 from jaxlm.training import atomic_files, loop, optim, reliability, telemetry
 from jaxlm.training import steps as steps_lib
+from jaxlm.training.state import TrainState
 
 HF_MODEL = "hf_model"
 ADAPTER = "adapter"  # LoRA runs: the final adapters as a PEFT folder
@@ -131,14 +133,14 @@ def instruction_task(config: Config, workdir: str, mesh: Mesh, kernels: Kernels)
 
   optimizer = optim.make_optimizer(t)
   make_model = lambda rngs: GPT(model_config, kernels=kernels, rngs=rngs)
-  graphdef, state, state_shardings = steps_lib.init_train_state(config, mesh, optimizer, make_model)
-  train_step, eval_step = steps_lib.jit_steps(graphdef, optimizer, config, mesh, state_shardings)
+  graphdef, state, state_shardings, features = features_lib.train_state_from_config(config, mesh, optimizer, make_model)
+  train_step, eval_step = steps_lib.jit_steps(graphdef, optimizer, config, mesh, state_shardings, features)
   eval_batches = instr_data.eval_batches(data.eval, t.batch_size, jax.process_index(), jax.process_count())
   local_batch_size = t.batch_size // jax.process_count()
   flops_per_token = telemetry.flops_per_token(model_config, d.seq_len)
   latest: dict[str, float] = {}
 
-  def start(state: steps_lib.TrainState, start_step: int) -> steps_lib.TrainState:
+  def start(state: TrainState, start_step: int) -> TrainState:
     if start_step == 0:
       if "frozen" in state:  # LoRA: the checkpoint becomes the frozen base, one leaf at a time (jaxlm/interop/streaming.py)
         state, _ = streaming.load_base(state, state_shardings, config.lora, make_model, mesh, decoder.params,
@@ -146,7 +148,7 @@ def instruction_task(config: Config, workdir: str, mesh: Mesh, kernels: Kernels)
       else:
         state["params"] = place_params(decoder.params, state["params"], state_shardings["params"], config.init_from)
       # The base model's held-out loss, kept in the workdir so that a resumed run still reports it.
-      before = steps_lib.evaluate(eval_step, steps_lib.model_params(state), eval_batches, mesh)
+      before = steps_lib.evaluate(eval_step, features.model_params(state), eval_batches, mesh)
       atomic_files.write_json_on_process_0(os.path.join(workdir, START_EVAL), before)
       if jax.process_index() == 0:
         print(f"init_from {config.init_from}: loaded; eval_loss before tuning {before['eval_loss']:.4f}", flush=True)
@@ -165,7 +167,7 @@ def instruction_task(config: Config, workdir: str, mesh: Mesh, kernels: Kernels)
     return dict(latest)
 
   def finish(end: loop.RunEnd) -> loop.Report:
-    params = steps_lib.model_params(end.state)  # with LoRA: the adapted weights (lora.LoRAWeight values)
+    params = features.model_params(end.state)  # with LoRA: the adapted weights (lora.LoRAWeight values)
     examples = generated_examples(graphdef, params, decoder.tokenizer, data, config.log.sample_tokens,
                                   model_config, t.seed)
     # Every process joins the gathers; process 0 writes. LoRA: hf_model/ holds the merged weights.
@@ -192,7 +194,7 @@ def instruction_task(config: Config, workdir: str, mesh: Mesh, kernels: Kernels)
   return config, loop.Task(
       title="Instruction-tuning run", state=state, state_shardings=state_shardings, train_step=train_step,
       batches=make_train_iterator(data.train, local_batch_size, t.seed, d.shuffle), count=count,
-      evaluate=evaluate_step, finish=finish, start=start)
+      evaluate=evaluate_step, finish=finish, start=start, features=features)
 
 
 def _read_json(path: str) -> dict:

@@ -13,6 +13,7 @@ from jaxlm.config import Config
 from jaxlm.inference import generate
 from jaxlm.kernels import Kernels
 from jaxlm.recipes import data_defaults
+from jaxlm.recipes import features as features_lib
 from jaxlm.training import loop, optim, reliability, telemetry
 from jaxlm.training import steps as steps_lib
 
@@ -38,8 +39,9 @@ def language_model_task(config: Config, workdir: str, mesh: Mesh, kernels: Kerne
   t = config.train
   datasets = data_lib.build_datasets(config.data, config.model.vocab_size, workdir, t.seed)
   optimizer = optim.make_optimizer(t)
-  graphdef, state, state_shardings = steps_lib.init_train_state(config, mesh, optimizer, kernels=kernels)
-  train_step, eval_step = steps_lib.jit_steps(graphdef, optimizer, config, mesh, state_shardings)
+  graphdef, state, state_shardings, features = features_lib.train_state_from_config(
+      config, mesh, optimizer, features_lib.decoder_factory(config, mesh, kernels))
+  train_step, eval_step = steps_lib.jit_steps(graphdef, optimizer, config, mesh, state_shardings, features)
   local_batch_size = t.batch_size // jax.process_count()
   eval_batches = data_lib.eval_batches(datasets.eval, local_batch_size, t.eval_batches)
   tokens = t.batch_size * config.data.seq_len  # every position of the packed rows
@@ -49,7 +51,7 @@ def language_model_task(config: Config, workdir: str, mesh: Mesh, kernels: Kerne
     summary = {**end.last, **end.eval, **end.facts, **{f"average_{k}": v for k, v in end.rates.items()}}
     sample = None
     if config.log.sample_tokens:  # every process joins the jitted sampler; only process 0 writes the report
-      sample = sample_text(graphdef, steps_lib.model_params(end.state), datasets.tokenizer,
+      sample = sample_text(graphdef, features.model_params(end.state), datasets.tokenizer,
                            config.log.sample_prompt, config.log.sample_tokens, config.model.max_seq_len, t.seed,
                            datasets.eos_id)
     return loop.Report(summary, sample_text=sample, data_stats=datasets.stats)
@@ -59,7 +61,7 @@ def language_model_task(config: Config, workdir: str, mesh: Mesh, kernels: Kerne
       batches=data_lib.make_train_iterator(datasets.train, local_batch_size, t.seed, config.data.shuffle),
       count=lambda local_batch: counts,
       evaluate=lambda step, params: steps_lib.evaluate(eval_step, params, eval_batches, mesh),
-      finish=finish)
+      finish=finish, features=features)
 
 
 def sample_text(graphdef, params, tokenizer, prompt: str, num_tokens: int, max_len: int, seed: int,

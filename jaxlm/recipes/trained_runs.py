@@ -33,6 +33,7 @@ from jaxlm.data import classification as cls_data
 from jaxlm.data.tokenizer import TOKENIZER_FILE
 from jaxlm.models.bert import BertForSequenceClassification
 from jaxlm.models.gpt import GPT
+from jaxlm.recipes import features as features_lib
 
 PREDICTIONS = "predictions"  # a classifier evaluation's (labels, predictions, classes), for comparing variants
 
@@ -50,8 +51,9 @@ def load_decoder_run(workdir: str, mesh_tensor: int = 1, mesh_config: config_lib
   built = {}
 
   def init():  # traced only (eval_shape): shapes and shardings of the train state, nothing allocated
-    graphdef, state, state_shardings = steps_lib.init_train_state(config, mesh, optimizer)
-    built.update(graphdef=graphdef, shardings=state_shardings)
+    graphdef, state, state_shardings, features = features_lib.train_state_from_config(
+      config, mesh, optimizer, features_lib.decoder_factory(config, mesh))
+    built.update(graphdef=graphdef, shardings=state_shardings, features=features)
     return state
 
   abstract_state = jax.eval_shape(init)
@@ -64,7 +66,7 @@ def load_decoder_run(workdir: str, mesh_tensor: int = 1, mesh_config: config_lib
     raise ValueError(f"no checkpoint in {workdir}/checkpoints; train first (experiments/train_lm.py)")
   step, state, _ = restored
   tokenizer = data_lib.load_tokenizer(os.path.join(workdir, "tokenizer.json"))
-  return config, built["graphdef"], state["params"], tokenizer, step
+  return config, built["graphdef"], built["features"].model_params(state), tokenizer, step
 
 
 WEIGHTS = ("float", "weight_only", "w8a8_dynamic")  # the trained weights, or jaxlm.compress.quantization's calibration-free int8

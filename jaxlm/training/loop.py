@@ -24,9 +24,10 @@ from jaxlm import kernels as kernels_lib
 from jaxlm.config import Config
 from jaxlm.kernels import Kernels
 from jaxlm.parallel import sharding
-from jaxlm.training import atomic_files, pipeline, reliability, telemetry
+from jaxlm.training import atomic_files, reliability, telemetry
 from jaxlm.training import steps as steps_lib
 from jaxlm.training.checkpoint import Checkpointer, abstract_with_shardings
+from jaxlm.training.state import Features, TrainState
 
 # ----------------------------------------------------------------------------------------------- the loop
 
@@ -36,7 +37,7 @@ class Task:
   """One kind of run, as `run_loop` sees it: the parts that differ between kinds. Language-model pretraining
   (`language_model_task` below) and classifier fine-tuning (jaxlm/recipes/classifier_finetuning.py) each build one."""
   title: str  # report.md's heading: "Training run", "Fine-tuning run"
-  state: steps_lib.TrainState  # freshly initialised (steps_lib.init_train_state); the loop takes it over or restores
+  state: TrainState  # freshly initialised (jaxlm.training.state.init_train_state); the loop takes it over or restores
   state_shardings: Any
   train_step: Callable  # jitted (state, global batch) -> (state, metrics on the device), from `steps_lib.jit_steps`
   batches: Any  # endless iterator over this process's rows of each global batch; get_state() / set_state(dict)
@@ -45,14 +46,15 @@ class Task:
   evaluate: Callable[[int, Any], dict[str, float]]  # (step, params) -> the eval entries of that step's metrics
   finish: Callable[[RunEnd], Report]  # the report of a completed run
   # The state the first step takes, from the restored (start_step > 0) or fresh one: fine-tuning loads init_from.
-  start: Callable[[steps_lib.TrainState, int], steps_lib.TrainState] = lambda state, start_step: state
+  start: Callable[[TrainState, int], TrainState] = lambda state, start_step: state
   renames: dict[str, str] = dataclasses.field(default_factory=dict)  # train-step metric -> name in metrics.jsonl
+  features: Features = Features()  # the run's optional features: its model params, metrics and facts come from them
 
 
 @dataclasses.dataclass
 class RunEnd:
   """What the loop hands `Task.finish` when a run has reached train.steps."""
-  state: steps_lib.TrainState
+  state: TrainState
   last: dict[str, Any]  # the last line written to metrics.jsonl (empty when this run took no step)
   eval: dict[str, Any]  # the final evaluation, as `Task.evaluate` returned it
   facts: dict[str, Any]  # steps, resumed_from_step, devices, mesh, device kind, peak FLOP/s, wall time
@@ -130,6 +132,10 @@ def run_loop(config: Config, workdir: str, mesh: Mesh, task: Task, stop: reliabi
   writer = telemetry.MetricsWriter(workdir, start_step=start_step)
   bar = telemetry.ProgressBar(t.steps, initial_step=start_step, enable=config.log.progress_bar)
   nonfinite = reliability.NonFiniteCounter(t.max_consecutive_nonfinite)
+  entries = task.features.entries
+  expected_skip_metrics = [e.expected_skip_metric for e in entries if e.expected_skip_metric]
+  summed_metrics = tuple(k for e in entries for k in e.summed_metrics)
+  last_metrics = tuple(k for e in entries for k in e.last_metrics)
   failure: str | None = None  # set when too many non-finite steps in a row end the run
   window: list[dict] = []  # device metrics of the steps since the last line
   window_times = telemetry.StepTimes()  # host counts and seconds of the timed steps since the last line
@@ -149,15 +155,14 @@ def run_loop(config: Config, workdir: str, mesh: Mesh, task: Task, stop: reliabi
       window_times.add(counts, now - clock)
       run_times.add(counts, now - clock)
     clock = now
-    # An overflow skip (float16: finite loss, inf/nan gradients, scale above loss_scale.min) lowers the scale and
-    # is expected, not a divergence (jaxlm/training/loss_scale.py, docs/reliability.md).
-    failure = failure or nonfinite.update(step, bool(device_metrics["skipped_steps"]),
-                                          overflow=bool(device_metrics.get("overflow_steps", 0)))
+    # A feature may mark a skip as expected, not a divergence (docs/reliability.md).
+    expected = any(bool(device_metrics[k]) for k in expected_skip_metrics)
+    failure = failure or nonfinite.update(step, bool(device_metrics["skipped_steps"]), expected=expected)
     window.append(device_metrics)
     if not (step == start_step + 1 or step % config.log.every_steps == 0 or eval_metrics or step == t.steps):
       bar.update(step)
       return
-    last = window_metrics(jax.device_get(window), task.renames)
+    last = window_metrics(jax.device_get(window), task.renames, summed_metrics, last_metrics)
     last["skipped_steps_total"] = nonfinite.total
     last.update(window_times.rates(peak_flops))
     last.update(eval_metrics or {})
@@ -183,7 +188,7 @@ def run_loop(config: Config, workdir: str, mesh: Mesh, task: Task, stop: reliabi
       break
     eval_metrics = None
     if step == t.steps or (t.eval_every_steps and step % t.eval_every_steps == 0):
-      eval_metrics = final_eval = task.evaluate(step, steps_lib.model_params(state))
+      eval_metrics = final_eval = task.evaluate(step, task.features.model_params(state))
       clock = time.perf_counter()  # eval time is not train time
     pending = (step, metrics, counts, eval_metrics)
     if reliability.should_stop(stop.requested, step) or step == stop_at_step:
@@ -203,13 +208,13 @@ def run_loop(config: Config, workdir: str, mesh: Mesh, task: Task, stop: reliabi
     return last
 
   if final_eval is None:  # resumed at the last step: evaluate the restored state
-    final_eval = task.evaluate(t.steps, steps_lib.model_params(state))
+    final_eval = task.evaluate(t.steps, task.features.model_params(state))
   facts = {
       "steps": t.steps, "resumed_from_step": start_step, "devices": jax.device_count(),
       "mesh": "x".join(str(mesh.shape[a]) for a in sharding.MESH_AXES), "device_kind": jax.devices()[0].device_kind,
       "peak_flops_per_device": peak_per_device, "peak_flops_source": peak_source,
       "wall_time_sec": round(time.time() - started, 1),
-      **pipeline.report_facts(config, mesh, state),  # bubble and per-stage memory; empty without a pipeline
+      **task.features.report_facts(config, mesh, state),
   }
   rates = {**run_times.rates(peak_flops), "timed_steps": run_times.steps} if run_times.steps else {}
   report = task.finish(RunEnd(state, last, final_eval, facts, rates))
@@ -220,18 +225,15 @@ def run_loop(config: Config, workdir: str, mesh: Mesh, task: Task, stop: reliabi
   return report.summary if report.result is None else report.result
 
 
-def window_metrics(fetched: list[dict], renames: dict[str, str] | None = None) -> dict[str, float]:
+def window_metrics(fetched: list[dict], renames: dict[str, str] | None = None, summed: tuple[str, ...] = (),
+                   last: tuple[str, ...] = ()) -> dict[str, float]:
   """One metrics line from the train-step metrics of the steps since the previous line: each metric's mean over
   the steps whose update was applied (a skipped step's NaN stays out), learning_rate and param_norm at the last
-  step, and skipped_steps as a count (float16 runs: overflow_steps too, loss_scale and overflow_steps_total at the last
-  step); `renames` maps train-step names to the line's."""
+  step, and skipped_steps as a count; the features' `summed` metrics as counts and their `last` ones at the last
+  step (float16: overflow_steps; loss_scale and overflow_steps_total); `renames` maps train-step names to the
+  line's."""
   applied = [m for m in fetched if not m["skipped_steps"]] or fetched
   line = {k: float(np.mean([m[k] for m in applied])) for k in fetched[-1]}
-  line["skipped_steps"] = float(sum(m["skipped_steps"] for m in fetched))
-  if "overflow_steps" in fetched[-1]:
-    line["overflow_steps"] = float(sum(m["overflow_steps"] for m in fetched))
-  last_values = ("learning_rate", "param_norm", "loss_scale", "overflow_steps_total")
-  line.update({k: float(fetched[-1][k]) for k in last_values if k in fetched[-1]})
+  line.update({k: float(sum(m[k] for m in fetched)) for k in ("skipped_steps", *summed)})
+  line.update({k: float(fetched[-1][k]) for k in ("learning_rate", "param_norm", *last)})
   return {(renames or {}).get(k, k): v for k, v in line.items()}
-
-

@@ -26,13 +26,11 @@ the pipeline), jmp is unmaintained, and neither tells an overflow from a non-fin
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+
 
 import jax
 import jax.numpy as jnp
 
-from jaxlm.training import optim
-from jaxlm.parallel import sharding
 from jaxlm.config import LOSS_SCALE_MAX, Config
 
 
@@ -41,28 +39,23 @@ LossScaleState = dict  # {"scale": f32 [], "good_steps": int32 [], "overflow_ste
 
 @dataclasses.dataclass(frozen=True)
 class DynamicLossScale:
-  """The update rule of the module docstring; `from_config` takes the values from the config's `loss_scale`."""
+  """The update rule of the module docstring, as a train-state entry (jaxlm.training.state.StateEntry);
+  `from_config` takes the values from the config's `loss_scale`."""
   initial_scale: float
   growth_interval: int
   factor: float
   min_scale: float
+  key = "loss_scale"
+  summed_metrics = ("overflow_steps",)
+  last_metrics = ("loss_scale", "overflow_steps_total")
+  expected_skip_metric = "overflow_steps"  # an overflow skip lowers the scale: expected, not a divergence
 
   def init(self) -> LossScaleState:
     return {"scale": jnp.asarray(self.initial_scale, jnp.float32), "good_steps": jnp.zeros((), jnp.int32),
             "overflow_steps": jnp.zeros((), jnp.int32)}
 
-  def scaled_loss_fn(self, loss_fn: optim.SumLossFn, scale: jax.Array) -> optim.SumLossFn:
-    """`loss_fn` with its loss sum multiplied by `scale` (the count and aux metrics unchanged)."""
-
-    def scaled(params, batch):
-      loss_sum, (count, aux) = loss_fn(params, batch)
-      return loss_sum * scale, (count, aux)
-
-    return scaled
-
-  def unscale(self, loss: jax.Array, grads: Any, scale: jax.Array) -> tuple[jax.Array, Any]:
-    """The mean loss and its float32 gradients back at scale 1 (exact when the scale is a power of two)."""
-    return loss / scale, jax.tree.map(lambda g: g / scale, grads)
+  def loss_multiplier(self, state: LossScaleState) -> jax.Array:
+    return state["scale"]
 
   def update(self, state: LossScaleState, loss: jax.Array, grad_norm: jax.Array,
              applied: jax.Array) -> tuple[LossScaleState, dict]:
@@ -91,16 +84,3 @@ def from_config(config: Config) -> DynamicLossScale | None:
   c = config.loss_scale
   return DynamicLossScale(initial_scale=c.init, growth_interval=c.growth_interval, factor=c.factor,
                           min_scale=c.min)
-
-
-def with_loss_scale(config: Config, mesh: jax.sharding.Mesh, state: dict, state_shardings: dict
-                    ) -> tuple[dict, dict]:
-  """A fresh train state and its shardings with the initial scale state added (replicated) for a float16 run;
-  unchanged otherwise."""
-  scaler = from_config(config)
-  if scaler is None:
-    return state, state_shardings
-  replicated = sharding.replicated(mesh)
-  scale_state = jax.jit(scaler.init, out_shardings=replicated)()
-  return {**state, "loss_scale": scale_state}, {**state_shardings, "loss_scale": jax.tree.map(lambda _: replicated,
-                                                                                              scale_state)}

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -133,6 +134,30 @@ def _segments(table: Schedule) -> list[tuple[bool, bool, np.ndarray, np.ndarray]
 def num_stages(mesh) -> int:
   """The size of a mesh's `pipeline` axis (1 for no mesh or a mesh without one)."""
   return 1 if mesh is None else dict(mesh.shape).get(sharding.PIPELINE_AXIS, 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineGradients:
+  """The pipeline as a run's gradient function (steps.Gradients): the language model's own loss, computed stage by
+  stage under `schedule`; it takes no other loss (fine-tuning) and no trainable/frozen split (LoRA)."""
+  graphdef: nnx.GraphDef
+  mesh: Any
+  num_microbatches: int
+  schedule: str
+
+  def __call__(self, loss_fn, multiplier):
+    del loss_fn  # the stages compute the language model's loss from the graph definition
+    gradient_fn = make_gradient_fn(self.graphdef, self.mesh, self.num_microbatches, self.schedule)
+    return lambda params, batch: gradient_fn(params, batch, loss_scale=multiplier)
+
+  @property
+  def metrics(self) -> dict:
+    """The schedule's idle share of the step: a constant of the layout, reported beside its throughput."""
+    return {"pipeline_bubble": jnp.float32(bubble_fraction(num_stages(self.mesh), self.num_microbatches,
+                                                           self.schedule))}
+
+  def report_facts(self, config, mesh, state) -> dict:
+    return report_facts(config, mesh, state)
 
 
 def make_gradient_fn(graphdef, mesh, num_microbatches: int, schedule: str):

@@ -115,11 +115,11 @@ class NonFiniteCounter:
     self.consecutive = 0
     self.total = 0
 
-  def update(self, step: int, skipped: bool, overflow: bool = False) -> str | None:
+  def update(self, step: int, skipped: bool, expected: bool = False) -> str | None:
     """Records `step`; returns the stop message when this step makes `max_consecutive` skips in a row. An
-    `overflow` skip (float16 loss scaling lowered its scale, jaxlm/training/loss_scale.py) counts in `total` only: it neither
-    extends nor ends a run of non-finite steps."""
-    if overflow:
+    `expected` skip (a float16 overflow that lowered the loss scale, jaxlm/training/loss_scale.py) counts in `total`
+    only: it neither extends nor ends a run of non-finite steps."""
+    if expected:
       self.total += 1
       return None
     if not skipped:

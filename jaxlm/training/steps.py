@@ -1,14 +1,17 @@
-"""Train state and the pure train and eval steps: sharded initialisation, the token-weighted loss, exact gradient
-accumulation (GSPMD or an explicit shard_map reduction), the update with non-finite skipping, and their jit.
+"""The pure train and eval steps: the token-weighted loss, exact gradient accumulation (GSPMD or an explicit
+shard_map reduction), the update with non-finite skipping, and their jit.
 
 The model is split once into a static graph definition and a pure-dict parameter tree; the steps are plain
 `jax.jit` functions of (state, batch) with explicit shardings and a donated state, so nothing walks the module graph
-in the hot loop. The loop that runs them is jaxlm/training/loop.py.
+in the hot loop. Optional features come in as a `state.Features` (a trainable/frozen split, extra state entries, a
+replacement gradient function) that the step composes without knowing which they are. The train state is built by
+jaxlm/training/state.py; the loop that runs the steps is loop.py.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -16,73 +19,14 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jaxlm import kernels as kernels_lib
-from jaxlm.adapters import lora
-from jaxlm.training import optim
-from jaxlm.training import pipeline
+from jaxlm.config import Config
 from jaxlm.parallel import sharding
-from jaxlm.training import loss_scale as loss_scale_lib
-from jaxlm.config import Config, ModelConfig
+from jaxlm.training import optim
 from jaxlm.training.metrics import lm_metrics
-from jaxlm.kernels import Kernels
-from jaxlm.models.gpt import GPT
+from jaxlm.training.state import Features, TrainState
 
-TrainState = dict  # {"step": int32 [], "params": pure dict of f32 arrays, "opt_state": optax state}; LoRA adds
-                   # "frozen" (the base; "params" are then the adapters and head only: see jaxlm/adapters/lora.py)
-ModelFactory = Any  # Callable[[nnx.Rngs], nnx.Module]: builds the model to train (default: the GPT of the config)
-
-
-# ----------------------------------------------------------------------------------------------- model and state
-
-
-def abstract_model(make_model: ModelFactory) -> tuple[nnx.GraphDef, nnx.State]:
-  """Graph definition and parameter shapes of `make_model(rngs)`'s model, without allocating any parameter."""
-  return nnx.split(nnx.eval_shape(lambda: make_model(nnx.Rngs(0))))
-
-
-def check_mesh_fits_model(config: ModelConfig, mesh: Mesh) -> None:
-  hint = "choose a mesh.tensor that divides it"
-  sharding.check_divisible("model.num_heads", config.num_heads, mesh, "tensor", hint)
-  sharding.check_divisible("model MLP width", config.mlp_width, mesh, "tensor", hint)
-
-
-def init_train_state(config: Config, mesh: Mesh, optimizer: optax.GradientTransformation,
-                     make_model: ModelFactory | None = None,
-                     kernels: Kernels | None = None) -> tuple[nnx.GraphDef, TrainState, Any]:
-  """Initialises parameters and optimizer state directly in their shardings (never whole on one device).
-
-  The default model is the config's GPT with `kernels` (None: config.kernels resolved for `mesh`);
-  `make_model(rngs)` builds another one (fine-tuning passes a BERT classifier)."""
-  check_mesh_fits_model(config.model, mesh)
-  if make_model is None:
-    if kernels is None:
-      kernels = kernels_lib.resolve(config.kernels, compute_dtype=config.model.compute_dtype, causal=True,
-                                    head_dim=config.model.head_dim, mesh=mesh)
-    make_model = lambda rngs: GPT(config.model, kernels=kernels, rngs=rngs)
-  graphdef, abstract_params = abstract_model(make_model)
-  if config.lora.rank:  # adapters: the frozen base beside the trainable params, out of the optimizer (jaxlm/adapters/lora.py)
-    # With init_from the frozen base starts empty: the start loads the checkpoint into it leaf by leaf.
-    _, state, state_shardings = lora.init_train_state(config.lora, config.train.seed, mesh, optimizer, make_model,
-                                                      abstract_params, empty_base=bool(config.init_from))
-    return graphdef, *loss_scale_lib.with_loss_scale(config, mesh, state, state_shardings)
-  param_shardings = sharding.param_shardings(abstract_params, mesh)
-
-  def init():
-    params = nnx.split(make_model(nnx.Rngs(config.train.seed)))[1].to_pure_dict()
-    return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": optimizer.init(params)}
-
-  abstract_state = jax.eval_shape(init)
-  state_shardings = {
-      "step": sharding.replicated(mesh),
-      "params": param_shardings,
-      # Optimizer moments mirror the parameters' shardings; counters and other scalars are replicated.
-      "opt_state": optax.tree_map_params(
-          optimizer, lambda _, s: s, abstract_state["opt_state"], param_shardings,
-          transform_non_params=lambda _: sharding.replicated(mesh)),
-  }
-  state = jax.jit(init, out_shardings=state_shardings)()
-  # float16 only: the dynamic loss scale joins the state (checkpointed with it); bf16/f32 states are unchanged.
-  return graphdef, *loss_scale_lib.with_loss_scale(config, mesh, state, state_shardings)
+# (params, batch) -> (mean loss, token count, gradients, aux): what a gradient function computes.
+GradientFn = Callable[[Any, dict], tuple[jax.Array, jax.Array, Any, dict]]
 
 
 # ----------------------------------------------------------------------------------------------- steps
@@ -116,12 +60,8 @@ def resolve_gradient_sync(gradient_sync: str, mesh_shape: dict[str, int], grad_a
 
 
 def make_gradient_fn(loss_fn: optim.SumLossFn, grad_accum: int, mesh: Mesh | None = None,
-                     gradient_sync: str = "auto", pipeline_schedule: str = "gpipe",
-                     graphdef: nnx.GraphDef | None = None):
-  """(params, batch) -> (mean loss, token count, gradients, aux).
-
-  A mesh with a `pipeline` axis > 1 takes jaxlm/training/pipeline.py's path instead: the language model's loss computed
-  stage by stage under `pipeline_schedule` (it needs the model's `graphdef`, and takes an optional loss scale).
+                     gradient_sync: str = "auto") -> GradientFn:
+  """(params, batch) -> (mean loss, token count, gradients, aux) of the data-parallel mesh axes.
 
   `gspmd` leaves the collectives to GSPMD. `shard_map` writes the data-parallel reduction by hand: each device
   computes its shard's loss and gradient sums, one `psum` over the batch axes adds them up, then every device
@@ -129,11 +69,6 @@ def make_gradient_fn(loss_fn: optim.SumLossFn, grad_accum: int, mesh: Mesh | Non
   so this path is data parallelism with an explicit collective, tested equal to `gspmd`. `auto`: see
   `resolve_gradient_sync`.
   """
-  if pipeline.num_stages(mesh) > 1:
-    if graphdef is None:
-      raise ValueError("mesh.pipeline > 1 trains the language model's own loss; a task with another loss "
-                       "(fine-tuning) needs mesh.pipeline=1")
-    return pipeline.make_gradient_fn(graphdef, mesh, grad_accum, pipeline_schedule)
   if resolve_gradient_sync(gradient_sync, dict(mesh.shape) if mesh is not None else {}, grad_accum) == "gspmd":
     return lambda params, batch: optim.accumulate_gradients(loss_fn, params, batch, grad_accum)
   batch_axes = sharding.RULES["act_batch"]
@@ -147,35 +82,52 @@ def make_gradient_fn(loss_fn: optim.SumLossFn, grad_accum: int, mesh: Mesh | Non
   return jax.shard_map(per_shard, mesh=mesh, in_specs=(P(), P(batch_axes)), out_specs=P(), check_vma=False)
 
 
-def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, grad_accum: int,
-                    schedule: optax.Schedule, mesh: Mesh | None = None, gradient_sync: str = "auto",
-                    loss_fn: optim.SumLossFn | None = None,
-                    loss_scaling: loss_scale_lib.DynamicLossScale | None = None,
-                    pipeline_schedule: str = "gpipe"):
-  """`loss_fn` (default: the LM's token cross-entropy) returns (loss sum, (count, {"correct": ...})); the metric
-  `token_accuracy` is correct / count, i.e. example accuracy for a classification loss. `loss_scaling` (float16
-  runs: loss_scale.from_config) scales the loss by the state's "loss_scale" and adapts it; None: no scaling."""
-  language_model_loss = loss_fn is None
+@dataclasses.dataclass(frozen=True)
+class DataParallelGradients:
+  """A run's gradient function on the data-parallel axes (`make_gradient_fn`); a Features may carry another.
+  Called with the step's loss and loss multiplier, it returns the GradientFn."""
+  grad_accum: int
+  mesh: Mesh | None = None
+  gradient_sync: str = "auto"
+  metrics = {}  # constant step metrics of this gradient function: none
+
+  def __call__(self, loss_fn: optim.SumLossFn, multiplier: jax.Array | None) -> GradientFn:
+    return make_gradient_fn(scaled_loss_fn(loss_fn, multiplier), self.grad_accum, self.mesh, self.gradient_sync)
+
+  def report_facts(self, config, mesh, state) -> dict:
+    return {}
+
+
+def scaled_loss_fn(loss_fn: optim.SumLossFn, scale: jax.Array | None) -> optim.SumLossFn:
+  """`loss_fn` with its loss sum multiplied by `scale` (the count and aux metrics unchanged); None: `loss_fn`."""
+  if scale is None:
+    return loss_fn
+
+  def scaled(params, batch):
+    loss_sum, (count, aux) = loss_fn(params, batch)
+    return loss_sum * scale, (count, aux)
+
+  return scaled
+
+
+def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, schedule: optax.Schedule,
+                    gradients, features: Features = Features(), loss_fn: optim.SumLossFn | None = None):
+  """(state, batch) -> (state, metrics). `gradients` (DataParallelGradients or a pipeline's) turns the loss into
+  gradients; `loss_fn` (default: the LM's token cross-entropy) returns (loss sum, (count, {"correct": ...})), and
+  the metric `token_accuracy` is correct / count, i.e. example accuracy for a classification loss. `features`: the
+  run's trainable/frozen split and state entries (module docstring)."""
   loss_fn = loss_fn or make_loss_fn(graphdef)
-  gradient_fn = make_gradient_fn(loss_fn, grad_accum, mesh, gradient_sync, pipeline_schedule,
-                                 graphdef if language_model_loss else None)
-  piped = pipeline.num_stages(mesh) > 1
 
   def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
-    step_loss_fn, step_gradient_fn = loss_fn, gradient_fn
-    if "frozen" in state:  # LoRA: gradients of the trainable params only, the frozen base a constant of the loss
-      frozen = state["frozen"]
-      step_loss_fn = lambda params, b: loss_fn(lora.combine(params, frozen), b)
-    if loss_scaling is not None:  # float16: gradients of the scaled loss, unscaled in f32 (jaxlm/training/loss_scale.py)
-      step_loss_fn = loss_scaling.scaled_loss_fn(step_loss_fn, state["loss_scale"]["scale"])
-    if piped:  # the pipeline computes the loss itself (LoRA: refused by config.validate); fp16 seeds its backward
-      scale = state["loss_scale"]["scale"] if loss_scaling is not None else None
-      step_gradient_fn = lambda params, b: gradient_fn(params, b, loss_scale=scale)
-    elif step_loss_fn is not loss_fn:  # built per trace: the loss closes over values of this state
-      step_gradient_fn = make_gradient_fn(step_loss_fn, grad_accum, mesh, gradient_sync)
-    loss, count, grads, aux = step_gradient_fn(state["params"], batch)
-    if loss_scaling is not None:
-      loss, grads = loss_scaling.unscale(loss, grads, state["loss_scale"]["scale"])
+    frozen = state.get("frozen")  # a constant of the loss: gradients of the trainable params only
+    trainable_loss_fn = lambda params, b: loss_fn(features.split.combine(params, frozen), b)
+    scale = None  # the product of the entries' loss multipliers (None: the loss as it is)
+    for entry in features.entries:
+      factor = entry.loss_multiplier(state[entry.key])
+      scale = factor if scale is None else scale if factor is None else scale * factor
+    loss, count, grads, aux = gradients(trainable_loss_fn, scale)(state["params"], batch)
+    if scale is not None:  # back to the true loss and float32 gradients (exact for a power-of-two scale)
+      loss, grads = loss / scale, jax.tree.map(lambda g: g / scale, grads)
     updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
     grad_norm, update_norm = global_norm(grads), global_norm(updates)
@@ -194,24 +146,15 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
         "param_norm": global_norm(params),
         "learning_rate": schedule(state["step"]),
         "skipped_steps": 1.0 - finite.astype(jnp.float32),  # 1 when this step's update was skipped
+        **gradients.metrics,
     }
-    if piped:  # the schedule's idle share of the step (a constant of the layout, reported beside its throughput)
-      metrics["pipeline_bubble"] = jnp.float32(
-          pipeline.bubble_fraction(pipeline.num_stages(mesh), grad_accum, pipeline_schedule))
-    new_state = {"step": state["step"] + 1, "params": params, "opt_state": opt_state}
-    if "frozen" in state:
-      new_state["frozen"] = state["frozen"]
-    if loss_scaling is not None:  # an overflow lowers the scale; its skip is not counted as non-finite
-      new_state["loss_scale"], scale_metrics = loss_scaling.update(state["loss_scale"], loss, grad_norm, finite)
-      metrics.update(scale_metrics)
+    new_state = {**state, "step": state["step"] + 1, "params": params, "opt_state": opt_state}
+    for entry in features.entries:
+      new_state[entry.key], entry_metrics = entry.update(state[entry.key], loss, grad_norm, finite)
+      metrics.update(entry_metrics)
     return new_state, metrics
 
   return train_step
-
-
-def model_params(state: TrainState) -> Any:
-  """The model's parameter tree of a train state (or of its shardings): what nnx.merge, eval and saving take."""
-  return lora.combine(state["params"], state["frozen"]) if "frozen" in state else state["params"]
 
 
 def global_norm(tree: Any) -> jax.Array:
@@ -228,7 +171,7 @@ def make_eval_step(graphdef: nnx.GraphDef):
   return eval_step
 
 
-def jit_steps(graphdef, optimizer, config: Config, mesh: Mesh, state_shardings,
+def jit_steps(graphdef, optimizer, config: Config, mesh: Mesh, state_shardings, features: Features = Features(),
               loss_fn: optim.SumLossFn | None = None, eval_fn=None):
   """The train and eval steps, each compiled once, with explicit shardings and the train state donated.
 
@@ -238,15 +181,13 @@ def jit_steps(graphdef, optimizer, config: Config, mesh: Mesh, state_shardings,
   batch_sharding = sharding.batch_sharding(mesh, 1)  # a prefix for every rank: axis 0 split, the rest whole
   schedule = optim.learning_rate_schedule(config.train)
   overrides = sharding.rule_overrides(config.mesh)
-  train_step = jax.jit(sharding.traced_on(mesh, make_train_step(graphdef, optimizer, config.train.grad_accum,
-                                                                  schedule, mesh, config.mesh.gradient_sync, loss_fn,
-                                                                  loss_scale_lib.from_config(config),
-                                                                  config.mesh.pipeline_schedule),
-                                          overrides),
+  gradients = features.gradients or DataParallelGradients(config.train.grad_accum, mesh, config.mesh.gradient_sync)
+  train_step = jax.jit(sharding.traced_on(mesh, make_train_step(graphdef, optimizer, schedule, gradients, features,
+                                                                  loss_fn), overrides),
                        in_shardings=(state_shardings, batch_sharding),
                        out_shardings=(state_shardings, sharding.replicated(mesh)), donate_argnums=0)
   eval_step = jax.jit(sharding.traced_on(mesh, eval_fn or make_eval_step(graphdef), overrides),
-                      in_shardings=(model_params(state_shardings), batch_sharding),
+                      in_shardings=(features.model_params(state_shardings), batch_sharding),
                       out_shardings=sharding.replicated(mesh))
   return train_step, eval_step
 
