@@ -36,6 +36,10 @@ def main(argv):
     print(f"stopped by a signal after step {summary['preempted_at_step']} (checkpoint saved); "
           f"re-run the same command to resume")
     return _EXIT_CODE_WHEN_STOPPED.value
+  if summary.get("resumed_from_step", -1) == summary.get("steps"):  # a requeued or repeated command: nothing left
+    print(f"already complete: step {summary['steps']} of {summary['steps']}, last logged loss "
+          f"{summary.get('loss', float('nan')):.4f}; report in {_WORKDIR.value}/report.md")
+    return
   print(f"done: loss {summary.get('loss', float('nan')):.4f}, report in {_WORKDIR.value}/report.md")
 
 

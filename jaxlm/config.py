@@ -16,25 +16,31 @@ import ml_collections
 CLASSIFIER_POOLINGS = ("cls", "mean", "auto")
 
 
+def _ranged(default, low=None, high=None, *, low_open: bool = False, high_open: bool = False, note: str = ""):
+  """A numeric field with its allowed range, declared beside it and checked by `validate_ranges` (a one-line error
+  naming the key): [low, high], either end open with `low_open` / `high_open`, None for no bound."""
+  return dataclasses.field(default=default, metadata={"range": (low, high, low_open, high_open, note)})
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  vocab_size: int = 8192  # tokens; the BPE tokenizer is trained to this size when none is given
-  num_layers: int = 6  # transformer blocks, stacked and scanned
-  d_model: int = 384  # residual stream width
-  num_heads: int = 6  # attention heads; d_model must be divisible by it
-  d_ff: int = 0  # MLP hidden width; 0 means 4 * d_model
-  max_seq_len: int = 1024  # learned position table size; must be >= data.seq_len
-  layer_norm_eps: float = 1e-5  # LayerNorm epsilon (GPT-2 uses 1e-5)
-  init_std: float = 0.02  # normal init std; residual projections are scaled by 1/sqrt(2 * num_layers)
+  vocab_size: int = _ranged(8192, 1)  # tokens; the BPE tokenizer is trained to this size when none is given
+  num_layers: int = _ranged(6, 1)  # transformer blocks, stacked and scanned
+  d_model: int = _ranged(384, 1)  # residual stream width
+  num_heads: int = _ranged(6, 1)  # attention heads; d_model must be divisible by it
+  d_ff: int = _ranged(0, 0, note="0 means 4 * d_model")  # MLP hidden width; 0 means 4 * d_model
+  max_seq_len: int = _ranged(1024, 1)  # learned position table size; must be >= data.seq_len
+  layer_norm_eps: float = _ranged(1e-5, 0, low_open=True)  # LayerNorm epsilon (GPT-2 uses 1e-5)
+  init_std: float = _ranged(0.02, 0, low_open=True)  # normal init std; residual projections are scaled by 1/sqrt(2 * num_layers)
   param_dtype: str = "float32"  # master weights (kept in f32 for stable updates)
   compute_dtype: str = "bfloat16"  # matmul inputs; use float32 on the CPU, where bf16 matmuls are slow
   document_mask: bool = True  # decoders: packed documents attend only within themselves; False: plain causal
                               # attention across the documents of a row (as GPT-2, nanoGPT and llm.c train)
   flavour: str = "gpt2"  # gpt2 | llama (decoders, see jaxlm/models/gpt.py) | bert (encoder, jaxlm/models/bert.py)
-  num_kv_heads: int = 0  # key/value heads: 0 = num_heads; fewer = grouped-query, 1 = multi-query attention
-  rope_theta: float = 10000.0  # rotary position base of the llama flavour
+  num_kv_heads: int = _ranged(0, 0, note="0 = model.num_heads")  # key/value heads: 0 = num_heads; fewer = grouped-query, 1 = multi-query attention
+  rope_theta: float = _ranged(10000.0, 0, low_open=True)  # rotary position base of the llama flavour
   tie_embeddings: bool = True  # the output projection reuses the token embedding (GPT-2 always; Llama often not)
-  type_vocab_size: int = 2  # bert: token types (sentence A/B) in the token-type embedding
+  type_vocab_size: int = _ranged(2, 1)  # bert: token types (sentence A/B) in the token-type embedding
   classifier_pooling: str = "cls"  # bert classifiers: cls (HF's tanh pooler on [CLS]) | mean (mean of the tokens'
                                    # last hidden states, as sentence-transformers models are trained) | auto (fine-
                                    # tuning: what init_from was trained for: mean with a mean-pooling 1_Pooling/)
@@ -54,15 +60,15 @@ class KernelsConfig:
   to the reference). `auto` picks the fastest tested implementation for the platform, compute dtype and mesh
   (jaxlm/kernels/registry.py); the resolved choice is printed at start-up and written to config.json."""
   attention: str = "auto"  # auto | xla (reference) | causal_blocks | cpu_fused | recompute | jax | cudnn | tokamax
-  attention_block: int = 32  # queries per block of causal_blocks and cpu_fused
+  attention_block: int = _ranged(32, 1)  # queries per block of causal_blocks and cpu_fused
   matmul: str = "auto"  # the weight matmuls: auto | xla | blas (OpenBLAS custom call, CPU)
   cross_entropy: str = "auto"  # auto | logits (the reference) | chunked (no [B, T, V] logits) | tokamax
-  cross_entropy_chunk: int = 0  # tokens per chunk of the chunked cross-entropy; 0 = auto
+  cross_entropy_chunk: int = _ranged(0, 0, note="0 = auto")  # tokens per chunk of the chunked cross-entropy; 0 = auto
   norm: str = "auto"  # LayerNorm / RMSNorm: auto | xla | tokamax
   glu: str = "auto"  # Llama's gated MLP projection: auto | xla | tokamax
   fuse_qkv: str = "auto"  # q, k, v from one matmul: auto | fused | separate
   layers: str = "auto"  # auto | scan (compile time flat in depth) | loop (a Python loop over the layers)
-  scan_unroll: int = 1  # layers per iteration of the scan
+  scan_unroll: int = _ranged(1, 1)  # layers per iteration of the scan
   remat: str = "auto"  # activation recomputation per block: auto | none | full | dots (save matmul outputs only)
 
 
@@ -93,9 +99,9 @@ class DataConfig:
   text_column: str = "text"  # column holding the text in JSONL/Parquet/HF data
   seq_len: int = 256  # tokens per packed training sequence; fine-tuning: 0 = chosen from the data (jaxlm/recipes/data_defaults.py:
                       # the 99th percentile of the tokenized training lengths, capped by the model's positions)
-  eval_fraction: float = 0.02  # fraction of documents held out for eval when no eval_files are given
-  max_documents: int = 0  # cap on documents read (0 = no cap)
-  max_bytes: int = 8_000_000  # cap on corpus bytes read, so demos stay small (0 = no cap)
+  eval_fraction: float = _ranged(0.02, 0, 1, high_open=True)  # fraction of documents held out for eval when no eval_files are given
+  max_documents: int = _ranged(0, 0, note="0 = no cap")  # cap on documents read (0 = no cap)
+  max_bytes: int = _ranged(8_000_000, 0, note="0 = no cap")  # cap on corpus bytes read, so demos stay small (0 = no cap)
   tokenizer: str = ""  # path to a tokenizer.json; empty = train a byte-level BPE and save it in the workdir
   shuffle: bool = True  # shuffle packed sequences each epoch (seeded by train.seed)
   # Fine-tuning (experiments/finetune.py; data.seq_len is then the longest tokenized example, longer ones are cut).
@@ -112,39 +118,40 @@ class DataConfig:
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
   steps: int = 1000  # optimizer steps; 0 = train.epochs passes over the training examples (fine-tuning)
-  epochs: float = 0.0  # with train.steps=0: steps = ceil(epochs * training examples / batch_size) (jaxlm/recipes/data_defaults.py)
-  batch_size: int = 32  # global batch in sequences (all micro-batches, all processes)
-  grad_accum: int = 1  # micro-batches per step; batch_size must be divisible by it
+  epochs: float = _ranged(0.0, 0)  # with train.steps=0: steps = ceil(epochs * training examples / batch_size) (jaxlm/recipes/data_defaults.py)
+  batch_size: int = _ranged(32, 1)  # global batch in sequences (all micro-batches, all processes)
+  grad_accum: int = _ranged(1, 1)  # micro-batches per step; batch_size must be divisible by it
   seed: int = 0  # seeds init, data order and sampling
-  learning_rate: float = 6e-4  # peak learning rate
-  min_lr_ratio: float = 0.1  # cosine decays to learning_rate * min_lr_ratio
+  learning_rate: float = _ranged(6e-4, 0, note="0 = fine-tuning's rate for the method")  # peak rate; 0: the
+  # fine-tuning recipes choose it (5e-5 full, 5e-4 LoRA: jaxlm/recipes/data_defaults.py)
+  min_lr_ratio: float = _ranged(0.1, 0, 1)  # cosine decays to learning_rate * min_lr_ratio
   warmup_steps: int = 100  # linear warmup from 0; -1 = train.warmup_fraction of the steps
-  warmup_fraction: float = 0.1  # the warmup's share of train.steps when train.warmup_steps=-1
-  weight_decay: float = 0.1  # AdamW decoupled weight decay (not applied to biases, norms)
-  b1: float = 0.9  # Adam beta1
-  b2: float = 0.95  # Adam beta2
-  eps: float = 1e-8  # Adam epsilon
-  layer_lr_decay: float = 1.0  # layer-wise learning-rate decay: block l of L learns at decay^(L-1-l) x the rate, the
+  warmup_fraction: float = _ranged(0.1, 0, 1, high_open=True)  # the warmup's share of train.steps when train.warmup_steps=-1
+  weight_decay: float = _ranged(0.1, 0)  # AdamW decoupled weight decay (not applied to biases, norms)
+  b1: float = _ranged(0.9, 0, 1, high_open=True)  # Adam beta1
+  b2: float = _ranged(0.95, 0, 1, high_open=True)  # Adam beta2
+  eps: float = _ranged(1e-8, 0, low_open=True)  # Adam epsilon
+  layer_lr_decay: float = _ranged(1.0, 0, 1, low_open=True, note="1 turns it off")  # layer-wise learning-rate decay: block l of L learns at decay^(L-1-l) x the rate, the
                                # embeddings at decay^L, the head at 1 (1 = off; fine-tuning's config uses 0.8)
-  grad_clip: float = 1.0  # global-norm clipping threshold (0 = off)
-  eval_every_steps: int = 0  # run eval on held-out data every N steps (0 = only at the end)
-  eval_batches: int = 4  # batches per eval
-  max_consecutive_nonfinite: int = 5  # NaN/inf steps are skipped; this many in a row stop the run
+  grad_clip: float = _ranged(1.0, 0, note="0 = off")  # global-norm clipping threshold (0 = off)
+  eval_every_steps: int = _ranged(0, 0, note="0 = only at the end")  # run eval on held-out data every N steps (0 = only at the end)
+  eval_batches: int = _ranged(4, 1)  # batches per eval
+  max_consecutive_nonfinite: int = _ranged(5, 1)  # NaN/inf steps are skipped; this many in a row stop the run
   best_metric: str = "f1_macro"  # fine-tuning: eval metric whose best value keeps <workdir>/best_model (higher is
                                  # better, except names ending in "loss")
 
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
-  every_steps: int = 500  # save a checkpoint every N steps (and always at the end)
-  keep: int = 2  # checkpoints to keep
+  every_steps: int = _ranged(500, 0, note="0 = only at the end")  # save a checkpoint every N steps (and always at the end)
+  keep: int = _ranged(2, 1)  # checkpoints to keep
 
 
 @dataclasses.dataclass(frozen=True)
 class LogConfig:
-  every_steps: int = 10  # write metrics.jsonl / TensorBoard every N steps
+  every_steps: int = _ranged(10, 1)  # write metrics.jsonl / TensorBoard every N steps
   progress_bar: bool = True  # show a tqdm bar
-  sample_tokens: int = 64  # tokens generated for the report's text sample (0 = none)
+  sample_tokens: int = _ranged(64, 0)  # tokens generated for the report's text sample (0 = none)
   sample_prompt: str = "def "  # prompt for the report's text sample
 
 
@@ -155,17 +162,17 @@ LOSS_SCALE_MAX = 2.0**24
 @dataclasses.dataclass(frozen=True)
 class LossScaleConfig:
   """Dynamic loss scaling (jaxlm/training/loss_scale.py): used only when model.compute_dtype=float16; bf16/f32 never scale."""
-  init: float = 2.0**15  # the first scale the loss sum is multiplied by before differentiating
-  growth_interval: int = 2000  # steps applied in a row after which the scale is multiplied by `factor`
-  factor: float = 2.0  # an overflow divides the scale by it, growth multiplies it (powers of two unscale exactly)
-  min: float = 2.0**-8  # the floor: an overflow at this scale counts as a non-finite step (max_consecutive_nonfinite)
+  init: float = _ranged(2.0**15, 0, low_open=True)  # the first scale the loss sum is multiplied by before differentiating
+  growth_interval: int = _ranged(2000, 1)  # steps applied in a row after which the scale is multiplied by `factor`
+  factor: float = _ranged(2.0, 1, low_open=True, note="2 is the usual choice")  # an overflow divides the scale by it, growth multiplies it (powers of two unscale exactly)
+  min: float = _ranged(2.0**-8, 0, low_open=True)  # the floor: an overflow at this scale counts as a non-finite step (max_consecutive_nonfinite)
 
 
 @dataclasses.dataclass(frozen=True)
 class LoRAConfig:
   """Low-rank adapters (jaxlm/adapters/lora.py): the base weights frozen (and out of the optimizer), W + (alpha/rank) A @ B."""
-  rank: int = 0  # adapter rank r; 0 = off (full fine-tuning / training)
-  alpha: float = 16.0  # adapter scale numerator: the update is (alpha / rank) * x @ A @ B
+  rank: int = _ranged(0, 0, note="0 = off")  # adapter rank r; 0 = off (full fine-tuning / training)
+  alpha: float = _ranged(16.0, 0, low_open=True)  # adapter scale numerator: the update is (alpha / rank) * x @ A @ B
   targets: str = "all"  # attention | mlp | all | a comma list of weight names (w_q,w_k,w_v,w_o,w_in,w_out,...)
   base: str = "float"  # storage of the frozen base (QLoRA): float | int8 (per output channel) | nf4 (4-bit NF4)
 
@@ -239,6 +246,7 @@ def from_run_file(path: str) -> Config:
 def validate(config: Config) -> None:
   """One-line errors for values that cannot work, raised before anything is compiled."""
   m, d, t = config.model, config.data, config.train
+  validate_ranges(config)
   if m.d_model % m.num_heads:
     raise ValueError(f"model.d_model={m.d_model} is not divisible by model.num_heads={m.num_heads}")
   if d.seq_len > m.max_seq_len:
@@ -272,29 +280,50 @@ def validate(config: Config) -> None:
     validate_pipeline(config)
   if t.steps < 0 or (t.steps == 0 and t.epochs <= 0):
     raise ValueError(f"train.steps={t.steps} must be >= 1, or 0 with train.epochs > 0 (steps from the data)")
-  if t.epochs < 0:
-    raise ValueError(f"train.epochs={t.epochs} must be >= 0")
-  if not 0 < t.layer_lr_decay <= 1:
-    raise ValueError(f"train.layer_lr_decay={t.layer_lr_decay} must be in (0, 1]; 1 turns it off")
-  if t.warmup_steps < -1 or not 0 <= t.warmup_fraction < 1:
-    raise ValueError(f"train.warmup_steps={t.warmup_steps} must be >= 0, or -1 with 0 <= train.warmup_fraction < 1 "
-                     f"(it is {t.warmup_fraction})")
+  if t.warmup_steps < -1:
+    raise ValueError(f"train.warmup_steps={t.warmup_steps} must be >= 0, or -1 for train.warmup_fraction of the steps")
+  if t.steps and t.warmup_steps > t.steps:
+    raise ValueError(f"train.warmup_steps={t.warmup_steps} exceeds train.steps={t.steps}: the rate would never reach "
+                     f"train.learning_rate; lower train.warmup_steps (or -1 for train.warmup_fraction of the steps)")
   if d.seq_len < 0:
     raise ValueError(f"data.seq_len={d.seq_len} must be >= 1, or 0 to choose it from the data (fine-tuning)")
-  if t.max_consecutive_nonfinite < 1:
-    raise ValueError(f"train.max_consecutive_nonfinite={t.max_consecutive_nonfinite} must be >= 1")
   validate_lora(config.lora)
   validate_loss_scale(config.loss_scale)
+
+
+def _range_error(key: str, value: Any, low, high, low_open: bool, high_open: bool, note: str) -> str | None:
+  if isinstance(value, bool) or not isinstance(value, (int, float)):
+    return f"{key}={value!r} must be a number"
+  too_low = low is not None and (value <= low if low_open else value < low)
+  too_high = high is not None and (value >= high if high_open else value > high)
+  if not (too_low or too_high or value != value):  # value != value: NaN
+    return None
+  if high is None:
+    allowed = f"{'>' if low_open else '>='} {low:g}"
+  elif low is None:
+    allowed = f"{'<' if high_open else '<='} {high:g}"
+  else:
+    allowed = f"in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+  return f"{key}={value} must be {allowed}" + (f"; {note}" if note else "")
+
+
+def validate_ranges(config: Config) -> None:
+  """Every numeric key against the range declared beside it (`_ranged`): the first one outside, as one line."""
+  for section in dataclasses.fields(Config):
+    values = getattr(config, section.name)
+    if not dataclasses.is_dataclass(values):
+      continue
+    for field in dataclasses.fields(values):
+      if "range" in field.metadata:
+        error = _range_error(f"{section.name}.{field.name}", getattr(values, field.name), *field.metadata["range"])
+        if error:
+          raise ValueError(error)
 
 
 def validate_loss_scale(c: LossScaleConfig) -> None:
   if not 0 < c.min <= c.init <= LOSS_SCALE_MAX:
     raise ValueError(f"loss_scale.init={c.init} and loss_scale.min={c.min} need "
                      f"0 < min <= init <= {LOSS_SCALE_MAX:g}")
-  if c.growth_interval < 1:
-    raise ValueError(f"loss_scale.growth_interval={c.growth_interval} must be >= 1")
-  if not c.factor > 1:
-    raise ValueError(f"loss_scale.factor={c.factor} must be > 1 (2 is the usual choice)")
 
 
 LORA_BASES = ("float", "int8", "nf4")
@@ -302,10 +331,6 @@ LORA_BASES = ("float", "int8", "nf4")
 
 def validate_lora(lora: LoRAConfig) -> None:
   """Values that cannot work whatever the model; targets that match no weight are jaxlm.adapters.lora's check."""
-  if lora.rank < 0:
-    raise ValueError(f"lora.rank={lora.rank} must be >= 0 (0 = off)")
-  if lora.rank and lora.alpha <= 0:
-    raise ValueError(f"lora.alpha={lora.alpha} must be > 0")
   if lora.base not in LORA_BASES:
     raise ValueError(f"lora.base={lora.base!r} is not one of {', '.join(LORA_BASES)}")
   if lora.base != "float" and not lora.rank:
@@ -331,11 +356,6 @@ def validate_kernels(k: KernelsConfig) -> None:
   for key, choices in KERNEL_CHOICES.items():
     if getattr(k, key) not in choices:
       raise ValueError(f"kernels.{key}={getattr(k, key)!r} is not one of {', '.join(choices)}")
-  for key in ("attention_block", "scan_unroll"):
-    if getattr(k, key) < 1:
-      raise ValueError(f"kernels.{key}={getattr(k, key)} must be >= 1")
-  if k.cross_entropy_chunk < 0:
-    raise ValueError(f"kernels.cross_entropy_chunk={k.cross_entropy_chunk} must be >= 0 (0 = auto)")
 
 
 # Named layouts (data, fsdp, tensor); -1 takes the devices left over. `fsdp_tp`/`dp_tp` put 2 devices on tensor.

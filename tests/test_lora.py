@@ -260,6 +260,6 @@ def test_bad_lora_config_values_are_one_line_errors(key, value, message):
   setattr(config.lora, key, value)
   with pytest.raises(ValueError, match=message):
     from_config_dict(config)
-  config.lora.rank, config.lora.base = 0, "int8"
+  config.lora.rank, config.lora.base, config.lora.alpha = 0, "int8", 16.0
   with pytest.raises(ValueError, match="lora.base=int8 \\(QLoRA\\) needs lora.rank > 0"):
     from_config_dict(config)

@@ -113,7 +113,7 @@ def test_the_scale_falls_on_overflow_grows_after_n_good_steps_and_stays_within_f
 def test_loss_scale_keys_are_validated_with_one_line_errors():
   for key, value, message in (("factor", 1.0, r"loss_scale.factor=1.0 must be > 1"),
                               ("growth_interval", 0, r"loss_scale.growth_interval=0 must be >= 1"),
-                              ("min", 0.0, r"loss_scale.init=32768.0 and loss_scale.min=0.0 need 0 < min <= init"),
+                              ("min", 0.0, r"loss_scale.min=0.0 must be > 0"),
                               ("init", 2.0**30, r"loss_scale.init=1073741824.0 .* <= 1.67772e\+07")):
     config = default_config()
     config.loss_scale[key] = value

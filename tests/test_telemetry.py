@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jaxlm.config import ModelConfig
-from jaxlm.training import telemetry
+from jaxlm.training import report, telemetry
 
 
 def _lines(workdir):
@@ -121,19 +121,19 @@ def test_report_has_plot_final_loss_and_sample(tmp_path):
         metrics["eval_loss"] = 4.9 - 0.1 * step
       writer.write(step, metrics)
   sample = 'def hello():\n    return "```"\n'
-  path = telemetry.write_report(
+  path = report.write_report(
       workdir, "Demo run", {"steps": 20, "tokens": 20 * 1024, "mfu": 0.123, "devices": 1}, "model:\n  d_model: 8\n",
       sample, {"documents": 42, "train_tokens": 123456})
   assert path == os.path.join(workdir, "report.md")
   assert os.path.getsize(os.path.join(workdir, "loss.png")) > 1000
   with open(path) as f:
-    report = f.read()
-  assert report.startswith("# Demo run")
-  assert "| final_loss | 3 |" in report and "| first_loss | 4.9 |" in report
-  assert "| final_eval_loss | 2.9 |" in report and "| mfu | 12.3% |" in report
-  assert "![loss](loss.png)" in report
-  assert "````\ndef hello():" in report  # the fence outgrows the sample's own backticks
-  assert "| train_tokens | 123,456 |" in report and "d_model: 8" in report
+    text = f.read()
+  assert text.startswith("# Demo run")
+  assert "| final_loss | 3 |" in text and "| first_loss | 4.9 |" in text
+  assert "| final_eval_loss | 2.9 |" in text and "| mfu | 12.3% |" in text
+  assert "![loss](loss.png)" in text
+  assert "````\ndef hello():" in text  # the fence outgrows the sample's own backticks
+  assert "| train_tokens | 123,456 |" in text and "d_model: 8" in text
 
 
 def test_device_memory_stats_is_a_flat_dict_of_ints():

@@ -6,9 +6,8 @@ The train pipeline is a grain `MapDataset` of row *indices*:
 
 Shuffling before repeating gives every epoch its own order (grain mixes the epoch into the seed), and batches flow
 across epoch boundaries, so no row is dropped. Rows are fetched with one vectorised numpy gather per batch
-(`PackedSequences.batch`) rather than one record at a time: on a 2-core CPU grain's `DataLoader` + `IndexSampler`
-path reached about 2.1M tokens/s at T=256, B=8 (its sampler alone costs about 65 us per record), this pipeline
-about 6M tokens/s.
+(`PackedSequences.batch`) rather than one record at a time: grain's `DataLoader` + `IndexSampler` path pays a sampler
+cost per record that dominates a gather this cheap (docs/performance.md has the measurement).
 
 The iterator position is grain's own state, `{"next_index": k}` (k = batches already yielded), which
 `get_loader_state` returns as a JSON-ready dict for the training checkpoint. Resuming requires the same data, batch

@@ -2,6 +2,7 @@
 them (the sequence length is jaxlm/data/seq_lengths.py's).
 
   train.steps = 0        steps = ceil(train.epochs * training examples / train.batch_size)  (`resolve_steps`)
+  train.learning_rate=0  FULL_FINETUNE_RATE, or LORA_RATE with lora.rank > 0         (`resolve_learning_rate`)
   train.warmup_steps=-1  warmup = round(train.warmup_fraction * steps)                     (`optim.warmup_steps`)
 
 An explicit value always wins. Pretraining packs a token stream into rows, so it has no examples to count: it needs
@@ -19,6 +20,19 @@ from jaxlm.config import Config, TrainConfig
 from jaxlm.training import optim
 
 
+# Fine-tuning's peak rates by method: adapters start at zero and carry few parameters, so they need a rate about
+# ten times full fine-tuning's (benchmarks/results/cpu_minilm_lora_r8_vs_full_finetuning.json).
+FULL_FINETUNE_RATE = 5e-5
+LORA_RATE = 5e-4
+
+
+def resolve_learning_rate(train: TrainConfig, lora_rank: int) -> TrainConfig:
+  """`train` with the method's rate when train.learning_rate is 0 (an explicit rate always wins)."""
+  if train.learning_rate > 0:
+    return train
+  return dataclasses.replace(train, learning_rate=LORA_RATE if lora_rank else FULL_FINETUNE_RATE)
+
+
 def resolve_steps(train: TrainConfig, num_examples: int) -> TrainConfig:
   """`train` with steps derived from train.epochs when train.steps is 0 (at least one step)."""
   if train.steps > 0:
@@ -33,7 +47,7 @@ def describe_steps(train: TrainConfig, num_examples: int, derived: bool, unit: s
   epochs = train.steps * train.batch_size / max(1, num_examples)
   origin = f"train.epochs={train.epochs:g}:" if derived else "train.steps;"
   return (f"steps: {train.steps} ({origin} {epochs:.3g} epochs of {num_examples} {unit} at batch "
-          f"{train.batch_size}), warmup {optim.warmup_steps(train)} steps")
+          f"{train.batch_size}), warmup {optim.warmup_steps(train)} steps, peak learning rate {train.learning_rate:g}")
 
 
 def print_on_process_0(line: str | None) -> None:
@@ -45,5 +59,7 @@ def require_fixed(config: Config, what: str) -> None:
   """Runs without countable examples (packed pretraining) need explicit train.steps and data.seq_len."""
   if config.train.steps == 0:
     raise ValueError(f"train.steps=0 derives the steps from fine-tuning examples; {what} needs train.steps >= 1")
+  if config.train.learning_rate == 0:
+    raise ValueError(f"train.learning_rate=0 takes fine-tuning's rate for the method; {what} needs a rate > 0")
   if config.data.seq_len == 0:
     raise ValueError(f"data.seq_len=0 chooses the length from fine-tuning examples; {what} needs data.seq_len >= 1")

@@ -119,6 +119,7 @@ def instruction_task(config: Config, workdir: str, mesh: Mesh, kernels: Kernels)
   data = instr_data.build_instruction_data(d, decoder.tokenizer, t.seed, os.path.join(workdir, "data_cache", "hf"),
                                            model_config.max_seq_len)
   derived_steps, chosen_seq_len = t.steps == 0, d.seq_len == 0
+  t = data_defaults.resolve_learning_rate(t, config.lora.rank)
   t, d = data_defaults.resolve_steps(t, len(data.train)), dataclasses.replace(d, seq_len=data.seq_len)
   config = dataclasses.replace(config, model=model_config, train=t, data=d)
   stats = data.stats

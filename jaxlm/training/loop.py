@@ -24,7 +24,7 @@ from jaxlm import kernels as kernels_lib
 from jaxlm.config import Config
 from jaxlm.kernels import Kernels
 from jaxlm.parallel import sharding
-from jaxlm.training import atomic_files, reliability, telemetry
+from jaxlm.training import atomic_files, reliability, report, telemetry
 from jaxlm.training import steps as steps_lib
 from jaxlm.training.checkpoint import Checkpointer, abstract_with_shardings
 from jaxlm.training.state import Features, TrainState
@@ -125,6 +125,10 @@ def run_loop(config: Config, workdir: str, mesh: Mesh, task: Task, stop: reliabi
     start_step, state, data_state = restored
     data_lib.set_loader_state(task.batches, data_state)
   state = task.start(state, start_step)
+  last: dict[str, Any] = {}  # the last line written
+  if start_step >= t.steps:  # nothing left to run: the summary starts from the run's last logged line
+    logged = report.read_metrics(workdir)
+    last = {k: v for k, v in logged[-1].items() if k != "step"} if logged else {}
   atomic_files.write_json_on_process_0(os.path.join(workdir, "config.json"), dataclasses.asdict(config))
 
   peak_per_device, peak_source = telemetry.peak_flops_per_device(dtype=config.model.compute_dtype)
@@ -140,7 +144,6 @@ def run_loop(config: Config, workdir: str, mesh: Mesh, task: Task, stop: reliabi
   window: list[dict] = []  # device metrics of the steps since the last line
   window_times = telemetry.StepTimes()  # host counts and seconds of the timed steps since the last line
   run_times = telemetry.StepTimes()  # ... and of this run
-  last: dict[str, Any] = {}  # the last line written
   final_eval: dict[str, Any] | None = None
   clock = time.perf_counter()
 
@@ -217,12 +220,12 @@ def run_loop(config: Config, workdir: str, mesh: Mesh, task: Task, stop: reliabi
       **task.features.report_facts(config, mesh, state),
   }
   rates = {**run_times.rates(peak_flops), "timed_steps": run_times.steps} if run_times.steps else {}
-  report = task.finish(RunEnd(state, last, final_eval, facts, rates))
-  telemetry.write_report(workdir, title=f"{task.title} {os.path.basename(os.path.abspath(workdir))}",
-                         summary=report.summary, config_text=json.dumps(dataclasses.asdict(config), indent=2),
-                         sample_text=report.sample_text, data_stats=report.data_stats,
-                         extra_sections=report.sections)
-  return report.summary if report.result is None else report.result
+  finished = task.finish(RunEnd(state, last, final_eval, facts, rates))
+  report.write_report(workdir, title=f"{task.title} {os.path.basename(os.path.abspath(workdir))}",
+                      summary=finished.summary, config_text=json.dumps(dataclasses.asdict(config), indent=2),
+                      sample_text=finished.sample_text, data_stats=finished.data_stats,
+                      extra_sections=finished.sections)
+  return finished.summary if finished.result is None else finished.result
 
 
 def window_metrics(fetched: list[dict], renames: dict[str, str] | None = None, summed: tuple[str, ...] = (),
@@ -230,7 +233,7 @@ def window_metrics(fetched: list[dict], renames: dict[str, str] | None = None, s
   """One metrics line from the train-step metrics of the steps since the previous line: each metric's mean over
   the steps whose update was applied (a skipped step's NaN stays out), learning_rate and param_norm at the last
   step, and skipped_steps as a count; the features' `summed` metrics as counts and their `last` ones at the last
-  step (float16: overflow_steps; loss_scale and overflow_steps_total); `renames` maps train-step names to the
+  step (e.g. overflow_steps; the scale and its running total); `renames` maps train-step names to the
   line's."""
   applied = [m for m in fetched if not m["skipped_steps"]] or fetched
   line = {k: float(np.mean([m[k] for m in applied])) for k in fetched[-1]}

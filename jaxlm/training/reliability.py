@@ -32,8 +32,9 @@ NOTICE_SIGNALS = (signal.SIGUSR1,)
 STOP_SYNC_EVERY_STEPS = 10
 
 
-class NonFiniteError(RuntimeError):
-  """Raised when training can not go on without producing, or saving, a non-finite state."""
+class NonFiniteError(ValueError):
+  """Raised when training can not go on without producing, or saving, a non-finite state. A ValueError: its cause
+  is a setting (most often the learning rate) or the data, and scripts report it as one line."""
 
 
 class StopSignals:

@@ -112,7 +112,7 @@ def scaled_loss_fn(loss_fn: optim.SumLossFn, scale: jax.Array | None) -> optim.S
 
 def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, schedule: optax.Schedule,
                     gradients, features: Features = Features(), loss_fn: optim.SumLossFn | None = None):
-  """(state, batch) -> (state, metrics). `gradients` (DataParallelGradients or a pipeline's) turns the loss into
+  """(state, batch) -> (state, metrics). `gradients` (DataParallelGradients or a Features's own) turns the loss into
   gradients; `loss_fn` (default: the LM's token cross-entropy) returns (loss sum, (count, {"correct": ...})), and
   the metric `token_accuracy` is correct / count, i.e. example accuracy for a classification loss. `features`: the
   run's trainable/frozen split and state entries (module docstring)."""

@@ -6,7 +6,7 @@ which runs once per process, before training, when the device kind is not in `PE
 
 Conventions shared with `metrics.jsonl` readers (docs/configuration.md): `mfu` is a fraction in [0, 1], not a
 percentage; `tokens_per_sec` counts every token of the global batch (all devices, all processes).
-The end-of-run report lives in `jaxlm/training/report.py` and is re-exported here as `write_report`.
+The end-of-run report is `jaxlm/training/report.py`.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ import numpy as np
 import tqdm
 
 from jaxlm.config import ModelConfig
-from jaxlm.training.report import read_metrics, write_report  # noqa: F401  (re-exported: telemetry is the public face)
 
 
 def flops_per_token(model: ModelConfig, seq_len: int, num_labels: int = 0) -> float:
