@@ -1,0 +1,67 @@
+"""Every numeric key's range is declared beside it and checked with a one-line error naming the key; fine-tuning's
+learning rate follows the method; a run with no step left says so."""
+
+import subprocess
+import sys
+
+import pytest
+
+from jaxlm.config import TrainConfig, default_config, from_config_dict
+from jaxlm.recipes import data_defaults
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("train.learning_rate", -1.0, r"^train.learning_rate=-1.0 must be >= 0; 0 = fine-tuning's rate"),
+    ("train.weight_decay", -3.0, r"^train.weight_decay=-3.0 must be >= 0$"),
+    ("train.batch_size", 0, r"^train.batch_size=0 must be >= 1$"),
+    ("train.b2", 1.0, r"^train.b2=1.0 must be in \[0, 1\)$"),
+    ("train.warmup_steps", 2000, r"^train.warmup_steps=2000 exceeds train.steps=1000"),
+    ("model.num_layers", 0, r"^model.num_layers=0 must be >= 1$"),
+    ("data.eval_fraction", 1.5, r"^data.eval_fraction=1.5 must be in \[0, 1\)$"),
+    ("checkpoint.keep", 0, r"^checkpoint.keep=0 must be >= 1$"),
+    ("kernels.scan_unroll", 0, r"^kernels.scan_unroll=0 must be >= 1$"),
+    ("loss_scale.factor", 1.0, r"^loss_scale.factor=1.0 must be > 1; 2 is the usual choice$"),
+    ("train.eps", float("nan"), r"^train.eps=nan must be > 0$"),
+])
+def test_out_of_range_values_name_their_key_in_one_line(key, value, message):
+  config = default_config()
+  section, name = key.split(".")
+  setattr(config[section], name, value)
+  with pytest.raises(ValueError, match=message):
+    from_config_dict(config)
+
+
+def test_fine_tuning_rate_follows_the_method_unless_set():
+  assert data_defaults.resolve_learning_rate(TrainConfig(learning_rate=0.0), 0).learning_rate == 5e-5
+  assert data_defaults.resolve_learning_rate(TrainConfig(learning_rate=0.0), 8).learning_rate == 5e-4
+  assert data_defaults.resolve_learning_rate(TrainConfig(learning_rate=1e-3), 8).learning_rate == 1e-3
+  config = from_config_dict(default_config())
+  config = config.__class__(**{**config.__dict__, "train": TrainConfig(learning_rate=0.0)})
+  with pytest.raises(ValueError, match=r"train.learning_rate=0 .* pretraining needs a rate > 0"):
+    data_defaults.require_fixed(config, "pretraining")
+
+
+def test_a_completed_run_run_again_says_it_is_complete(tmp_path):
+  """The demo at 3 steps, then the same command again (a requeued job): no `loss nan`, the step and the loss."""
+  command = [sys.executable, "experiments/train_lm.py", "--config=experiments/configs/demo.py",
+             f"--workdir={tmp_path}", "--config.train.steps=3", "--config.train.warmup_steps=1",
+             "--config.train.eval_every_steps=0", "--config.checkpoint.every_steps=0", "--config.data.max_bytes=200000",
+             "--config.log.progress_bar=False", "--config.log.sample_tokens=0"]
+  first = subprocess.run(command, capture_output=True, text=True, timeout=300)
+  assert first.returncode == 0, first.stderr[-2000:]
+  assert "done: loss" in first.stdout
+  again = subprocess.run(command, capture_output=True, text=True, timeout=300)
+  assert again.returncode == 0, again.stderr[-2000:]
+  assert "already complete: step 3 of 3, last logged loss" in again.stdout and "nan" not in again.stdout
+
+
+def test_a_diverging_run_ends_in_one_line_not_a_traceback(tmp_path):
+  command = [sys.executable, "experiments/train_lm.py", "--config=experiments/configs/demo.py",
+             f"--workdir={tmp_path}", "--config.train.steps=6", "--config.train.warmup_steps=0",
+             "--config.train.learning_rate=1e30", "--config.train.max_consecutive_nonfinite=2",
+             "--config.data.max_bytes=200000", "--config.log.progress_bar=False", "--config.log.sample_tokens=0",
+             "--config.train.grad_clip=0"]
+  result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+  assert result.returncode != 0
+  assert "Traceback" not in result.stderr
+  assert "error: 2 consecutive non-finite steps" in result.stderr
