@@ -9,7 +9,7 @@ Load: a stacked target weight is read, placed with its sharding and quantized on
 base storage (updated in place); any other parameter is read whole (one HF tensor at a time into its host array)
 and placed. So the device holds the quantized base plus one float parameter that is no target weight (e.g. the
 embedding), or one layer of a target weight; the host likewise. The train state's base starts empty for it
-(`lora.init_train_state(..., empty_base=True)`); parameters the checkpoint lacks get the seeded random init, each
+(`lora.LoRASplit(..., empty_base=True)`); parameters the checkpoint lacks get the seeded random init, each
 from its own compiled init (XLA drops the rest of the model's). Export is `jaxlm.hf.save_pretrained`, which writes
 one HF tensor (one layer of one weight) at a time, dequantized and merged on the device. The load gives the whole-tree path's state (`lora.load_base`: the float model
 merged into the dequantized state, quantized again) bit for bit; the export its weights (`lora.merge` of the whole
@@ -75,7 +75,7 @@ def _layer_setter(plan: lora.Plan, path: str, out_sharding) -> Callable[[Any, ja
 
 
 def _random_leaf(make_model, seed: int, plan: lora.Plan, path: str, out_sharding) -> Any:
-  """The seeded random init of one parameter (frozen as the plan says), as `lora.init_train_state` draws it."""
+  """The seeded random init of one parameter (frozen as the plan says), as `lora.LoRASplit.init` draws it."""
   def init():
     w = _flat(nnx.split(make_model(nnx.Rngs(seed)))[1].to_pure_dict())[path]
     return lora._quantize_base(plan, path, w) if path in plan.targets else w
@@ -134,6 +134,6 @@ def load_base(state: dict, shardings: dict, lora_config: LoRAConfig, make_model,
 
 
 def save_merged(graphdef: nnx.GraphDef, params: dict, folder: str) -> None:
-  """The model of `params` (LoRAWeights or plain arrays, e.g. `steps.model_params(state)`) as an HF folder, each
+  """The model of `params` (LoRAWeights or plain arrays, e.g. `Features.model_params(state)`) as an HF folder, each
   weight merged on its own: never the whole merged float model at once."""
   hf_weights.save_pretrained(nnx.merge(graphdef, params), folder)

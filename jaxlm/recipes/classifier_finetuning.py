@@ -152,8 +152,7 @@ def classification_task(config: Config, workdir: str, mesh: Mesh, kernels: Kerne
   if jax.process_index() == 0:
     print(f"data: {stats_line}", flush=True)
     path = os.path.join(workdir, TOKENIZER_FILE)  # init_from=<this workdir> needs it whole
-    pretrained.tokenizer.save(path + ".tmp")
-    os.replace(path + ".tmp", path)
+    atomic_files.write_text(path, pretrained.tokenizer.to_str(pretty=True))
 
   num_labels = len(class_names)
   optimizer = optim.make_optimizer(t)

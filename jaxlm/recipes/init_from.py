@@ -138,7 +138,7 @@ def read_jaxlm_checkpoint(workdir: str, mesh: Mesh, precision: dict,
     known = {f.name for f in dataclasses.fields(ModelConfig)}
     model_config = dataclasses.replace(ModelConfig(**{k: v for k, v in saved_model.items() if k in known}), **precision)
     check(model_config)
-    # Replicated: the fine-tuning state is laid out on the mesh later (steps.init_train_state + merge_pretrained).
+    # Replicated: the fine-tuning state is laid out on the mesh later (the train-state builder + merge_pretrained).
     params_metadata = manager.item_metadata(step)["state"]["params"]
     replicated = sharding.replicated(mesh)
     abstract = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=replicated), params_metadata)

@@ -129,8 +129,8 @@ def instruction_task(config: Config, workdir: str, mesh: Mesh, kernels: Kernels)
   if jax.process_index() == 0:
     print("data: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in stats.items()),
           flush=True)
-    decoder.tokenizer.save(os.path.join(workdir, "tokenizer.json.tmp"))  # init_from=<this workdir> reads it
-    os.replace(os.path.join(workdir, "tokenizer.json.tmp"), os.path.join(workdir, "tokenizer.json"))
+    # init_from=<this workdir> reads it
+    atomic_files.write_text(os.path.join(workdir, "tokenizer.json"), decoder.tokenizer.to_str(pretty=True))
 
   optimizer = optim.make_optimizer(t)
   make_model = lambda rngs: GPT(model_config, kernels=kernels, rngs=rngs)

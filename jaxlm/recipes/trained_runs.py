@@ -1,9 +1,9 @@
 """Reading a trained run back from its folder (config.json, tokenizer.json, checkpoints/ or best_model/), for the tools
 that use a trained model: experiments/generate.py, lm_eval.py and optimize.py.
 
-  config, graphdef, params, tokenizer, step = runs.load_decoder_run("runs/demo", mesh_tensor=1)
-  graphdef, params = runs.with_weights(graphdef, params, "weight_only")   # int8 weights, same mesh
-  task = runs.classifier_task("runs/ft", config, calibration_batches=8, finetune_steps=60)  # optimize.py's Task
+  config, graphdef, params, tokenizer, step = trained_runs.load_decoder_run("runs/demo", mesh_tensor=1)
+  graphdef, params = trained_runs.with_weights(graphdef, params, "weight_only")   # int8 weights, same mesh
+  task = trained_runs.classifier_task("runs/ft", config, calibration_batches=8, finetune_steps=60)  # a TrainedRun
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def with_weights(graphdef, params, weights: str = "float"):
 
 
 @dataclasses.dataclass
-class Task:
+class TrainedRun:
   """A trained run read back for post-training optimization (experiments/optimize.py): the float model on its mesh,
   how to evaluate and run it, and the training batches that calibrate its variants and fine-tune the pruned ones."""
   kind: str  # "lm" or "classifier"
@@ -105,7 +105,7 @@ class Task:
 
 
 def lm_task(workdir: str, config, *, calibration_batches: int, finetune_steps: int, finetune_orders: int = 1,
-            max_eval_batches: int = 64) -> Task:
+            max_eval_batches: int = 64) -> TrainedRun:
   """A train_lm.py run (its config `config`) on the run's mesh: held-out perplexity on up to `max_eval_batches`
   batches, `calibration_batches` shuffled training batches, and `finetune_orders` shuffled orders (seeds train.seed +
   k) of `finetune_steps` batches; the first order and the calibration are one read."""
@@ -136,7 +136,7 @@ def lm_task(workdir: str, config, *, calibration_batches: int, finetune_steps: i
             "eval_tokens": len(eval_batches) * batch * config.data.seq_len}
 
   print(f"LM run {workdir}: step {step}, {len(eval_batches)} eval batches of {batch} x {config.data.seq_len}")
-  return Task("lm", config.model, lambda c: GPT(c, rngs=nnx.Rngs(0)), model, mesh, evaluate,
+  return TrainedRun("lm", config.model, lambda c: GPT(c, rngs=nnx.Rngs(0)), model, mesh, evaluate,
               lambda m, b: m(b["inputs"], b["positions"], b["segment_ids"]), eval_batches[0],
               batch * config.data.seq_len, "tokens", first[:calibration_batches],
               steps_lib.make_loss_fn, orders, config.train)
@@ -144,7 +144,7 @@ def lm_task(workdir: str, config, *, calibration_batches: int, finetune_steps: i
 
 def classifier_task(workdir: str, config, *, calibration_batches: int, finetune_steps: int, finetune_orders: int = 1,
                     finetune_seed: int = 0, distill_files: tuple[str, ...] = (), distill_temperature: float = 2.0
-                    ) -> Task:
+                    ) -> TrainedRun:
   """A classifier_finetuning.py run (its config `config`): held-out accuracy and macro-F1 of its best model, whose evaluation also
   returns the predictions (PREDICTIONS), `calibration_batches` training batches spread from short to long, and
   `finetune_orders` random orders (seeds finetune_seed + k) of `finetune_steps` training batches.
@@ -194,7 +194,7 @@ def classifier_task(workdir: str, config, *, calibration_batches: int, finetune_
                               for s in range(-(-steps // len(finetune_batches)))])
     return [finetune_batches[i] for i in indices][:finetune_steps]
 
-  return Task("classifier", model.config,
+  return TrainedRun("classifier", model.config,
               lambda c: BertForSequenceClassification(c, num_labels, rngs=nnx.Rngs(0)), model, mesh, evaluate,
               forward, timing, int(timing["input_ids"].shape[0]), "examples",
               calibration, loss_fn,

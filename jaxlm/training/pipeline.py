@@ -164,7 +164,7 @@ def make_gradient_fn(graphdef, mesh, num_microbatches: int, schedule: str):
   """(params, batch, loss_scale=None) -> (mean loss, token count, gradients, {"correct": ...}), as
   steps.make_gradient_fn: the same token-weighted mean over the whole batch, computed by the schedule over the
   `pipeline` axis. A `loss_scale` (float16) multiplies the loss and seeds the backward pass with it, as
-  loss_scale.scaled_loss_fn does, so the loss and gradients come back scaled.
+  steps.scaled_loss_fn does, so the loss and gradients come back scaled.
 
   The embeddings and the output head are replicated over `pipeline` (only the first / last stage computes them)
   because a tied GPT-2 table is needed at both ends: replication costs its memory per stage, a sharded table would
