@@ -33,13 +33,16 @@ from ml_collections import config_flags  # noqa: E402
 
 from jaxlm import cli  # noqa: E402
 from jaxlm import config as config_lib  # noqa: E402
-from jaxlm.planner import check_against_runs, plan
+from jaxlm.kernels import runnable_on
+from jaxlm.planner import advice, check_against_runs, estimates, plan
+from jaxlm.planner import hardware as hardware_lib
+from jaxlm.planner import layouts as layouts_lib
 from jaxlm.training import atomic_files  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "where plan.json, plan.md and plan.png go")
 _HARDWARE = flags.DEFINE_list("hardware", ["h100_80gb"], "hardware profiles (names in --hardware_file)")
-_HARDWARE_FILE = flags.DEFINE_string("hardware_file", plan.PROFILES_PATH, "JSON file of hardware profiles")
+_HARDWARE_FILE = flags.DEFINE_string("hardware_file", hardware_lib.PROFILES_PATH, "JSON file of hardware profiles")
 _DEVICES = flags.DEFINE_list("devices", ["1", "2", "4", "8"], "device counts to plan for (powers of two)")
 _TOKENS = flags.DEFINE_float("tokens", 0, "token budget of the run; 0 = train.steps * train.batch_size * seq_len")
 _COMPILE = flags.DEFINE_enum("compile", "recommended", ["recommended", "all", "none"],
@@ -53,7 +56,7 @@ _MEASURE_HARDWARE = flags.DEFINE_string("measure_hardware", "", "profile to pred
 flags.mark_flags_as_required(["config", "workdir"])
 
 
-def compile_row(config, row: dict, hardware: plan.Hardware, compiled_cache: dict) -> None:
+def compile_row(config, row: dict, hardware: hardware_lib.Hardware, compiled_cache: dict) -> None:
   """Adds the compiled (CPU) memory and HLO collective bytes to a row of `hardware`, for `retime`."""
   config = plan.for_hardware(plan.row_config(config, row), hardware)[0]
   layout = row_layout(row)
@@ -62,25 +65,25 @@ def compile_row(config, row: dict, hardware: plan.Hardware, compiled_cache: dict
   here = jax.devices()[0].platform
   # Profiles whose kernels compile to the same program here (the same stand-ins) share one compile.
   key = (row["mesh"], row["schedule"], row["grad_accum"], config.model.compute_dtype,
-         plan.runnable_on(plan.planned_kernels(config, sizes, platform), here))
+         runnable_on(estimates.planned_kernels(config, sizes, platform), here))
   if key not in compiled_cache:
     run_config = plan.with_mesh(config, layout, row["grad_accum"])
     compiled = plan.compile_train_step(run_config, jax.devices()[:row["devices"]], platform)
-    as_compiled = plan.as_compiled_on(run_config, here, sizes, platform)
+    as_compiled = estimates.as_compiled_on(run_config, here, sizes, platform)
     compiled_cache[key] = (plan.compiled_memory_bytes(compiled),
                            plan.compiled_collective_bytes(compiled, row["devices"])["total"],
                            plan.predict_row_memory(as_compiled, layout, row["grad_accum"], here))
   memory, collective, predicted_as_cpu = compiled_cache[key]
-  row.update({"compiled_memory_gib": memory / plan.GIB, "predicted_memory_as_compiled_gib": predicted_as_cpu / plan.GIB,
+  row.update({"compiled_memory_gib": memory / hardware_lib.GIB, "predicted_memory_as_compiled_gib": predicted_as_cpu / hardware_lib.GIB,
               "memory_prediction_error": predicted_as_cpu / memory - 1,
               "collective_bytes": collective, "collective_source": "compiled HLO"})
 
 
-def row_layout(row: dict) -> plan.Layout:
-  return plan.Layout(row["data"], row["fsdp"], row["tensor"], row["pipeline"], row["schedule"])
+def row_layout(row: dict) -> layouts_lib.Layout:
+  return layouts_lib.Layout(row["data"], row["fsdp"], row["tensor"], row["pipeline"], row["schedule"])
 
 
-def retime(config, row: dict, hardware: plan.Hardware) -> None:
+def retime(config, row: dict, hardware: hardware_lib.Hardware) -> None:
   config = plan.for_hardware(plan.row_config(config, row), hardware)[0]
   row.update(plan.predict_row_time(config, row_layout(row), row["grad_accum"], hardware, row["collective_bytes"]))
 
@@ -146,7 +149,7 @@ def main(argv):
   if config.model.flavour == "bert":
     raise ValueError("model.flavour=bert: the planner plans the decoder train step (jaxlm.training.loop); plan a gpt2 or "
                      "llama config")
-  hardware = plan.load_hardware(_HARDWARE.value, _HARDWARE_FILE.value)
+  hardware = hardware_lib.load_hardware(_HARDWARE.value, _HARDWARE_FILE.value)
   counts = [int(n) for n in _DEVICES.value]
   if any(n < 1 or n & (n - 1) for n in counts):
     raise ValueError(f"--devices={','.join(_DEVICES.value)} must be powers of two (1, 2, 4, 8)")
@@ -168,7 +171,7 @@ def main(argv):
              "cpu_devices_simulated": jax.device_count()}
   explanations = []
   for profile in hardware:
-    best = plan.recommend(rows, profile.name)
+    best = advice.recommend(rows, profile.name)
     summary[f"{profile.name}/recommended_mesh"] = best["mesh"] if best else "none fits"
     note = next((r["hardware_note"] for r in rows if r["hardware"] == profile.name and r["hardware_note"]), "")
     if note:
@@ -188,11 +191,11 @@ def main(argv):
         print(f"{profile.name}: LoRA ({best['lora']}) per device GiB: {parts}")
     for n in counts:
       if any(r["hardware"] == profile.name and r["devices"] == n for r in rows):
-        text = plan.explain(rows, profile, n)
+        text = advice.explain(rows, profile, n)
         summary[f"{profile.name}/{n}_devices"] = text
         explanations.append(text)
         print(text)
-    message = plan.does_not_fit_message(rows, profile.name)
+    message = advice.does_not_fit_message(rows, profile.name)
     if message:
       summary[f"{profile.name}/one_device"] = message
       print(f"{profile.name}: {message}")
@@ -201,8 +204,8 @@ def main(argv):
   for profile in hardware:
     chosen = [r for r in rows if r["hardware"] == profile.name]
     if _COMPILE.value == "recommended":  # the one-device mesh, the cheapest row and each device count's winner
-      winners = [plan.ranked(rows, profile.name, n)[:1] for n in counts]
-      keep = [plan.recommend(rows, profile.name)] + [w[0] for w in winners if w and w[0]["fits"]]
+      winners = [advice.ranked(rows, profile.name, n)[:1] for n in counts]
+      keep = [advice.recommend(rows, profile.name)] + [w[0] for w in winners if w and w[0]["fits"]]
       chosen = [r for r in chosen if (r["devices"] == 1 and r["pipeline"] == 1) or any(r is k for k in keep)]
     elif _COMPILE.value == "none":
       chosen = []
@@ -212,7 +215,7 @@ def main(argv):
         retime(config, row, profile)
 
   if _MEASURE.value:
-    measure_profile = plan.load_hardware([_MEASURE_HARDWARE.value], _HARDWARE_FILE.value)[0] \
+    measure_profile = hardware_lib.load_hardware([_MEASURE_HARDWARE.value], _HARDWARE_FILE.value)[0] \
         if _MEASURE_HARDWARE.value else None
     check = check_against_runs.check_step_prediction(config, jax.devices(), measure_profile)
     summary.update({f"measure/{k}": v for k, v in check.items() if not isinstance(v, dict)})

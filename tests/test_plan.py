@@ -16,7 +16,8 @@ from conftest import xla_flags_without_device_count
 
 from jaxlm import config as config_lib
 from jaxlm.kernels import Kernels
-from jaxlm.planner import plan
+from jaxlm.planner import advice, estimates, estimates_lora, estimates_pipeline, layouts, plan
+from jaxlm.planner import hardware as hardware_lib
 from jaxlm.training import telemetry
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -36,7 +37,7 @@ def load_config(name):
 
 
 def test_hardware_profiles_load_and_unknown_names_are_one_line_errors():
-  profiles = {p.name: p for p in plan.load_hardware()}
+  profiles = {p.name: p for p in hardware_lib.load_hardware()}
   assert set(profiles) >= {"h100_80gb", "h200_141gb", "a100_40gb", "a100_80gb", "l4_24gb", "tpu_v5e"}
   for p in profiles.values():
     assert p.memory_gib > 0 and p.peak_flops(p.compute_dtype) > 0 and p.hbm_bytes_per_sec > 0
@@ -44,17 +45,17 @@ def test_hardware_profiles_load_and_unknown_names_are_one_line_errors():
     assert p.owned or 0 < p.usd_per_hour_spot < p.usd_per_hour_on_demand
   assert profiles["h200_141gb"].memory_gib > profiles["h100_80gb"].memory_gib
   with pytest.raises(ValueError, match="--hardware=h1000 is not a profile in .*; known: h100_80gb"):
-    plan.load_hardware(["h1000"])
+    hardware_lib.load_hardware(["h1000"])
 
 
 def test_candidate_meshes_cover_dp_fsdp_tp_mixes_and_respect_the_model():
-  shapes = plan.mesh_shapes(8)
+  shapes = layouts.mesh_shapes(8)
   assert len(shapes) == 10 and all(math.prod(s) == 8 for s in shapes)
   assert {(8, 1, 1), (1, 8, 1), (1, 1, 8), (2, 2, 2)} <= set(shapes)
   assert plan.mesh_problem(TINY, (1, 1, 8)) == "model.num_heads=4 is not divisible by mesh.tensor=8"
   assert plan.mesh_problem(TINY, (2, 2, 2)) is None
   # batch 8 over 4 data shards: micro-batches of 4 or 8 sequences, i.e. 1 or 2 of them
-  assert plan.accumulation_splits(8, 4) == [1, 2]
+  assert layouts.accumulation_splits(8, 4) == [1, 2]
 
 
 def test_predicted_memory_is_within_10_percent_of_the_compiled_program():
@@ -64,7 +65,7 @@ def test_predicted_memory_is_within_10_percent_of_the_compiled_program():
   config = plan.with_mesh(dataclasses.replace(TINY, kernels=config_lib.KernelsConfig(cross_entropy_chunk=128)), sizes,
                           grad_accum=2)
   compiled = plan.compile_train_step(config, jax.devices()[:4])
-  predicted = plan.predict_memory(config, sizes, grad_accum=2)
+  predicted = estimates.predict_memory(config, sizes, grad_accum=2)
   assert predicted["total"] == pytest.approx(plan.compiled_memory_bytes(compiled), rel=0.10)
   # The state part is exact: the compiled arguments are the state plus the batch.
   arguments = compiled.memory_analysis().argument_size_in_bytes
@@ -72,12 +73,12 @@ def test_predicted_memory_is_within_10_percent_of_the_compiled_program():
   # The collective bytes read from the HLO are about those the analytic DP + TP model counts (a little more: the
   # HLO also reduces scalars and replicated pieces the model leaves out).
   hlo_bytes = plan.compiled_collective_bytes(compiled, 4)["total"]
-  analytic = plan.analytic_collective_bytes(config, sizes, 2, plan.state_bytes(config, (1, 1, 1)).params_f32)
+  analytic = estimates.analytic_collective_bytes(config, sizes, 2, estimates.state_bytes(config, (1, 1, 1)).params_f32)
   assert 1.0 <= hlo_bytes / analytic < 1.4
 
 
 def test_saved_activations_are_affine_in_the_batch_and_shrink_with_remat_and_tensor_parallelism():
-  saved = lambda kernels, tensor, batch: plan.saved_activation_bytes(TINY.model, kernels, 64, tensor, batch)
+  saved = lambda kernels, tensor, batch: estimates.saved_activation_bytes(TINY.model, kernels, 64, tensor, batch)
   one, two, three = (saved(Kernels(), 1, b) for b in (1, 2, 3))
   assert three - two == two - one > 0  # affine: what the largest-micro-batch solve relies on
   assert saved(Kernels(remat="full"), 1, 2) < 0.3 * two
@@ -91,23 +92,23 @@ def test_the_plan_resolves_the_kernels_for_the_target_hardware():
   """`auto` is resolved for the platform, dtype and mesh planned for, not for this host; an explicit kernel the
   target cannot run is the registry's one-line error, and leaves that mesh out of the plan."""
   from jaxlm.kernels import cpu  # noqa: PLC0415
-  gpu = plan.planned_kernels(BF16, (1, 1, 1), "gpu")
+  gpu = estimates.planned_kernels(BF16, (1, 1, 1), "gpu")
   assert (gpu.attention, gpu.layers, gpu.remat, gpu.cross_entropy, gpu.fuse_qkv) == ("cudnn", "loop", "none",
                                                                                      "chunked", "fused")
-  assert plan.planned_kernels(BF16, (1, 1, 2), "gpu").fuse_qkv == "separate"  # q, k, v weights split by heads
-  assert plan.planned_kernels(TINY, (1, 1, 1), "gpu").attention == "xla"  # cuDNN computes in bf16/f16 only
-  assert plan.planned_kernels(BF16, (1, 1, 1), "tpu").attention == "xla"
-  on_cpu = plan.planned_kernels(TINY, (1, 1, 1), "cpu")
+  assert estimates.planned_kernels(BF16, (1, 1, 2), "gpu").fuse_qkv == "separate"  # q, k, v weights split by heads
+  assert estimates.planned_kernels(TINY, (1, 1, 1), "gpu").attention == "xla"  # cuDNN computes in bf16/f16 only
+  assert estimates.planned_kernels(BF16, (1, 1, 1), "tpu").attention == "xla"
+  on_cpu = estimates.planned_kernels(TINY, (1, 1, 1), "cpu")
   assert (on_cpu.attention, on_cpu.matmul, on_cpu.remat) == (
       ("cpu_fused", "blas", "dots") if cpu.compiler() else ("causal_blocks", "xla", "dots"))
-  on_cpu_mesh = plan.planned_kernels(TINY, (2, 1, 1), "cpu")  # the CPU custom calls are one device's
+  on_cpu_mesh = estimates.planned_kernels(TINY, (2, 1, 1), "cpu")  # the CPU custom calls are one device's
   assert (on_cpu_mesh.attention, on_cpu_mesh.matmul) == ("causal_blocks", "xla")
   fused = dataclasses.replace(TINY, kernels=dataclasses.replace(TINY.kernels, attention="cpu_fused"))
   with pytest.raises(ValueError, match=r"kernels.attention=cpu_fused .*gpu.*; here use one of: auto, xla"):
-    plan.predict_memory(fused, (1, 1, 1), 1, platform="gpu")
+    estimates.predict_memory(fused, (1, 1, 1), 1, platform="gpu")
   assert (plan.mesh_problem(fused, (1, 1, 1), "cpu") is None) == bool(cpu.compiler())
   assert plan.mesh_problem(fused, (2, 1, 1), "cpu").startswith("kernels.attention=cpu_fused ")
-  h100 = plan.load_hardware(["h100_80gb"])[0]
+  h100 = hardware_lib.load_hardware(["h100_80gb"])[0]
   assert plan.plan(fused, [h100], (1,)) == []
 
 
@@ -115,27 +116,27 @@ def test_the_plan_resolves_the_kernels_for_the_target_hardware():
 def test_cudnn_configs_plan_and_compile_where_there_is_no_cudnn():
   """A run planned for a GPU (cuDNN attention) is traced and compiled on this CPU through `recompute` attention,
   which keeps the same residuals (no [T, S] probabilities); a CPU run of it is a one-line error."""
-  gpu = plan.planned_kernels(BF16, (1, 1, 1), "gpu")
-  saved = lambda kernels: plan.saved_activation_bytes(BF16.model, kernels, 64, 1, 2)
+  gpu = estimates.planned_kernels(BF16, (1, 1, 1), "gpu")
+  saved = lambda kernels: estimates.saved_activation_bytes(BF16.model, kernels, 64, 1, 2)
   assert saved(gpu) == saved(dataclasses.replace(gpu, attention="recompute"))
   assert saved(gpu) < saved(dataclasses.replace(gpu, attention="xla"))
   compiled = plan.compile_train_step(BF16, jax.devices()[:1], platform="gpu")
   assert plan.compiled_memory_bytes(compiled) > 0
-  as_compiled = plan.as_compiled_on(BF16, "cpu", (1, 1, 1), "gpu")
+  as_compiled = estimates.as_compiled_on(BF16, "cpu", (1, 1, 1), "gpu")
   assert as_compiled.kernels.attention == "recompute" and as_compiled.model.compute_dtype == "float32"
   cudnn = dataclasses.replace(BF16, kernels=dataclasses.replace(BF16.kernels, attention="cudnn"))
   with pytest.raises(ValueError, match=r"kernels.attention=cudnn .*cpu.*; here use one of: auto, xla"):
-    plan.predict_memory(cudnn, (1, 1, 1), 1, platform="cpu")
+    estimates.predict_memory(cudnn, (1, 1, 1), 1, platform="cpu")
 
 
 def test_roofline_and_cost_arithmetic():
-  hardware = plan.Hardware(name="toy", memory_gib=1, bf16_flops=1e12, matmul_efficiency=0.5, hbm_bytes_per_sec=1e11,
+  hardware = hardware_lib.Hardware(name="toy", memory_gib=1, bf16_flops=1e12, matmul_efficiency=0.5, hbm_bytes_per_sec=1e11,
                            interconnect_bytes_per_sec=1e10, usd_per_hour_on_demand=2.0, usd_per_hour_spot=1.0,
                            spot_preemptions_per_hour=0.0)
-  activations = plan.ActivationModel(total_fixed=0, total_per_sequence=1e6, layer_fixed=0, layer_per_sequence=1e5,
+  activations = estimates.ActivationModel(total_fixed=0, total_per_sequence=1e6, layer_fixed=0, layer_per_sequence=1e5,
                                      unremat_fixed=0, unremat_per_sequence=1e6)
-  one = plan.predict_step_time(TINY, (1, 1, 1), 1, hardware, activations, 4e6, 0.0)
-  two = plan.predict_step_time(TINY, (2, 1, 1), 1, hardware, activations, 4e6, 1e8)
+  one = estimates.predict_step_time(TINY, (1, 1, 1), 1, hardware, activations, 4e6, 0.0)
+  two = estimates.predict_step_time(TINY, (2, 1, 1), 1, hardware, activations, 4e6, 1e8)
   assert one["compute_sec"] == pytest.approx(2 * two["compute_sec"])
   assert two["network_sec"] == pytest.approx(1e8 / 1e10)
   assert one["step_time_sec"] == pytest.approx(one["compute_sec"] + one["memory_sec"])
@@ -155,7 +156,7 @@ def test_roofline_and_cost_arithmetic():
 
 
 def test_gpt2_small_fits_one_h100():
-  h100 = plan.load_hardware(["h100_80gb"])[0]
+  h100 = hardware_lib.load_hardware(["h100_80gb"])[0]
   row = plan.plan_mesh(load_config("gpt2_small"), (1, 1, 1), h100, plan.RunAssumptions(1e9, 500))
   assert row["fits"] and row["headroom_gib"] > 0
   assert row["largest_local_micro_batch"] >= row["micro_batch"]
@@ -192,7 +193,7 @@ def test_h200_memory_prediction_against_measured_steps(name, batch, chunk):
   kernels = {"cross_entropy": "chunked" if chunk else "logits", "cross_entropy_chunk": chunk, "layers": "scan",
              "fuse_qkv": "separate"}
   config = _with(load_config(name), batch, kernels, document_mask=True)
-  predicted = plan.predict_memory(config, (1, 1, 1), 1, platform="gpu")["total"]
+  predicted = estimates.predict_memory(config, (1, 1, 1), 1, platform="gpu")["total"]
   assert predicted == pytest.approx(H200_MEMORY[(name, batch, chunk)], rel=0.12)
 
 
@@ -202,20 +203,20 @@ def test_h200_step_time_prediction_against_measured_steps(name, batch):
   measured/roofline ratios, so those rows check the roofline's shape across batch sizes; the Llama row, held out,
   is the one real prediction."""
   config = _with(load_config(name), batch)
-  h200 = plan.load_hardware(["h200_141gb"])[0]
-  timing = plan.predict_step_time(config, (1, 1, 1), 1, h200, plan.activation_model(config, (1, 1, 1), "gpu"),
-                                  plan.state_bytes(config, (1, 1, 1), "gpu").params_f32, 0.0)
+  h200 = hardware_lib.load_hardware(["h200_141gb"])[0]
+  timing = estimates.predict_step_time(config, (1, 1, 1), 1, h200, estimates.activation_model(config, (1, 1, 1), "gpu"),
+                                  estimates.state_bytes(config, (1, 1, 1), "gpu").params_f32, 0.0)
   assert timing["step_time_sec"] == pytest.approx(H200_STEP[(name, batch)], rel=0.15)
 
 
 def test_gpt2_xl_does_not_fit_one_l4_and_the_plan_says_what_does():
   config = load_config("gpt2_xl")
-  l4 = plan.load_hardware(["l4_24gb"])[0]
+  l4 = hardware_lib.load_hardware(["l4_24gb"])[0]
   rows = plan.plan(config, [l4], device_counts=(1, 2, 4), pipelines=False)
   single = [r for r in rows if r["devices"] == 1][0]
   assert not single["fits"] and single["largest_local_micro_batch"] == 0
-  message = plan.does_not_fit_message(rows, "l4_24gb")
-  best = plan.recommend(rows, "l4_24gb")
+  message = advice.does_not_fit_message(rows, "l4_24gb")
+  best = advice.recommend(rows, "l4_24gb")
   assert best is not None and best["devices"] > 1 and best["fsdp"] > 1
   assert message.startswith("does not fit on one l4_24gb")
   assert f"mesh data x fsdp x tensor x pipeline = {best['mesh']}" in message
@@ -250,7 +251,7 @@ def test_planner_script_plans_8_simulated_devices(tmp_path):
 
 
 def test_workstation_and_older_cloud_profiles_carry_datasheet_figures_dtype_and_price():
-  profiles = {p.name: p for p in plan.load_hardware()}
+  profiles = {p.name: p for p in hardware_lib.load_hardware()}
   new = ("rtx_a6000_48gb", "v100_16gb", "t4_16gb", "l40s_48gb", "rtx_4090_24gb")
   for name in new:
     p = profiles[name]
@@ -262,28 +263,28 @@ def test_workstation_and_older_cloud_profiles_carry_datasheet_figures_dtype_and_
   assert profiles["rtx_a6000_48gb"].owned and profiles["rtx_4090_24gb"].owned and not profiles["v100_16gb"].owned
   # NVLink on the p3 V100s, PCIe on the workstation cards
   assert profiles["v100_16gb"].interconnect_bytes_per_sec > 4 * profiles["rtx_a6000_48gb"].interconnect_bytes_per_sec
-  dtype, note = plan.planned_dtype("bfloat16", profiles["t4_16gb"])
+  dtype, note = hardware_lib.planned_dtype("bfloat16", profiles["t4_16gb"])
   assert dtype == "float16" and "t4_16gb has no bfloat16" in note and "compute_dtype=float16" in note
-  assert plan.planned_dtype("float32", profiles["t4_16gb"]) == ("float32", "")
-  dtype, note = plan.planned_dtype("float16", profiles["tpu_v5e"])  # fp16 where the planner knows it is missing
+  assert hardware_lib.planned_dtype("float32", profiles["t4_16gb"]) == ("float32", "")
+  dtype, note = hardware_lib.planned_dtype("float16", profiles["tpu_v5e"])  # fp16 where the planner knows it is missing
   assert dtype == "bfloat16" and note.startswith("tpu_v5e has no float16")
 
 
 def test_fp16_only_hardware_plans_fp16_at_its_fp16_peak():
-  v100 = plan.load_hardware(["v100_16gb"])[0]
+  v100 = hardware_lib.load_hardware(["v100_16gb"])[0]
   row = plan.plan_mesh(BF16, (1, 1, 1), v100, plan.RunAssumptions(1e6, 50))
   assert row["compute_dtype"] == "float16" and "v100_16gb has no bfloat16" in row["hardware_note"]
   fp16 = dataclasses.replace(BF16, model=dataclasses.replace(BF16.model, compute_dtype="float16"))
   flops = telemetry.flops_per_token(fp16.model, 64) * 8 * 64
   assert row["compute_sec"] == pytest.approx(flops / (125e12 * 0.7))
   fp16 = dataclasses.replace(fp16, kernels=dataclasses.replace(fp16.kernels, attention="xla"))  # no cuDNN flash
-  assert row["kernels"] == plan.planned_kernels(fp16, (1, 1, 1), "gpu").describe()
+  assert row["kernels"] == estimates.planned_kernels(fp16, (1, 1, 1), "gpu").describe()
   assert "attention=xla" in row["kernels"]
   assert "kernels.attention=xla" in row["hardware_note"]
 
 
 def test_owned_hardware_gives_hours_and_energy_not_dollars():
-  a6000, v100 = plan.load_hardware(["rtx_a6000_48gb", "v100_16gb"])
+  a6000, v100 = hardware_lib.load_hardware(["rtx_a6000_48gb", "v100_16gb"])
   assumptions = plan.RunAssumptions(tokens=8 * 64 * 100, checkpoint_every_steps=50)
   owned = plan.run_cost(2.0, a6000, 4, 8 * 64, 1e9, assumptions)
   assert owned["on_demand_usd"] is None and owned["spot_usd"] is None and owned["spot_hours"] is None
@@ -303,11 +304,11 @@ WIDE = config_lib.Config(
 
 @pytest.fixture(scope="module")
 def wide_rows():
-  return plan.plan(WIDE, plan.load_hardware(["rtx_a6000_48gb", "h100_80gb"]), device_counts=(4,))
+  return plan.plan(WIDE, hardware_lib.load_hardware(["rtx_a6000_48gb", "h100_80gb"]), device_counts=(4,))
 
 
 def test_pcie_ranks_tensor_parallelism_below_data_fsdp_and_pipeline(wide_rows):
-  order = plan.ranked(wide_rows, "rtx_a6000_48gb", 4)
+  order = advice.ranked(wide_rows, "rtx_a6000_48gb", 4)
   assert all(r["fits"] for r in order)
   kinds = [r["layout"] for r in order]
   assert kinds[-1] == "tensor" and order[0]["tensor"] == 1
@@ -315,13 +316,13 @@ def test_pcie_ranks_tensor_parallelism_below_data_fsdp_and_pipeline(wide_rows):
   best_pipeline = next(r for r in order if r["pipeline"] > 1)
   assert kinds.index("tensor") > kinds.index(best_pipeline["layout"]) > kinds.index("data")
   assert tensor["network_sec"] > tensor["compute_sec"]  # the per-layer all-reduces over PCIe dominate its step
-  nvlink = {r["layout"]: r for r in plan.ranked(wide_rows, "h100_80gb", 4)}
+  nvlink = {r["layout"]: r for r in advice.ranked(wide_rows, "h100_80gb", 4)}
   pcie = {r["layout"]: r for r in order}
   slowdown = lambda rows: rows["tensor"]["step_time_sec"] / rows["data"]["step_time_sec"]
   assert slowdown(pcie) > 1.5 * slowdown(nvlink)
-  text = plan.explain(wide_rows, plan.load_hardware(["rtx_a6000_48gb"])[0], 4)
+  text = advice.explain(wide_rows, hardware_lib.load_hardware(["rtx_a6000_48gb"])[0], 4)
   assert text.startswith(f"4 x rtx_a6000_48gb (bfloat16): {order[0]['layout']} wins") and "tensor " in text
-  assert plan.recommend(wide_rows, "rtx_a6000_48gb")["on_demand_usd"] is None  # owned: the fastest
+  assert advice.recommend(wide_rows, "rtx_a6000_48gb")["on_demand_usd"] is None  # owned: the fastest
 
 
 def test_pipeline_layouts_appear_with_their_bubble_and_stash(wide_rows):
@@ -332,14 +333,14 @@ def test_pipeline_layouts_appear_with_their_bubble_and_stash(wide_rows):
     assert micro >= stages and r["bubble_fraction"] == pytest.approx((stages - 1) / (micro + stages - 1))
     assert r["memory_parts_gib"]["stash"] > 0 and r["bubble_sec"] > 0
   sizes = (1, 1, 1, 4)
-  gpipe, one_f_one_b = (plan.pipeline_predict.predict_pipeline_memory(WIDE, sizes, 16, s, "gpu") for s in
+  gpipe, one_f_one_b = (estimates_pipeline.predict_pipeline_memory(WIDE, sizes, 16, s, "gpu") for s in
                         ("gpipe", "1f1b"))
   assert one_f_one_b["stash"] == pytest.approx(gpipe["stash"] * 7 / 16)  # min(M, 2S - 1) of M inputs kept
-  single = plan.predict_memory(WIDE, (1, 1, 1), 16, "gpu")
+  single = estimates.predict_memory(WIDE, (1, 1, 1), 16, "gpu")
   assert gpipe["state"] < 0.6 * single["state"]  # a stage holds a quarter of the blocks (+ embeddings and head)
-  sends = plan.pipeline_predict.p2p_sends(4, 16, "gpipe")
+  sends = estimates_pipeline.p2p_sends(4, 16, "gpipe")
   assert sends == 2 * (16 + 4 - 1)
-  collective = plan.pipeline_predict.pipeline_collective_bytes(WIDE, sizes, 16, "gpipe", "gpu")
+  collective = estimates_pipeline.pipeline_collective_bytes(WIDE, sizes, 16, "gpipe", "gpu")
   assert collective["p2p"] == sends * 2 * 256 * 128 * 2  # [b=2, T, D] bf16, as the compiled collective-permutes
   # The replicated token and position tables and final norm are all-reduced over the 4 stages: a ring's 2 (S-1)/S.
   assert collective["sync"] == 2 * 3 / 4 * 4 * (2 * 256 * 128 + 2 * 128)
@@ -356,7 +357,7 @@ def test_lora_and_qlora_byte_accounting():
   parts = {}
   for base in ("float", "int8", "nf4"):
     config = dataclasses.replace(llama, lora=config_lib.LoRAConfig(rank=8, base=base))
-    parts[base] = plan.lora_predict.lora_state_bytes(config, (1, 1, 1), "gpu")
+    parts[base] = estimates_lora.lora_state_bytes(config, (1, 1, 1), "gpu")
   targets = parts["float"]["target_params"]
   assert parts["float"]["frozen_base_bytes"] == non_target + 4 * targets
   # int8: one byte per weight plus an f32 scale per output channel; nf4: half a byte plus an f32 absmax per 64
@@ -366,18 +367,18 @@ def test_lora_and_qlora_byte_accounting():
   assert nf4_targets == targets // 2 + targets // 64 * 4 and nf4_targets / (4 * targets) == pytest.approx(1 / 8,
                                                                                                             rel=0.15)
   config = dataclasses.replace(llama, lora=config_lib.LoRAConfig(rank=8, base="nf4"))
-  adapters = 8 * plan.lora_predict._adapter_width_per_layer(config) * m.num_layers
+  adapters = 8 * estimates_lora._adapter_width_per_layer(config) * m.num_layers
   assert parts["nf4"]["trainable_params"] == adapters and parts["nf4"]["adapter_bytes"] == 4 * adapters
   assert parts["nf4"]["optimizer_state_bytes"] == pytest.approx(2 * 4 * adapters, abs=64)  # Adam's two moments
   # Loading or exporting (jaxlm/interop/streaming.py) adds one f32 embedding, or one target layer in f32 twice.
   assert parts["nf4"]["load_peak_bytes"] == parts["nf4"]["state_bytes"] + max(
       4 * m.vocab_size * m.d_model, 2 * 4 * m.d_model * max(m.mlp_width, m.num_heads * m.head_dim))
-  memory = plan.lora_predict.predict_lora_memory(config, (1, 1, 1), 2, "gpu")
+  memory = estimates_lora.predict_lora_memory(config, (1, 1, 1), 2, "gpu")
   assert memory["frozen_base"] == parts["nf4"]["frozen_base_bytes"] and memory["gradients"] == 2 * 4 * adapters
   assert memory["activations"] > 0
-  full = plan.predict_memory(llama, (1, 1, 1), 2, "gpu")
+  full = estimates.predict_memory(llama, (1, 1, 1), 2, "gpu")
   assert memory["frozen_base"] + memory["adapters"] + memory["optimizer"] < 0.35 * full["state"]
-  row = plan.plan_mesh(config, (1, 1, 1), plan.load_hardware(["l4_24gb"])[0], plan.RunAssumptions(1e6, 50))
+  row = plan.plan_mesh(config, (1, 1, 1), hardware_lib.load_hardware(["l4_24gb"])[0], plan.RunAssumptions(1e6, 50))
   assert row["fits"] and row["lora"] == "rank 8, base nf4" and set(row["memory_parts_gib"]) >= {
       "frozen_base", "adapters", "optimizer", "activations"}
-  assert plan.mesh_problem(config, plan.Layout(1, 1, 1, 2, "gpipe"), "gpu").startswith("lora.rank=8")
+  assert plan.mesh_problem(config, layouts.Layout(1, 1, 1, 2, "gpipe"), "gpu").startswith("lora.rank=8")

@@ -16,13 +16,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxlm.training import optim
-from jaxlm.planner import plan
-from jaxlm.parallel import sharding
-from jaxlm.training import telemetry
 from jaxlm.config import Config
-from jaxlm.training import steps as steps_lib
+from jaxlm.parallel import sharding
+from jaxlm.planner import estimates, plan
+from jaxlm.planner import hardware as hardware_lib
 from jaxlm.recipes import features as features_lib
+from jaxlm.training import optim, telemetry
+from jaxlm.training import steps as steps_lib
 
 
 def synthetic_batch(batch_size: int, seq_len: int, vocab_size: int, mesh: Mesh, seed: int = 0) -> dict:
@@ -49,7 +49,7 @@ def compiled_train_step(config: Config, devices: Sequence[jax.Device] | None = N
 
 
 def check_step_prediction(config: Config, devices: Sequence[jax.Device] | None = None,
-                          hardware: plan.Hardware | None = None, rounds: int = 3, steps_per_round: int = 3
+                          hardware: hardware_lib.Hardware | None = None, rounds: int = 3, steps_per_round: int = 3
                           ) -> dict[str, Any]:
   """Runs the real train step on `devices` and sets it beside the planner's prediction.
 
@@ -76,15 +76,15 @@ def check_step_prediction(config: Config, devices: Sequence[jax.Device] | None =
   num = len(devices)
   hardware = hardware or host_hardware(max(flops) / num, max(bandwidths) / num, num)
   collective = plan.compiled_collective_bytes(compiled, num)["total"]
-  predicted = plan.predict_step_time(config, sizes, config.train.grad_accum, hardware,
-                                     plan.activation_model(config, sizes, devices[0].platform),
-                                     plan.state_bytes(config, sizes).params_f32, collective)
+  predicted = estimates.predict_step_time(config, sizes, config.train.grad_accum, hardware,
+                                     estimates.activation_model(config, sizes, devices[0].platform),
+                                     estimates.state_bytes(config, sizes).params_f32, collective)
   return {"mesh": "x".join(map(str, sizes)), "grad_accum": config.train.grad_accum,
           "measured_step_time_sec": min(step_times), "median_step_time_sec": float(np.median(step_times)),
           "predicted_step_time_sec": predicted["step_time_sec"], "predicted": predicted,
           "step_time_error": predicted["step_time_sec"] / min(step_times) - 1,
           "compiled_memory_bytes": plan.compiled_memory_bytes(compiled),
-          "predicted_memory_bytes": plan.predict_memory(plan.as_compiled_on(config, devices[0].platform, sizes),
+          "predicted_memory_bytes": estimates.predict_memory(estimates.as_compiled_on(config, devices[0].platform, sizes),
                                                         sizes, config.train.grad_accum,
                                                         devices[0].platform)["total"],
           "collective_bytes": collective, "hardware": dataclasses.asdict(hardware)}
@@ -100,9 +100,9 @@ def measure_stream_bandwidth(num_elements: int = 2**24, repeats: int = 5, device
   return 2 * x.nbytes / telemetry.best_seconds(jax.jit(lambda x: jax.nn.softmax(x, axis=-1)), x, repeats=repeats)
 
 
-def host_hardware(matmul_flops: float, bandwidth: float, num_devices: int) -> plan.Hardware:
+def host_hardware(matmul_flops: float, bandwidth: float, num_devices: int) -> hardware_lib.Hardware:
   """A profile of this host from measured per-device rates (a CPU's rates split over its simulated devices)."""
-  return plan.Hardware(
+  return hardware_lib.Hardware(
       name=f"{jax.devices()[0].platform}_measured", memory_gib=0.0, bf16_flops=matmul_flops, matmul_efficiency=1.0,
       hbm_bytes_per_sec=bandwidth, interconnect_bytes_per_sec=bandwidth, usd_per_hour_on_demand=0.0,
       usd_per_hour_spot=0.0, description=f"this host, measured: {matmul_flops * num_devices / 1e9:.0f} GFLOP/s "

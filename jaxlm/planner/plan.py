@@ -22,24 +22,28 @@ from typing import Any, Iterable, Sequence
 
 import jax
 
-from jaxlm.planner import hlo_traffic
-from jaxlm.training import optim
-from jaxlm.parallel import sharding
-from jaxlm.planner import estimates_lora as lora_predict
-from jaxlm.planner import estimates_pipeline as pipeline_predict
-from jaxlm.training import steps as steps_lib
 from jaxlm.config import Config, validate_pipeline
 from jaxlm.kernels import runnable_on
 from jaxlm.models.gpt import GPT
+from jaxlm.parallel import sharding
+from jaxlm.planner import estimates_lora as lora_predict
+from jaxlm.planner import estimates_pipeline as pipeline_predict
+from jaxlm.planner import hlo_traffic
+from jaxlm.planner.estimates import (
+  abstract_batch,
+  activation_model,
+  analytic_collective_bytes,
+  largest_local_micro_batch,
+  planned_kernels,
+  predict_memory,
+  predict_step_time,
+  state_bytes,
+)
+from jaxlm.planner.hardware import GIB, Hardware, planned_dtype
+from jaxlm.planner.layouts import Layout, accumulation_splits, as_layout, layouts
 from jaxlm.recipes import features as features_lib
-# The planner is the public face of the three modules: callers use plan.Hardware, plan.predict_memory, ...
-from jaxlm.planner.hardware import GIB, PROFILES_PATH, Hardware, load_hardware, planned_dtype  # noqa: F401
-from jaxlm.planner.layouts import Layout, accumulation_splits, as_layout, layouts, mesh_shapes  # noqa: F401
-from jaxlm.planner.advice import does_not_fit_message, explain, ranked, recommend  # noqa: F401
-from jaxlm.planner.estimates import (ActivationModel, abstract_batch, abstract_model, activation_model,  # noqa: F401
-                           analytic_collective_bytes, as_compiled_on, largest_local_micro_batch, planned_kernels,
-                           predict_memory, predict_step_time, saved_activation_bytes, state_bytes)
-
+from jaxlm.training import optim
+from jaxlm.training import steps as steps_lib
 
 # ----------------------------------------------------------------------------------------------- candidates
 
