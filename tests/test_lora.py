@@ -78,7 +78,7 @@ def trained():
   return config, mesh, graphdef, before, state, losses, train_step
 
 
-# One family and base here (the int8 base trains in `trained`; every family's LoRA outputs: tests/test_peft_io.py).
+# One family and base here (the int8 base trains in `trained`; every family's LoRA outputs: tests/test_peft_folders.py).
 @pytest.mark.parametrize("flavour, base", [("llama", "nf4")])
 def test_zero_b_adapters_are_the_base_model(flavour, base):
   model_config = dataclasses.replace(LLAMA if flavour == "llama" else GPT2, flavour=flavour, vocab_size=64,
@@ -156,7 +156,7 @@ def test_merge_equals_base_plus_scaled_adapter_product(trained):
              state["params"]["blocks"]["attn"]["w_o"]["lora_b"])
   expected = np.asarray(lora.dense(w)) + (config.lora.alpha / config.lora.rank) * np.einsum("lhkr,lrd->lhkd", a, b)
   np.testing.assert_allclose(merged["blocks"]["attn"]["w_o"], expected, rtol=1e-5, atol=1e-6)
-  # The merged model's outputs against peft's: tests/test_peft_io.py.
+  # The merged model's outputs against peft's: tests/test_peft_folders.py.
 
 
 @pytest.mark.parametrize("devices", [1, 4])

@@ -247,7 +247,8 @@ def test_planner_script_plans_8_simulated_devices(tmp_path):
   assert (tmp_path / "plan" / "plan.png").exists() and (tmp_path / "plan" / "plan.md").exists()
 
 
-# ----------------------------------------------------------------------------------------------- the machines users have
+# ----------------------------------------------------------------------------------------------- the machines users
+# have
 
 
 def test_workstation_and_older_cloud_profiles_carry_datasheet_figures_dtype_and_price():

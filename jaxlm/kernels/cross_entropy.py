@@ -142,7 +142,8 @@ def _forward(x_ND, table_VD, targets_N, weights_N, chunk, shards, einsum, dtypes
   (loss, correct, dtable_PVD), dx_KPCD = jax.lax.scan(body, (zero, zero, dtable_PVD), xs)
   dx_ND = _unblocks(dx_KPCD, n)
   # float16: the saved gradients stay f32. They are computed at loss scale 1; rounded to float16 before the
-  # backward pass multiplies them by the loss scale (jaxlm/training/loss_scale.py), their small values would flush to zero.
+  # backward pass multiplies them by the loss scale (jaxlm/training/loss_scale.py), their small values would flush to
+  # zero.
   saved = jnp.float32 if compute_dtype == jnp.float16 else None
   residuals = (dx_ND.astype(saved or compute_dtype), dtable_PVD.sum(axis=0).astype(saved or table_VD.dtype),
                targets_N, weights_N)

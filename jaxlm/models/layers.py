@@ -230,7 +230,8 @@ class Attention(nnx.Module):
     return constrain(y, ("act_batch", "act_seq", heads_axis, None))  # [B, T, H or G, K]
 
   def _qkv(self, x_BTD: jax.Array, rotary: Rotary | None):
-    # Quantized weights (jaxlm.compress.quantization's int8 tensors, not arrays) are read by one intercepted matmul each.
+    # Quantized weights (jaxlm.compress.quantization's int8 tensors, not arrays) are read by one intercepted matmul
+    # each.
     if self.kernels.fuse_qkv == "fused" and isinstance(self.w_q[...], jax.Array):
       q, k, v = self._fused_project(x_BTD)
     else:

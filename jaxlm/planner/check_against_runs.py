@@ -125,7 +125,8 @@ def median_interval(values: Sequence[float], level: float = 0.95) -> tuple[float
   return x[k - 1], x[n - k], coverage(k)
 
 
-# Kinds (jaxlm.planner.hlo_traffic.instruction_kinds, hlo.library_kernel_kind) of the ops that are one library call each.
+# Kinds (jaxlm.planner.hlo_traffic.instruction_kinds, hlo.library_kernel_kind) of the ops that are one library call
+# each.
 LIBRARY_KINDS = ("matmul", "custom-call", "attention (cuDNN)")
 
 

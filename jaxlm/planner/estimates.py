@@ -151,7 +151,8 @@ def _new_buffers(jaxpr) -> list:
 # outputs kept), which is not calibrated and sits between the two.
 BACKWARD_WORKING_FRACTION = {"none": 1 / 3, "dots": 0.5, "full": 0.9}
 # Parameter-sized f32 trees alive during the optimizer phase besides the state: the gradient (sum), the gradient
-# divided by the token count, the clipped gradient and the Adam update (jaxlm/training/optim.py, steps_lib.make_train_step). It
+# divided by the token count, the clipped gradient and the Adam update (jaxlm/training/optim.py,
+# steps_lib.make_train_step). It
 # is the peak when activations are small (many micro-batches of few sequences).
 OPTIMIZER_PHASE_TREES = 4
 

@@ -133,7 +133,8 @@ def classification_task(config: Config, workdir: str, mesh: Mesh, kernels: Kerne
   data = cls_data.build_classification_data(d, pretrained.tokenizer, t.seed,
                                             os.path.join(workdir, "data_cache", "hf"), model_config.vocab_size,
                                             model_config.max_seq_len)
-  # The defaults that fit the data (jaxlm/recipes/data_defaults.py): steps from train.epochs, seq_len from the tokenized lengths.
+  # The defaults that fit the data (jaxlm/recipes/data_defaults.py): steps from train.epochs, seq_len from the tokenized
+  # lengths.
   derived_steps, chosen_seq_len = t.steps == 0, d.seq_len == 0
   t = data_defaults.resolve_learning_rate(t, config.lora.rank)
   t, d = data_defaults.resolve_steps(t, len(data.train)), dataclasses.replace(d, seq_len=data.seq_len)
