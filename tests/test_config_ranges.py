@@ -1,6 +1,7 @@
 """Every numeric key's range is declared beside it and checked with a one-line error naming the key; fine-tuning's
 learning rate follows the method; a run with no step left says so."""
 
+import dataclasses
 import subprocess
 import sys
 
@@ -35,8 +36,7 @@ def test_fine_tuning_rate_follows_the_method_unless_set():
   assert data_defaults.resolve_learning_rate(TrainConfig(learning_rate=0.0), 0).learning_rate == 5e-5
   assert data_defaults.resolve_learning_rate(TrainConfig(learning_rate=0.0), 8).learning_rate == 5e-4
   assert data_defaults.resolve_learning_rate(TrainConfig(learning_rate=1e-3), 8).learning_rate == 1e-3
-  config = from_config_dict(default_config())
-  config = config.__class__(**{**config.__dict__, "train": TrainConfig(learning_rate=0.0)})
+  config = dataclasses.replace(from_config_dict(default_config()), train=TrainConfig(learning_rate=0.0))
   with pytest.raises(ValueError, match=r"train.learning_rate=0 .* pretraining needs a rate > 0"):
     data_defaults.require_fixed(config, "pretraining")
 

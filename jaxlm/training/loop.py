@@ -1,8 +1,8 @@
 """THE training loop. The steps it runs (jitted, sharded, state donated) are in jaxlm/training/steps.py. Metrics stay on the
 device and are read one step late, so the host never waits for the device.
 
-Every kind of run goes through one loop, `run_loop`: language-model pretraining (`train`) and classifier fine-tuning
-(jaxlm/recipes/classifier_finetuning.py) each describe themselves as a `Task` (their steps, data, per-step counts, evaluation and report),
+Every kind of run goes through one loop, `run_loop`: pretraining, classifier fine-tuning and instruction tuning
+(jaxlm/recipes/) each describe themselves as a `Task` (their steps, data, per-step counts, evaluation and report),
 and the loop does the rest: resume, stop signals, non-finite steps, metric windows, eval cadence, checkpoints and
 report.md.
 """
@@ -34,8 +34,8 @@ from jaxlm.training.state import Features, TrainState
 
 @dataclasses.dataclass
 class Task:
-  """One kind of run, as `run_loop` sees it: the parts that differ between kinds. Language-model pretraining
-  (`language_model_task` below) and classifier fine-tuning (jaxlm/recipes/classifier_finetuning.py) each build one."""
+  """One kind of run, as `run_loop` sees it: the parts that differ between kinds. Each recipe in jaxlm/recipes/
+  (pretraining, classifier fine-tuning, instruction tuning) builds one."""
   title: str  # report.md's heading: "Training run", "Fine-tuning run"
   state: TrainState  # freshly initialised (jaxlm.training.state.init_train_state); the loop takes it over or restores
   state_shardings: Any

@@ -11,6 +11,8 @@ jaxlm/training/state.py; the loop that runs the steps is loop.py.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import operator
 from typing import Any, Callable
 
 import jax
@@ -121,10 +123,8 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
   def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
     frozen = state.get("frozen")  # a constant of the loss: gradients of the trainable params only
     trainable_loss_fn = lambda params, b: loss_fn(features.split.combine(params, frozen), b)
-    scale = None  # the product of the entries' loss multipliers (None: the loss as it is)
-    for entry in features.entries:
-      factor = entry.loss_multiplier(state[entry.key])
-      scale = factor if scale is None else scale if factor is None else scale * factor
+    factors = [f for e in features.entries if (f := e.loss_multiplier(state[e.key])) is not None]
+    scale = functools.reduce(operator.mul, factors) if factors else None  # None: the loss as it is
     loss, count, grads, aux = gradients(trainable_loss_fn, scale)(state["params"], batch)
     if scale is not None:  # back to the true loss and float32 gradients (exact for a power-of-two scale)
       loss, grads = loss / scale, jax.tree.map(lambda g: g / scale, grads)
