@@ -8,8 +8,8 @@ Each variant is `name:key=value;key=value` over the config (an empty list is the
 baseline. A key `xla.<option>` is an XLA debug option for that variant's compile alone (e.g.
 `cublas:xla.xla_gpu_enable_triton_gemm=False`), so flag choices are timed side by side in one process too; a
 variant that fails to compile (an option this XLA lacks, too little memory) is reported and skipped. Every
-variant's real train step (check_against_runs.compiled_train_step) is compiled once, then each runs --steps_per_round steps
-per round, in turn, for --rounds rounds; --torch adds torch.compile's GPT-2 step (bench_torch, same shape) as one
+variant's real train step (check_against_runs.compiled_train_step) is compiled once, then each runs --steps_per_round
+steps per round, in turn, for --rounds rounds; --torch adds torch.compile's GPT-2 step (bench_torch, same shape) as one
 more contender. Prints the median milliseconds per step, the speed-up over the baseline, tokens/s, MFU (model
 FLOPs of jaxlm.training.telemetry.flops_per_token over the device's peak: the bf16 datasheet peak on accelerators, a
 measured matmul rate on the CPU) and CPU-seconds per step, and writes <workdir>/ab.json when --workdir is given.
@@ -75,7 +75,8 @@ def variant_config(base, assignments: str):
 
 class JaxStep:
   def __init__(self, config, compiler_options):
-    self.step, self.state, self.batch, _ = check_against_runs.compiled_train_step(config, compiler_options=compiler_options)
+    self.step, self.state, self.batch, _ = check_against_runs.compiled_train_step(config,
+                                                                                  compiler_options=compiler_options)
     self.tokens_per_step = config.train.batch_size * config.data.seq_len
     self.flops_per_token = telemetry.flops_per_token(config.model, config.data.seq_len)
     self.run(1)  # first execution: allocations, thread pools

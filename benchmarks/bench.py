@@ -11,12 +11,12 @@ Sections (--sections, comma-separated):
   peak     FLOP/s of one n^3 matmul in JAX and in torch (n = 1024 on the CPU, 8192 on a GPU); `peak_flops` is the
            best of both, before the steps and after every round of them: the ceiling every `*_peak_ratio` divides
            by (on a GPU also the datasheet bf16 peak: `*_mfu`).
-  step     one train step of the config's model: jaxlm's real jitted step (jaxlm.training.steps.jit_steps: loss, grads, clip,
-           AdamW, non-finite skip, metrics) and torch's (forward, cross-entropy, backward, clip, AdamW). The
-           frameworks take turns: --rounds rounds of --steps_per_round steps each, so a shared machine's load falls
-           on all of them alike; each reports the median round. The tokens are fixed random ones (the step's time
-           does not depend on them). `<fw>_tokens_per_sec`, `<fw>_step_sec` (median), `<fw>_flops_per_sec`,
-           `<fw>_peak_ratio`, per-device memory; for each torch peer `jaxlm_vs_<peer>` (tokens/s ratio, > 1:
+  step     one train step of the config's model: jaxlm's real jitted step (jaxlm.training.steps.jit_steps: loss,
+           grads, clip, AdamW, non-finite skip, metrics) and torch's (forward, cross-entropy, backward, clip,
+           AdamW). The frameworks take turns: --rounds rounds of --steps_per_round steps each, so a shared
+           machine's load falls on all of them alike; each reports the median round. The tokens are fixed
+           random ones (the step's time does not depend on them). `<fw>_tokens_per_sec`, `<fw>_step_sec`
+           (median), `<fw>_flops_per_sec`, `<fw>_peak_ratio`, per-device memory; for each torch peer `jaxlm_vs_<peer>` (tokens/s ratio, > 1:
            jaxlm faster), the round-by-round ratios' min, max and median (`jaxlm_vs_<peer>_median_round`, with a
            distribution-free ~95% interval for it, `..._median_round_interval`), the CPU-seconds ratio
            (`jaxlm_vs_<peer>_cpu_sec`) and every round's step time. `kernels` is what `auto` resolved to.
@@ -80,8 +80,8 @@ _CONFIG = config_flags.DEFINE_config_file("config", "benchmarks/configs/bench_cp
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "where bench.json goes")
 _SECTIONS = flags.DEFINE_list("sections", ["peak", "step", "compile", "loader", "gpu"], "sections to run")
-# torch_eager / torch_compile: HF transformers' GPT-2; torch_minimal: a nanoGPT-style GPT-2 in plain PyTorch, eager.
-TORCH_FRAMEWORKS = ("torch_compile", "torch_eager", "torch_minimal")
+# torch_eager / torch_compile: HF transformers' GPT-2; torch_nanogpt: nanoGPT's GPT with its train.py defaults, eager.
+TORCH_FRAMEWORKS = ("torch_compile", "torch_eager", "torch_nanogpt")
 _FRAMEWORKS = flags.DEFINE_list("frameworks", ["jaxlm", "torch_compile", "torch_eager"], "step section contenders: "
                                 "jaxlm and any of " + ", ".join(TORCH_FRAMEWORKS))
 _ROUNDS = flags.DEFINE_integer("rounds", 5, "rounds of the step section (each framework runs once per round)")
@@ -188,8 +188,9 @@ def step_section(config, platform: str, peak: float, datasheet_peak: float | Non
         out[f"{name}_skipped"] = reason
         continue
       mode, implementation = {"torch_eager": ("eager", "hf"), "torch_compile": ("compile", "hf"),
-                              "torch_minimal": ("eager", "minimal")}[name]
-      contenders[name] = bench_torch.TorchGPT2Step(config.model, tokens, mode, platform, implementation)
+                              "torch_nanogpt": ("eager", "nanogpt")}[name]
+      contenders[name] = bench_torch.TorchGPT2Step(config.model, tokens, mode, platform, implementation,
+                                                   config.train.learning_rate, config.train.b2)
       if contenders[name].compile_seconds is not None:
         out[f"{name}_compile_sec"] = contenders[name].compile_seconds
       out["torch_attention"] = contenders[name].attention

@@ -2,9 +2,9 @@
 
   python benchmarks/bench_int8.py --batch=64 --seq=128 --out=runs/bench_int8.json     # CPU or one GPU
 
-Shapes are GPT-2 small's projections ([B*T, 768] x [768, 3072] and back) and one whole int8 MLP as jaxlm.compress.int8 runs
-it (per-token input quantization, int32 accumulation, rescale). For every case: the best of --repeats wall times, the
-achieved TFLOP/s, and the compiled HLO's matmul instructions (a `dot` on the CPU; on GPUs a custom call such as
+Shapes are GPT-2 small's projections ([B*T, 768] x [768, 3072] and back) and one whole int8 MLP as jaxlm.compress.int8
+runs it (per-token input quantization, int32 accumulation, rescale). For every case: the best of --repeats wall times,
+the achieved TFLOP/s, and the compiled HLO's matmul instructions (a `dot` on the CPU; on GPUs a custom call such as
 `__cublas$gemm` / `__cublas$lt$matmul`, or a Triton fusion), so a report can name what XLA picked (int8 on GPUs through
 XLA is uneven: jax-ml/jax#17688, openxla/xla#5796).
 """
@@ -44,8 +44,8 @@ def main(argv):
     return jnp.einsum("nf,fd->nd", jax.nn.gelu(jnp.einsum("nd,df->nf", x, a)), b)
 
   def mlp_int8(x, a, b):
-    h = int8._einsum("btd,df->btf", x[None], a)  # noqa: SLF001 (the path jaxlm.compress.int8 intercepts into)
-    return int8._einsum("btf,fd->btd", jax.nn.gelu(h), b)[0]  # noqa: SLF001
+    h = a.contract("btd,df->btf", x[None], jnp.einsum)  # the int8 weight's own matmul, as the kernels call it
+    return b.contract("btf,fd->btd", jax.nn.gelu(h), jnp.einsum)[0]
 
   cases = {
       "dot f32": (lambda a, b: a @ b, (x, w_in)),

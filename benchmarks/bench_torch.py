@@ -1,6 +1,6 @@
 """The PyTorch references for benchmarks/bench.py, trained on the same shapes as jaxlm: HF transformers' GPT-2
-(eager or torch.compile) and a minimal GPT-2 written in plain PyTorch the way nanoGPT writes it (`MinimalGPT`: fused
-q/k/v Linear, SDPA with is_causal, tanh GELU, tied head), the leaner eager peer for small models.
+(eager or torch.compile) and nanoGPT's GPT with its train.py defaults (`nanogpt`), the peer of the small CPU recipe
+as its authors run it (eager: their CPU command passes --compile=False).
 
 One train step is what jaxlm's step does: forward, token cross-entropy, backward, global-norm clipping at 1.0 and an
 AdamW update. `torch.compile` compiles the forward + loss + backward (AOTAutograd); the optimizer step runs eagerly,
@@ -35,58 +35,105 @@ def device_and_dtype(platform: str):
   return "cpu", torch.float32
 
 
-def minimal_gpt(model_config, seq_len: int):
-  """A GPT-2 of `model_config`'s shape in plain PyTorch, as nanoGPT's model.py writes one (no dropout): token and
-  position embeddings, pre-LayerNorm blocks, a tied output head."""
+def nanogpt(model_config, seq_len: int, bias: bool = False):
+  """nanoGPT's GPT (karpathy/nanoGPT, model.py) of `model_config`'s shape, computing what its model.py computes with
+  the defaults of its train.py (`bias=False`, dropout 0): LayerNorms by F.layer_norm with an optional bias, one fused
+  q/k/v Linear, F.scaled_dot_product_attention(is_causal=True), exact GELU (nn.GELU), dropout modules at p=0, a
+  bias-free lm_head tied to the token table, logits for every position and F.cross_entropy(ignore_index=-1); init
+  N(0, 0.02) with the residual projections at 0.02 / sqrt(2 L). Written here because nanoGPT is not a package."""
   import torch
   from torch import nn
   from torch.nn import functional as F
 
   m = model_config
 
+  class LayerNorm(nn.Module):
+    def __init__(self):
+      super().__init__()
+      self.weight = nn.Parameter(torch.ones(m.d_model))
+      self.bias = nn.Parameter(torch.zeros(m.d_model)) if bias else None
+
+    def forward(self, x):
+      return F.layer_norm(x, self.weight.shape, self.weight, self.bias, 1e-5)
+
+  class Attention(nn.Module):
+    def __init__(self):
+      super().__init__()
+      self.c_attn = nn.Linear(m.d_model, 3 * m.d_model, bias=bias)
+      self.c_proj = nn.Linear(m.d_model, m.d_model, bias=bias)
+      self.resid_dropout = nn.Dropout(0.0)
+
+    def forward(self, x):
+      b, t, d = x.size()
+      q, k, v = self.c_attn(x).split(d, dim=2)
+      q, k, v = (y.view(b, t, m.num_heads, d // m.num_heads).transpose(1, 2) for y in (q, k, v))
+      y = F.scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=True)
+      return self.resid_dropout(self.c_proj(y.transpose(1, 2).contiguous().view(b, t, d)))
+
+  class MLP(nn.Module):
+    def __init__(self):
+      super().__init__()
+      self.c_fc = nn.Linear(m.d_model, 4 * m.d_model, bias=bias)
+      self.gelu = nn.GELU()
+      self.c_proj = nn.Linear(4 * m.d_model, m.d_model, bias=bias)
+      self.dropout = nn.Dropout(0.0)
+
+    def forward(self, x):
+      return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
   class Block(nn.Module):
     def __init__(self):
       super().__init__()
-      self.ln_1 = nn.LayerNorm(m.d_model, eps=m.layer_norm_eps)
-      self.ln_2 = nn.LayerNorm(m.d_model, eps=m.layer_norm_eps)
-      self.c_attn, self.c_proj = nn.Linear(m.d_model, 3 * m.d_model), nn.Linear(m.d_model, m.d_model)
-      self.c_fc, self.mlp_proj = nn.Linear(m.d_model, m.mlp_width), nn.Linear(m.mlp_width, m.d_model)
+      self.ln_1, self.attn, self.ln_2, self.mlp = LayerNorm(), Attention(), LayerNorm(), MLP()
 
     def forward(self, x):
-      b, t, d = x.shape
-      q, k, v = self.c_attn(self.ln_1(x)).split(d, dim=2)
-      q, k, v = (y.view(b, t, m.num_heads, d // m.num_heads).transpose(1, 2) for y in (q, k, v))
-      y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
-      x = x + self.c_proj(y)
-      return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh"))
+      x = x + self.attn(self.ln_1(x))
+      return x + self.mlp(self.ln_2(x))
 
   class GPT(nn.Module):
     def __init__(self):
       super().__init__()
-      self.wte, self.wpe = nn.Embedding(m.vocab_size, m.d_model), nn.Embedding(seq_len, m.d_model)
-      self.blocks = nn.ModuleList(Block() for _ in range(m.num_layers))
-      self.ln_f = nn.LayerNorm(m.d_model, eps=m.layer_norm_eps)
+      self.transformer = nn.ModuleDict(dict(
+          wte=nn.Embedding(m.vocab_size, m.d_model), wpe=nn.Embedding(seq_len, m.d_model), drop=nn.Dropout(0.0),
+          h=nn.ModuleList(Block() for _ in range(m.num_layers)), ln_f=LayerNorm()))
+      self.lm_head = nn.Linear(m.d_model, m.vocab_size, bias=False)
+      self.transformer.wte.weight = self.lm_head.weight
+      for module in self.modules():
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+          nn.init.normal_(module.weight, std=0.02)
+          if getattr(module, "bias", None) is not None:
+            nn.init.zeros_(module.bias)
+      for name, p in self.named_parameters():
+        if name.endswith("c_proj.weight"):
+          nn.init.normal_(p, std=0.02 / math.sqrt(2 * m.num_layers))
 
-    def forward(self, ids):
-      x = self.wte(ids) + self.wpe(torch.arange(ids.shape[1], device=ids.device))
-      for block in self.blocks:
+    def forward(self, idx, targets):
+      pos = torch.arange(0, idx.size(1), dtype=torch.long, device=idx.device)
+      x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+      for block in self.transformer.h:
         x = block(x)
-      return self.ln_f(x) @ self.wte.weight.T  # the tied head
+      logits = self.lm_head(self.transformer.ln_f(x))
+      return logits, F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
 
-  model = GPT()
-  for name, p in model.named_parameters():  # GPT-2's init, as nanoGPT does it
-    if p.dim() > 1:
-      nn.init.normal_(p, std=0.02)
-    elif name.endswith("bias"):
-      nn.init.zeros_(p)
-  return model
+  return GPT()
+
+
+def nanogpt_optimizer(model, learning_rate: float, b2: float, weight_decay: float = 0.1):
+  """nanoGPT's configure_optimizers: AdamW with weight decay on the 2-D parameters only (fused on CUDA)."""
+  import torch
+  params = [p for p in model.parameters() if p.requires_grad]
+  groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+  fused = next(model.parameters()).is_cuda
+  return torch.optim.AdamW(groups, lr=learning_rate, betas=(0.9, b2), fused=fused)
 
 
 class TorchGPT2Step:
   """One GPT-2 train step on fixed tokens [B, T+1]; `mode` is `eager` or `compile`; `implementation` is `hf`
-  (transformers' GPT2LMHeadModel) or `minimal` (`minimal_gpt`)."""
+  (transformers' GPT2LMHeadModel) or `nanogpt` (`nanogpt`, with nanoGPT's optimizer groups)."""
 
-  def __init__(self, model_config, tokens: np.ndarray, mode: str, platform: str, implementation: str = "hf"):
+  def __init__(self, model_config, tokens: np.ndarray, mode: str, platform: str, implementation: str = "hf",
+               learning_rate: float = 1e-4, b2: float = 0.95):
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -100,14 +147,15 @@ class TorchGPT2Step:
                         layer_norm_epsilon=m.layer_norm_eps,
                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,  # no dropout: jaxlm has none
                         bos_token_id=m.vocab_size - 1, eos_token_id=m.vocab_size - 1)  # inside the vocabulary
-    if implementation == "minimal":
-      self.model = minimal_gpt(m, tokens.shape[1] - 1).to(self.device).train()
+    if implementation == "nanogpt":
+      self.model = nanogpt(m, tokens.shape[1] - 1).to(self.device).train()
       self.attention = "sdpa"
+      self.optimizer = nanogpt_optimizer(self.model, learning_rate, b2)
     else:
       self.model = GPT2LMHeadModel(config).to(self.device).train()
       self.attention = self.model.config._attn_implementation  # HF's default: sdpa
+      self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=learning_rate, betas=(0.9, b2), weight_decay=0.1)
     self.hf = implementation == "hf"
-    self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
     ids = torch.from_numpy(tokens.astype(np.int64)).to(self.device)
     self.inputs, self.targets = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
     self.vocab_size = m.vocab_size
@@ -120,7 +168,11 @@ class TorchGPT2Step:
 
   def _forward_backward(self, inputs, targets):
     with self.torch.autocast(self.device, dtype=self.autocast_dtype, enabled=self.device == "cuda"):
-      logits = self.model(inputs).logits if self.hf else self.model(inputs)
+      if not self.hf:  # nanoGPT computes its loss inside the model, as its train.py calls it
+        loss = self.model(inputs, targets)[1]
+        loss.backward()
+        return loss
+      logits = self.model(inputs).logits
     loss = self.torch.nn.functional.cross_entropy(logits.float().view(-1, self.vocab_size), targets.view(-1))
     loss.backward()
     return loss

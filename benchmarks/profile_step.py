@@ -42,8 +42,8 @@ def op_events(trace_dir: str, kinds: dict[str, str]) -> tuple[collections.Counte
   """(nanoseconds per HLO instruction over the trace, (start, end, instruction) of each event of the first plane,
   what the trace holds): the device's kernel events on a GPU/TPU, XLA's thunks on the CPU (host threads named
   XLA/Eigen), matched by their `hlo_op` stat or their name. Device kernels that match no instruction (library
-  kernels) are counted under their kernel name, which is added to `kinds`. The intervals come from one plane (the first device,
-  or the host's threads), so that devices running side by side do not read as ops running at once. The third
+  kernels) are counted under their kernel name, which is added to `kinds`. The intervals come from one plane (the first
+  device, or the host's threads), so that devices running side by side do not read as ops running at once. The third
   value lists each plane's lines with a few sample events, for when nothing matches."""
   path = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)[0]
   profile = jax.profiler.ProfileData.from_file(path)
@@ -128,7 +128,8 @@ def main(argv):
       "backend": jax.default_backend(), "device_kind": jax.devices()[0].device_kind, "steps": steps,
       "step_ms": step_ms, "op_ms_total": ms(sum(per_op.values())),
       "kinds_ms": {k: ms(v) for k, v in by_kind.most_common()},
-      "wall_time_shares": check_against_runs.wall_time_shares([(start, end, kinds[name]) for start, end, name in intervals]),
+      "wall_time_shares": check_against_runs.wall_time_shares([(start, end, kinds[name])
+                                                               for start, end, name in intervals]),
       "top_ops": [{"op": name, "kind": kinds[name], "ms": ms(ns), **summaries.get(name, {})} for name, ns in top],
   }
   atomic_files.write_json(os.path.join(workdir, "profile.json"), result)

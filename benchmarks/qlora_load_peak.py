@@ -1,18 +1,20 @@
-"""Peak memory of a QLoRA run's start and merged export: the whole-tree path against jaxlm/interop/streaming.py's one leaf at a
-time, each in a fresh process on the CPU (one device: device memory is host memory, so the peak RSS counts both).
+"""Peak memory of a QLoRA run's start and merged export: the whole-tree path against jaxlm/interop/streaming.py's one
+leaf at a time, each in a fresh process on the CPU (one device: device memory is host memory, so the peak RSS counts
+both).
 
   python benchmarks/qlora_load_peak.py --workdir=runs/qlora_load_peak                 # a ~270M Llama, NF4 base
   python benchmarks/qlora_load_peak.py --workdir=runs/qlora_load_peak --base=int8 --layers=8
 
 A random Llama is saved as an HF folder first (in its own process). Then, per path, a process builds the LoRA train
 state, loads the folder into its frozen base and writes the merged HF folder:
-  whole   the train state with lora.LoRASplit (random base), lora.load_base (the float model from hf_weights.from_pretrained, merged into
-          the dequantized state, quantized again), lora.merge of the whole tree + every tensor on the host, then one
-          safetensors write (the code before lora_io)
+  whole   the train state with lora.LoRASplit (random base), lora.load_base (the float model from
+          hf_weights.from_pretrained, merged into the dequantized state, quantized again), lora.merge of the whole
+          tree + every tensor on the host, then one safetensors write (the code before lora_io)
   whole_load  the same from the train state with lora.LoRASplit(empty_base=True): the whole-tree load and export alone
-  leaf    the train state with lora.LoRASplit(empty_base=True), streaming.hf_source + streaming.load_base, streaming.save_merged
-Each (with the same non-zero adapters) reports its peak RSS after each phase (getrusage's ru_maxrss); the two merged folders are then compared tensor
-by tensor (float32 rounding apart, they agree). Writes <workdir>/qlora_load_peak.json.
+  leaf    the train state with lora.LoRASplit(empty_base=True), streaming.hf_source + streaming.load_base,
+          streaming.save_merged
+Each (with the same non-zero adapters) reports its peak RSS after each phase (getrusage's ru_maxrss); the two merged
+folders are then compared tensor by tensor (float32 rounding apart, they agree). Writes <workdir>/qlora_load_peak.json.
 """
 
 from __future__ import annotations

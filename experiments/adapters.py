@@ -5,7 +5,8 @@
 
 A LoRA fine-tune (`lora.rank > 0`, experiments/finetune.py) writes its adapters to <workdir>/adapter/, which
 `peft.PeftModel.from_pretrained(hf_base_model, folder)` loads; this script reads such a folder (jaxlm's or one
-written by peft for a GPT-2, Llama or BERT base) onto the HF base with jaxlm/interop/peft_folders.py and prints what it adapts.
+written by peft for a GPT-2, Llama or BERT base) onto the HF base with jaxlm/interop/peft_folders.py and prints what it
+adapts.
 --merged folds the adapters into the weights (W + alpha / r * A B) and writes config.json + model.safetensors
 (and the base's tokenizer files) that transformers loads without peft. --base may be a jaxlm fine-tune's base, e.g.
 the all-MiniLM-L6-v2 folder of experiments/configs/finetune_bert.py (minilm_folder()).

@@ -44,7 +44,8 @@ def function_pairs(path: str) -> list[tuple[str, str]]:
     if not docstring or not docstring.strip() or docstring[0].isspace():
       continue
     first_line = docstring.split("\n")[0].strip()
-    signature = f"{'async ' if isinstance(node, ast.AsyncFunctionDef) else ''}def {node.name}({ast.unparse(node.args)}):"
+    signature = (f"{'async ' if isinstance(node, ast.AsyncFunctionDef) else ''}"
+                 f"def {node.name}({ast.unparse(node.args)}):")
     if len(signature) > MAX_SIGNATURE_CHARS or not RESPONSE_CHARS[0] <= len(first_line) <= RESPONSE_CHARS[1]:
       continue
     pairs.append((f'{signature}\n    """', f'{first_line}"""'))

@@ -4,8 +4,8 @@
   python experiments/doctor.py --workdir=runs/doctor   # also writes runs/doctor/doctor.json
 
 The measured matmul rate over the device's datasheet bf16 peak (jaxlm.training.telemetry.PEAK_FLOPS_BF16) is the
-`matmul_efficiency` to put in your jaxlm/planner/hardware.json profile; the softmax stream rate is what the planner's memory
-term runs at. Takes a few seconds on a GPU, about 10 s on a 2-core CPU.
+`matmul_efficiency` to put in your jaxlm/planner/hardware.json profile; the softmax stream rate is what the planner's
+memory term runs at. Takes a few seconds on a GPU, about 10 s on a 2-core CPU.
 """
 
 import importlib.metadata

@@ -7,8 +7,8 @@ Llama decoder on prompt/response pairs (model.flavour=gpt2 or llama: instruction
       --config.init_from=path/to/hf_gpt2_folder --config.data.train_files=pairs.jsonl
 
 Writes metrics.jsonl, TensorBoard events, checkpoints/, eval.json and report.md into --workdir (a classifier also
-best_model/, a decoder hf_model/, both HF folders); re-running with the same --workdir resumes. See jaxlm/recipes/classifier_finetuning.py
-and jaxlm/recipes/instruction_tuning.py for what each file holds.
+best_model/, a decoder hf_model/, both HF folders); re-running with the same --workdir resumes. See
+jaxlm/recipes/classifier_finetuning.py and jaxlm/recipes/instruction_tuning.py for what each file holds.
 """
 
 from absl import flags, logging

@@ -40,7 +40,8 @@ _TENSOR = flags.DEFINE_integer("mesh_tensor", 1, "devices that split heads (the 
 _KV_CACHE = flags.DEFINE_enum("kv_cache", "float", list(generate.KV_CACHES),
                               "KV cache: float (the compute dtype) or int8 (per-token scales; compared with float)")
 _WEIGHTS = flags.DEFINE_enum("weights", "float", list(trained_runs.WEIGHTS),
-                             "float (as trained) or int8 weights (jaxlm.compress.quantization's weight_only or w8a8_dynamic)")
+                             "float (as trained) or int8 weights (jaxlm.compress.quantization's weight_only or "
+                             "w8a8_dynamic)")
 _OUTPUT = flags.DEFINE_string("output", "", "JSON file for the samples (default <workdir>/generate.json)")
 flags.mark_flags_as_required(["workdir"])
 

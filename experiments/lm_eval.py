@@ -5,11 +5,11 @@
       --tasks=stdlib_next_line,stdlib_line_completion,stdlib_perplexity --weights=weight_only --kv_cache=int8
 
 Reads the run like experiments/generate.py (config.json, tokenizer.json, the newest checkpoint), wraps the decoder
-as an lm-eval model (jaxlm.interop.lm_eval_model.JaxlmLM: loglikelihood, rolling loglikelihood, generate_until through the KV
-cache, batched, on this host's devices) and runs `--tasks` (lm-eval task, group or tag names; `--include_path`
+as an lm-eval model (jaxlm.interop.lm_eval_model.JaxlmLM: loglikelihood, rolling loglikelihood, generate_until through
+the KV cache, batched, on this host's devices) and runs `--tasks` (lm-eval task, group or tag names; `--include_path`
 folders of task YAMLs come first). Writes <workdir>/lm_eval.json (flat `<task>/<metric>` numbers with the settings)
-and prints lm-eval's table. `--weights` evaluates the int8 model (jaxlm.compress.quantization) instead of the float one; pruned or
-int8 checkpoints saved by experiments/optimize.py are scored from optimize.py itself (`--lm_eval_tasks`).
+and prints lm-eval's table. `--weights` evaluates the int8 model (jaxlm.compress.quantization) instead of the float one;
+pruned or int8 checkpoints saved by experiments/optimize.py are scored from optimize.py itself (`--lm_eval_tasks`).
 
 Without a network, use tasks defined from local files (dataset_path: json with dataset_kwargs.data_files); a task
 whose data is on the Hugging Face hub stops with a one-line error naming it. `--make_demo_tasks=DIR` writes three
@@ -42,7 +42,8 @@ _FEWSHOT = flags.DEFINE_integer("num_fewshot", -1, "few-shot examples per prompt
 _BATCH = flags.DEFINE_integer("batch_size", 8, "requests per forward / generation batch")
 _KV_CACHE = flags.DEFINE_enum("kv_cache", "float", list(generate.KV_CACHES), "generate_until's KV cache")
 _WEIGHTS = flags.DEFINE_enum("weights", "float", list(trained_runs.WEIGHTS),
-                             "float (as trained) or int8 weights (jaxlm.compress.quantization's weight_only or w8a8_dynamic)")
+                             "float (as trained) or int8 weights (jaxlm.compress.quantization's weight_only or "
+                             "w8a8_dynamic)")
 _TENSOR = flags.DEFINE_integer("mesh_tensor", 1, "devices that split heads (the other devices split the batch)")
 _BOOTSTRAP = flags.DEFINE_integer("bootstrap_iters", 1000, "lm-eval's bootstrap resamples for the standard errors "
                                   "of non-mean metrics (perplexities); 0 = none")

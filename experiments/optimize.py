@@ -178,7 +178,8 @@ def variants(task):
       ("int8 weight-only", float_only(lambda: quantization.quantize(task.model, "weight_only"))),
       ("int8 W8A8", float_only(lambda: quantization.quantize(task.model, "w8a8", **calibrated))),
       ("int8 W8A8 dynamic", float_only(lambda: quantization.quantize(task.model, "w8a8_dynamic"))),
-      ("int8 W8A8 smooth", float_only(lambda: quantization.quantize(task.model, "w8a8", smoothing=smoothing, **calibrated))),
+      ("int8 W8A8 smooth",
+       float_only(lambda: quantization.quantize(task.model, "w8a8", smoothing=smoothing, **calibrated))),
       ("int8 W8A8 smooth dynamic",
        float_only(lambda: quantization.quantize(task.model, "w8a8_dynamic", smoothing=smoothing, **calibrated))),
       # The control: the same fine-tune with nothing pruned, what the steps alone lift the model by.
@@ -258,7 +259,8 @@ def measure(task, name: str, model, out_dir: str, extra: dict | None = None, ref
 
 
 def lm_eval_metrics(model) -> dict:
-  """This variant's downstream metrics on --lm_eval_tasks (jaxlm.interop.lm_eval_model), keyed lm_eval/<task>/<metric>."""
+  """This variant's downstream metrics on --lm_eval_tasks (jaxlm.interop.lm_eval_model), keyed
+  lm_eval/<task>/<metric>."""
   from jaxlm import data as data_lib  # noqa: PLC0415
   from jaxlm.interop import lm_eval_model
 
@@ -284,13 +286,15 @@ def main(argv):
     if config.model.flavour == "bert":
       raise ValueError(f"--lm_eval_tasks scores decoders; {workdir} is a classifier run (model.flavour=bert)")
     from jaxlm.interop import lm_eval_model  # noqa: PLC0415 (the optional lm-eval)
-    lm_eval_model.check_offline(lm_eval_model.task_manager(_LM_EVAL_TASKS.value, _LM_EVAL_INCLUDE.value), _LM_EVAL_TASKS.value)
+    lm_eval_model.check_offline(lm_eval_model.task_manager(_LM_EVAL_TASKS.value, _LM_EVAL_INCLUDE.value),
+                                _LM_EVAL_TASKS.value)
   from jaxlm.recipes import trained_runs  # noqa: PLC0415
   data = dict(calibration_batches=_CALIBRATION.value, finetune_steps=_PRUNE_STEPS.value,
               finetune_orders=_PRUNE_SOUP.value)
   if config.model.flavour == "bert":
-    task = trained_runs.classifier_task(workdir, config, finetune_seed=_PRUNE_SEED.value, distill_files=tuple(_DISTILL.value),
-                                distill_temperature=_DISTILL_T.value, **data)
+    task = trained_runs.classifier_task(workdir, config, finetune_seed=_PRUNE_SEED.value,
+                                        distill_files=tuple(_DISTILL.value), distill_temperature=_DISTILL_T.value,
+                                        **data)
   elif _DISTILL.value:
     raise ValueError(f"--prune_distill_files is for classifier runs; {workdir} is an LM run, whose masked fine-tune "
                      "already trains on unlabelled text (its own)")

@@ -12,8 +12,8 @@ kernels the run would use on that profile's platform (config.kernels, `auto` res
 (lora.rank > 0) get the bytes of the frozen base, adapters, optimizer state and activations. It prints, per profile
 and device count, which layout wins and why. It then compiles the train step on simulated CPU devices for each
 profile's recommended layout and the one-device mesh (kernels that cannot run on a CPU as their stand-ins;
-pipelines through jaxlm/training/pipeline.py's step), and reports the compiled memory and the collective bytes read from the
-HLO beside the prediction. Writes <workdir>/plan.json, plan.md (the table) and plan.png. Needs no accelerator.
+pipelines through jaxlm/training/pipeline.py's step), and reports the compiled memory and the collective bytes read from
+the HLO beside the prediction. Writes <workdir>/plan.json, plan.md (the table) and plan.png. Needs no accelerator.
 
 --measure also runs the train step here (as configured, on this machine's devices) and compares the predicted step
 time and memory with the measured ones: with a CPU "hardware profile" measured in the same run, or on a GPU with
@@ -74,7 +74,8 @@ def compile_row(config, row: dict, hardware: hardware_lib.Hardware, compiled_cac
                            plan.compiled_collective_bytes(compiled, row["devices"])["total"],
                            plan.predict_row_memory(as_compiled, layout, row["grad_accum"], here))
   memory, collective, predicted_as_cpu = compiled_cache[key]
-  row.update({"compiled_memory_gib": memory / hardware_lib.GIB, "predicted_memory_as_compiled_gib": predicted_as_cpu / hardware_lib.GIB,
+  row.update({"compiled_memory_gib": memory / hardware_lib.GIB,
+              "predicted_memory_as_compiled_gib": predicted_as_cpu / hardware_lib.GIB,
               "memory_prediction_error": predicted_as_cpu / memory - 1,
               "collective_bytes": collective, "collective_source": "compiled HLO"})
 
@@ -147,8 +148,8 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)
   config = config_lib.from_config_dict(_CONFIG.value)
   if config.model.flavour == "bert":
-    raise ValueError("model.flavour=bert: the planner plans the decoder train step (jaxlm.training.loop); plan a gpt2 or "
-                     "llama config")
+    raise ValueError("model.flavour=bert: the planner plans the decoder train step (jaxlm.training.loop); plan a "
+                     "gpt2 or llama config")
   hardware = hardware_lib.load_hardware(_HARDWARE.value, _HARDWARE_FILE.value)
   counts = [int(n) for n in _DEVICES.value]
   if any(n < 1 or n & (n - 1) for n in counts):

@@ -4,11 +4,11 @@
     python experiments/scaling.py --config=experiments/configs/demo.py --workdir=runs/scaling
 
 For each (strategy, device count) it compiles the train step, reads the per-device memory from the compiled
-executable and the bytes each device sends through collectives from its HLO (jaxlm/planner/hlo_traffic.py), compares those bytes
-with the minimum the strategy needs, and times a few steps. Writes `scaling.json` and `scaling.png`. Pipeline rows
-(`pp_*`, mesh.pipeline = stages) run train.grad_accum = --pipeline_microbatches and report the schedule's bubble.
-On simulated CPU devices all "devices" share the same cores, so tokens/s shows overheads, not speed-up; run it on
-real GPUs for speed-ups.
+executable and the bytes each device sends through collectives from its HLO (jaxlm/planner/hlo_traffic.py), compares
+those bytes with the minimum the strategy needs, and times a few steps. Writes `scaling.json` and `scaling.png`.
+Pipeline rows (`pp_*`, mesh.pipeline = stages) run train.grad_accum = --pipeline_microbatches and report the schedule's
+bubble. On simulated CPU devices all "devices" share the same cores, so tokens/s shows overheads, not speed-up; run it
+on real GPUs for speed-ups.
 """
 
 import dataclasses

@@ -1,7 +1,8 @@
 """A labelled set of real English built offline: the first paragraphs of the Python standard library's docstrings
 (modules, classes, functions), each labelled with the area of the library it documents (8 classes).
 
-  python experiments/stdlib_docs.py --out=runs/stdlib_docs      # writes train.csv, eval.csv (text,label), unlabelled.csv
+  python experiments/stdlib_docs.py --out=runs/stdlib_docs      # writes train.csv, eval.csv (text,label),
+                                                                # unlabelled.csv
 
 The areas group modules as the library reference does: concurrency (asyncio, multiprocessing, threading, ...), files
 (pathlib, shutil, zipfile, csv, ...), imports (importlib, pkgutil, runpy, ...), internet (email, http, urllib, ...),

@@ -60,7 +60,8 @@ def unknown_override(argv: Sequence[str]) -> str | None:
 def run(main: Callable[[list[str]], None], argv: Sequence[str] | None = None) -> None:
   """absl's app.run, plus: unknown `--config.*` keys are refused before parsing, so are positional arguments (the
   scripts take flags only), and the input errors jaxlm raises (ValueError, missing files) end the script with
-  their one-line message (a run stopped by non-finite steps too) instead of a traceback (JAXLM_TRACEBACK=1 keeps the traceback, for debugging)."""
+  their one-line message (a run stopped by non-finite steps too) instead of a traceback (JAXLM_TRACEBACK=1 keeps the
+  traceback, for debugging)."""
   if argv is None:  # the process's own command line: safe to run again
     use_huge_page_malloc()
   argv = list(sys.argv if argv is None else argv)

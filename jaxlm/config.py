@@ -31,13 +31,15 @@ class ModelConfig:
   d_ff: int = _ranged(0, 0, note="0 means 4 * d_model")  # MLP hidden width; 0 means 4 * d_model
   max_seq_len: int = _ranged(1024, 1)  # learned position table size; must be >= data.seq_len
   layer_norm_eps: float = _ranged(1e-5, 0, low_open=True)  # LayerNorm epsilon (GPT-2 uses 1e-5)
-  init_std: float = _ranged(0.02, 0, low_open=True)  # normal init std; residual projections are scaled by 1/sqrt(2 * num_layers)
+  init_std: float = _ranged(0.02, 0, low_open=True)  # normal init std; residual projections are scaled by
+                                                     # 1/sqrt(2 * num_layers)
   param_dtype: str = "float32"  # master weights (kept in f32 for stable updates)
   compute_dtype: str = "bfloat16"  # matmul inputs; use float32 on the CPU, where bf16 matmuls are slow
   document_mask: bool = True  # decoders: packed documents attend only within themselves; False: plain causal
                               # attention across the documents of a row (as GPT-2, nanoGPT and llm.c train)
   flavour: str = "gpt2"  # gpt2 | llama (decoders, see jaxlm/models/gpt.py) | bert (encoder, jaxlm/models/bert.py)
-  num_kv_heads: int = _ranged(0, 0, note="0 = model.num_heads")  # key/value heads: 0 = num_heads; fewer = grouped-query, 1 = multi-query attention
+  num_kv_heads: int = _ranged(0, 0, note="0 = model.num_heads")  # key/value heads: 0 = num_heads;
+                                                                 # fewer = grouped-query, 1 = multi-query attention
   rope_theta: float = _ranged(10000.0, 0, low_open=True)  # rotary position base of the llama flavour
   tie_embeddings: bool = True  # the output projection reuses the token embedding (GPT-2 always; Llama often not)
   type_vocab_size: int = _ranged(2, 1)  # bert: token types (sentence A/B) in the token-type embedding
@@ -57,19 +59,20 @@ class ModelConfig:
 @dataclasses.dataclass(frozen=True)
 class KernelsConfig:
   """How the model is executed: none of these change the function it computes (each implementation is tested equal
-  to the reference). `auto` picks the fastest tested implementation for the platform, compute dtype and mesh
-  (jaxlm/kernels/registry.py); the resolved choice is printed at start-up and written to config.json."""
-  attention: str = "auto"  # auto | xla (reference) | causal_blocks | cpu_fused | recompute | jax | cudnn | tokamax
+  to the reference). Each op and execution choice takes `auto` or a name the kernel registry lists for it
+  (jaxlm/kernels/registry.py: IMPLEMENTATIONS, EXECUTION); `auto` picks the fastest tested one for the platform,
+  compute dtype and mesh. The resolved choice is printed at start-up and written to config.json."""
+  attention: str = "auto"
   attention_block: int = _ranged(32, 1)  # queries per block of causal_blocks and cpu_fused
-  matmul: str = "auto"  # the weight matmuls: auto | xla | blas (OpenBLAS custom call, CPU)
-  cross_entropy: str = "auto"  # auto | logits (the reference) | chunked (no [B, T, V] logits) | tokamax
+  matmul: str = "auto"  # the weight matmuls
+  cross_entropy: str = "auto"
   cross_entropy_chunk: int = _ranged(0, 0, note="0 = auto")  # tokens per chunk of the chunked cross-entropy; 0 = auto
-  norm: str = "auto"  # LayerNorm / RMSNorm: auto | xla | tokamax
-  glu: str = "auto"  # Llama's gated MLP projection: auto | xla | tokamax
-  fuse_qkv: str = "auto"  # q, k, v from one matmul: auto | fused | separate
-  layers: str = "auto"  # auto | scan (compile time flat in depth) | loop (a Python loop over the layers)
+  norm: str = "auto"  # LayerNorm / RMSNorm
+  glu: str = "auto"  # Llama's gated MLP projection
+  fuse_qkv: str = "auto"  # q, k, v from one matmul or three
+  layers: str = "auto"  # a scan over the stacked layers or a Python loop
   scan_unroll: int = _ranged(1, 1)  # layers per iteration of the scan
-  remat: str = "auto"  # activation recomputation per block: auto | none | full | dots (save matmul outputs only)
+  remat: str = "auto"  # activation recomputation per block
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,11 +100,14 @@ class DataConfig:
   hf_config: str = ""  # HF dataset config name, if any
   hf_split: str = "train"  # HF split to read
   text_column: str = "text"  # column holding the text in JSONL/Parquet/HF data
-  seq_len: int = 256  # tokens per packed training sequence; fine-tuning: 0 = chosen from the data (jaxlm/recipes/data_defaults.py:
-                      # the 99th percentile of the tokenized training lengths, capped by the model's positions)
-  eval_fraction: float = _ranged(0.02, 0, 1, high_open=True)  # fraction of documents held out for eval when no eval_files are given
+  seq_len: int = 256  # tokens per packed training sequence; fine-tuning: 0 = chosen from the data
+                      # (jaxlm/recipes/data_defaults.py: the 99th percentile of the tokenized training lengths,
+                      # capped by the model's positions)
+  eval_fraction: float = _ranged(0.02, 0, 1, high_open=True)  # fraction of documents held out for eval when no
+                                                              # eval_files are given
   max_documents: int = _ranged(0, 0, note="0 = no cap")  # cap on documents read (0 = no cap)
-  max_bytes: int = _ranged(8_000_000, 0, note="0 = no cap")  # cap on corpus bytes read, so demos stay small (0 = no cap)
+  max_bytes: int = _ranged(8_000_000, 0, note="0 = no cap")  # cap on corpus bytes read, so demos stay small
+                                                             # (0 = no cap)
   tokenizer: str = ""  # path to a tokenizer.json; empty = train a byte-level BPE and save it in the workdir
   shuffle: bool = True  # shuffle packed sequences each epoch (seeded by train.seed)
   # Fine-tuning (experiments/finetune.py; data.seq_len is then the longest tokenized example, longer ones are cut).
@@ -118,7 +124,8 @@ class DataConfig:
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
   steps: int = 1000  # optimizer steps; 0 = train.epochs passes over the training examples (fine-tuning)
-  epochs: float = _ranged(0.0, 0)  # with train.steps=0: steps = ceil(epochs * training examples / batch_size) (jaxlm/recipes/data_defaults.py)
+  epochs: float = _ranged(0.0, 0)  # with train.steps=0: steps = ceil(epochs * training examples / batch_size)
+                                   # (jaxlm/recipes/data_defaults.py)
   batch_size: int = _ranged(32, 1)  # global batch in sequences (all micro-batches, all processes)
   grad_accum: int = _ranged(1, 1)  # micro-batches per step; batch_size must be divisible by it
   seed: int = 0  # seeds init, data order and sampling
@@ -126,15 +133,18 @@ class TrainConfig:
   # fine-tuning recipes choose it (5e-5 full, 5e-4 LoRA: jaxlm/recipes/data_defaults.py)
   min_lr_ratio: float = _ranged(0.1, 0, 1)  # cosine decays to learning_rate * min_lr_ratio
   warmup_steps: int = 100  # linear warmup from 0; -1 = train.warmup_fraction of the steps
-  warmup_fraction: float = _ranged(0.1, 0, 1, high_open=True)  # the warmup's share of train.steps when train.warmup_steps=-1
+  warmup_fraction: float = _ranged(0.1, 0, 1, high_open=True)  # the warmup's share of train.steps when
+                                                               # train.warmup_steps=-1
   weight_decay: float = _ranged(0.1, 0)  # AdamW decoupled weight decay (not applied to biases, norms)
   b1: float = _ranged(0.9, 0, 1, high_open=True)  # Adam beta1
   b2: float = _ranged(0.95, 0, 1, high_open=True)  # Adam beta2
   eps: float = _ranged(1e-8, 0, low_open=True)  # Adam epsilon
-  layer_lr_decay: float = _ranged(1.0, 0, 1, low_open=True, note="1 turns it off")  # layer-wise learning-rate decay: block l of L learns at decay^(L-1-l) x the rate, the
-                               # embeddings at decay^L, the head at 1 (1 = off; fine-tuning's config uses 0.8)
+  layer_lr_decay: float = _ranged(1.0, 0, 1, low_open=True, note="1 turns it off")  # layer-wise learning-rate decay:
+                               # block l of L learns at decay^(L-1-l) x the rate, the embeddings at decay^L, the head
+                               # at 1 (1 = off; fine-tuning's config uses 0.8)
   grad_clip: float = _ranged(1.0, 0, note="0 = off")  # global-norm clipping threshold (0 = off)
-  eval_every_steps: int = _ranged(0, 0, note="0 = only at the end")  # run eval on held-out data every N steps (0 = only at the end)
+  eval_every_steps: int = _ranged(0, 0, note="0 = only at the end")  # run eval on held-out data every N steps
+                                                                     # (0 = only at the end)
   eval_batches: int = _ranged(4, 1)  # batches per eval
   max_consecutive_nonfinite: int = _ranged(5, 1)  # NaN/inf steps are skipped; this many in a row stop the run
   best_metric: str = "f1_macro"  # fine-tuning: eval metric whose best value keeps <workdir>/best_model (higher is
@@ -143,7 +153,8 @@ class TrainConfig:
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
-  every_steps: int = _ranged(500, 0, note="0 = only at the end")  # save a checkpoint every N steps (and always at the end)
+  every_steps: int = _ranged(500, 0, note="0 = only at the end")  # save a checkpoint every N steps
+                                                                  # (and always at the end)
   keep: int = _ranged(2, 1)  # checkpoints to keep
 
 
@@ -161,16 +172,22 @@ LOSS_SCALE_MAX = 2.0**24
 
 @dataclasses.dataclass(frozen=True)
 class LossScaleConfig:
-  """Dynamic loss scaling (jaxlm/training/loss_scale.py): used only when model.compute_dtype=float16; bf16/f32 never scale."""
-  init: float = _ranged(2.0**15, 0, low_open=True)  # the first scale the loss sum is multiplied by before differentiating
+  """Dynamic loss scaling (jaxlm/training/loss_scale.py): used only when model.compute_dtype=float16; bf16/f32 never
+  scale."""
+  init: float = _ranged(2.0**15, 0, low_open=True)  # the first scale the loss sum is multiplied by before
+                                                    # differentiating
   growth_interval: int = _ranged(2000, 1)  # steps applied in a row after which the scale is multiplied by `factor`
-  factor: float = _ranged(2.0, 1, low_open=True, note="2 is the usual choice")  # an overflow divides the scale by it, growth multiplies it (powers of two unscale exactly)
-  min: float = _ranged(2.0**-8, 0, low_open=True)  # the floor: an overflow at this scale counts as a non-finite step (max_consecutive_nonfinite)
+  factor: float = _ranged(2.0, 1, low_open=True, note="2 is the usual choice")  # an overflow divides the scale by it,
+                                                                                # growth multiplies it (powers of two
+                                                                                # unscale exactly)
+  min: float = _ranged(2.0**-8, 0, low_open=True)  # the floor: an overflow at this scale counts as a non-finite step
+                                                   # (max_consecutive_nonfinite)
 
 
 @dataclasses.dataclass(frozen=True)
 class LoRAConfig:
-  """Low-rank adapters (jaxlm/adapters/lora.py): the base weights frozen (and out of the optimizer), W + (alpha/rank) A @ B."""
+  """Low-rank adapters (jaxlm/adapters/lora.py): the base weights frozen (and out of the optimizer),
+  W + (alpha/rank) A @ B."""
   rank: int = _ranged(0, 0, note="0 = off")  # adapter rank r; 0 = off (full fine-tuning / training)
   alpha: float = _ranged(16.0, 0, low_open=True)  # adapter scale numerator: the update is (alpha / rank) * x @ A @ B
   targets: str = "all"  # attention | mlp | all | a comma list of weight names (w_q,w_k,w_v,w_o,w_in,w_out,...)
@@ -229,7 +246,8 @@ def from_config_dict(cd: ml_collections.ConfigDict | dict) -> Config:
         values[name] = tuple(p for p in value.split(",") if p)
     sections[field.name] = section_cls(**values)
   if raw:
-    raise ValueError(f"unknown config section {sorted(raw)[0]!r}; known: {', '.join(f.name for f in dataclasses.fields(Config))}")
+    raise ValueError(f"unknown config section {sorted(raw)[0]!r}; "
+                     f"known: {', '.join(f.name for f in dataclasses.fields(Config))}")
   config = Config(**sections)
   validate(config)
   return config
@@ -265,7 +283,6 @@ def validate(config: Config) -> None:
   for name in ("param_dtype", "compute_dtype"):
     if getattr(m, name) not in ("float32", "bfloat16", "float16"):
       raise ValueError(f"model.{name}={getattr(m, name)!r} is not one of float32, bfloat16, float16")
-  validate_kernels(config.kernels)
   if d.source not in ("demo", "files", "hf"):
     raise ValueError(f"data.source={d.source!r} is not one of demo, files, hf")
   if d.batching not in ("dynamic", "bucket", "max"):
@@ -337,25 +354,6 @@ def validate_lora(lora: LoRAConfig) -> None:
     raise ValueError(f"lora.base={lora.base} (QLoRA) needs lora.rank > 0")
   if lora.rank and not lora.targets.strip(", "):
     raise ValueError("lora.targets is empty; use attention, mlp, all or a comma list of weight names")
-
-
-KERNEL_CHOICES = {
-    "attention": ("auto", "xla", "causal_blocks", "cpu_fused", "recompute", "jax", "cudnn", "tokamax"),
-    "matmul": ("auto", "xla", "blas"),
-    "cross_entropy": ("auto", "logits", "chunked", "tokamax"),
-    "norm": ("auto", "xla", "tokamax"),
-    "glu": ("auto", "xla", "tokamax"),
-    "fuse_qkv": ("auto", "fused", "separate"),
-    "layers": ("auto", "scan", "loop"),
-    "remat": ("auto", "none", "full", "dots"),
-}
-
-
-def validate_kernels(k: KernelsConfig) -> None:
-  """Names that exist at all; whether one fits this platform, dtype and mesh is jaxlm.kernels.resolve's check."""
-  for key, choices in KERNEL_CHOICES.items():
-    if getattr(k, key) not in choices:
-      raise ValueError(f"kernels.{key}={getattr(k, key)!r} is not one of {', '.join(choices)}")
 
 
 # Named layouts (data, fsdp, tensor); -1 takes the devices left over. `fsdp_tp`/`dp_tp` put 2 devices on tensor.

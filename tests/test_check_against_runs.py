@@ -1,4 +1,5 @@
-"""jaxlm.planner.check_against_runs's statistics for speed measurements: the median's interval and the wall-time shares."""
+"""jaxlm.planner.check_against_runs's statistics for speed measurements: the median's interval and the wall-time
+shares."""
 
 import pytest
 

@@ -96,8 +96,9 @@ def test_unlabelled_texts_are_read_batched_once_with_the_teachers_logits(tmp_pat
 
 
 def test_classifier_task_distils_the_pruned_model_on_the_unlabelled_files(tmp_path):
-  """A classifier_finetuning.py run read back as optimize.py does: the masked fine-tune's batches come from the unlabelled file
-  with the float model's logits, its loss is the distillation's, and a pruned model moves towards the teacher."""
+  """A classifier_finetuning.py run read back as optimize.py does: the masked fine-tune's batches come from the
+  unlabelled file with the float model's logits, its loss is the distillation's, and a pruned model moves towards the
+  teacher."""
   vocab = write_labelled_words(tmp_path, 40, 12)
   source = tmp_path / "init"
   model_config = ModelConfig(flavour="bert", vocab_size=vocab, num_layers=1, d_model=32, num_heads=2, d_ff=64,

@@ -134,8 +134,9 @@ def test_tiny_bert_pairs_workdir_files_resume_best_model_and_jaxlm_init(tmp_path
 
   # init_from a jaxlm workdir loads encoder and head: with a vanishing learning rate the eval is unchanged (0 would
   # take the method's default rate).
-  again = classifier_finetuning.finetune(_tiny_config(tmp_path, workdir, workdir_steps=1, **{"train.learning_rate": 1e-30}),
-                            str(tmp_path / "from_jaxlm"))
+  again = classifier_finetuning.finetune(_tiny_config(tmp_path, workdir, workdir_steps=1,
+                                                      **{"train.learning_rate": 1e-30}),
+                                         str(tmp_path / "from_jaxlm"))
   assert again["accuracy"] == resumed["accuracy"]
   assert again["eval_loss"] == pytest.approx(resumed["eval_loss"], rel=1e-5)
 

@@ -208,7 +208,8 @@ def test_experiment_script_loads_the_latest_checkpoint(tmp_path):
 
   script = load_script("experiments/generate.py")  # loaded once per process: its absl flags are defined once
 
-  config = Config(model=GPT2, data=DataConfig(seq_len=16), mesh=MeshConfig(data=1), train=TrainConfig(steps=1, warmup_steps=0))
+  config = Config(model=GPT2, data=DataConfig(seq_len=16), mesh=MeshConfig(data=1),
+                  train=TrainConfig(steps=1, warmup_steps=0))
   graphdef, params = _split("gpt2")
   # The train state that jaxlm.training.state.init_train_state builds, without compiling its initialiser.
   state = {"step": jnp.zeros((), jnp.int32), "params": params,

@@ -129,7 +129,8 @@ def test_epochs_give_the_steps_and_warmup_fraction_the_warmup():
   assert derived.steps == 45  # 3 * 240 / 16
   assert data_defaults.resolve_steps(TrainConfig(steps=0, epochs=2.5, batch_size=32), 100).steps == math.ceil(250 / 32)
   assert data_defaults.resolve_steps(TrainConfig(steps=0, epochs=0.01, batch_size=32), 100).steps == 1
-  assert data_defaults.resolve_steps(TrainConfig(steps=7, epochs=3, batch_size=16), 240).steps == 7  # explicit steps win
+  assert data_defaults.resolve_steps(TrainConfig(steps=7, epochs=3, batch_size=16),
+                                     240).steps == 7  # explicit steps win
   assert optim.warmup_steps(dataclasses.replace(derived, warmup_steps=-1, warmup_fraction=0.2)) == 9
   assert optim.warmup_steps(dataclasses.replace(derived, warmup_steps=5, warmup_fraction=0.2)) == 5
   schedule = optim.learning_rate_schedule(dataclasses.replace(derived, warmup_steps=-1, warmup_fraction=0.2))
@@ -184,7 +185,8 @@ def test_bad_input_is_one_line_and_deletes_nothing(files, tokenizer, tmp_path, t
   workdir.mkdir()
   (workdir / "notes.txt").write_text("keep me")
   with pytest.raises(ValueError, match=r"data.prompt_column='question' is not a column"):
-    instruction_tuning.instruction_tune(_config(tiny_gpt2_folder, files, **{"data.prompt_column": "question"}), str(workdir))
+    instruction_tuning.instruction_tune(_config(tiny_gpt2_folder, files, **{"data.prompt_column": "question"}),
+                                        str(workdir))
   with pytest.raises(ValueError, match=r"data.seq_len=128 exceeds the model's 64 positions"):
     instruction_tuning.instruction_tune(_config(tiny_gpt2_folder, files, **{"data.seq_len": 128}), str(workdir))
   assert (workdir / "notes.txt").read_text() == "keep me"
@@ -252,7 +254,8 @@ def test_tiny_gpt2_tunes_from_an_hf_folder_and_reads_back_from_its_workdir(files
   # init_from the run's workdir reads back the tuned weights that hf_model/ holds, bit for bit.
   mesh = sharding.make_mesh(config_lib.MeshConfig())
   decoder = instruction_tuning.load_decoder(_config(workdir, files), mesh)
-  exported = nnx.state(hf_weights.from_pretrained(os.path.join(workdir, instruction_tuning.HF_MODEL)), nnx.Param).to_pure_dict()
+  exported = nnx.state(hf_weights.from_pretrained(os.path.join(workdir, instruction_tuning.HF_MODEL)),
+                       nnx.Param).to_pure_dict()
   assert decoder.model_config.num_layers == 1 and decoder.tokenizer.to_str() == tokenizer.to_str()
   jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), decoder.params, exported)
 
@@ -267,7 +270,8 @@ def test_lora_instruction_tuning_starts_from_the_frozen_base(files, tmp_path, ti
   assert "frozen" in state and set(lora.state_bytes(state)) >= {"frozen_base_bytes", "optimizer_state_bytes"}
   assert all(name in ("lora_a", "lora_b") for name in _leaf_names(state["params"]))
   lora_start = json.loads((tmp_path / "lora" / instruction_tuning.START_EVAL).read_text())
-  full_start = json.loads(open(os.path.join(tuned[0], instruction_tuning.START_EVAL)).read())  # the same base, no adapters
+  full_start = json.loads(open(os.path.join(tuned[0], instruction_tuning.START_EVAL)).read())  # the same base,
+                                                                                               # no adapters
   assert lora_start["eval_loss"] == pytest.approx(full_start["eval_loss"], rel=1e-5)
 
 

@@ -1,6 +1,6 @@
-"""jaxlm decoders as an lm-eval model (jaxlm.interop.lm_eval_model): loglikelihoods equal jaxlm's own scoring (the training loss
-kernel) for float and int8 weights, on one device and a mesh; rolling loglikelihoods are summed token log-probs;
-tasks defined from local files run offline end to end; a task that needs a download is a one-line error."""
+"""jaxlm decoders as an lm-eval model (jaxlm.interop.lm_eval_model): loglikelihoods equal jaxlm's own scoring (the
+training loss kernel) for float and int8 weights, on one device and a mesh; rolling loglikelihoods are summed token
+log-probs; tasks defined from local files run offline end to end; a task that needs a download is a one-line error."""
 
 import json
 import re
@@ -11,7 +11,8 @@ import pytest
 from flax import nnx
 
 # Through jaxlm.interop.lm_eval_model, which keeps experiments/lm_eval.py from shadowing the package.
-harness = pytest.importorskip("jaxlm.interop.lm_eval_model", reason="lm-eval is not installed (pip install -e '.[eval]')")
+harness = pytest.importorskip("jaxlm.interop.lm_eval_model",
+                              reason="lm-eval is not installed (pip install -e '.[eval]')")
 from lm_eval.api.instance import Instance  # noqa: E402
 
 from jaxlm import data as data_lib  # noqa: E402

@@ -1,7 +1,7 @@
-"""float16 with dynamic loss scaling (jaxlm/training/loss_scale.py): unscaled float16 gradients underflow where scaled ones
-match float32; overflow skips, lowers the scale and leaves params bit-identical; growth after N good steps; the scale
-is checkpointed and resumes exactly; overflow skips do not trip train.max_consecutive_nonfinite, a divergence does;
-bf16 and f32 steps are the unscaled step, unchanged.
+"""float16 with dynamic loss scaling (jaxlm/training/loss_scale.py): unscaled float16 gradients underflow where scaled
+ones match float32; overflow skips, lowers the scale and leaves params bit-identical; growth after N good steps; the
+scale is checkpointed and resumes exactly; overflow skips do not trip train.max_consecutive_nonfinite, a divergence
+does; bf16 and f32 steps are the unscaled step, unchanged.
 
 The model's small init (init_std=1e-3) makes attention scores nearly constant, so the query and key gradients are
 second-order small: at scale 1 nearly all of them are below float16's smallest subnormal (2^-24) and round to zero.
@@ -293,7 +293,8 @@ class _Batches:
 
 
 def _run_loop(trained, workdir, steps, poisoned=(), stop_at_step=None, max_consecutive_nonfinite=5):
-  """jaxlm.training.loop.run_loop on the fixture's compiled float16 step from its initial state; the metrics.jsonl lines."""
+  """jaxlm.training.loop.run_loop on the fixture's compiled float16 step from its initial state; the metrics.jsonl
+  lines."""
   config = dataclasses.replace(
       trained["config"], train=dataclasses.replace(trained["config"].train, steps=steps,
                                                    max_consecutive_nonfinite=max_consecutive_nonfinite),

@@ -17,9 +17,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 OVERRIDES = {
     "model.vocab_size": 320, "model.num_layers": 2, "model.d_model": 64, "model.max_seq_len": 32,
-    "data.seq_len": 16, "data.source": "files", "train.steps": 4, "train.warmup_steps": 1, "train.batch_size": 8, "train.eval_batches": 1,
-    "train.eval_every_steps": 0, "checkpoint.every_steps": 2, "log.every_steps": 1, "log.progress_bar": False,
-    "log.sample_tokens": 4, "mesh.data": 2, "mesh.fsdp": 2,
+    "data.seq_len": 16, "data.source": "files", "train.steps": 4, "train.warmup_steps": 1, "train.batch_size": 8,
+    "train.eval_batches": 1, "train.eval_every_steps": 0, "checkpoint.every_steps": 2, "log.every_steps": 1,
+    "log.progress_bar": False, "log.sample_tokens": 4, "mesh.data": 2, "mesh.fsdp": 2,
 }
 
 

@@ -26,10 +26,10 @@ def _trained_workdir(tmp_path):
   config = config_lib.default_config()
   for key, value in {"model.vocab_size": 320, "model.num_layers": 2, "model.d_model": 64, "model.num_heads": 4,
                      "model.max_seq_len": 32, "model.compute_dtype": "float32", "data.seq_len": 16,
-                     "data.source": "files", "data.train_files": (str(corpus),), "train.steps": 15, "train.warmup_steps": 3,
-                     "train.batch_size": 8, "train.eval_batches": 2, "train.eval_every_steps": 0,
-                     "checkpoint.every_steps": 0, "log.every_steps": 10, "log.progress_bar": False,
-                     "log.sample_tokens": 0}.items():
+                     "data.source": "files", "data.train_files": (str(corpus),), "train.steps": 15,
+                     "train.warmup_steps": 3, "train.batch_size": 8, "train.eval_batches": 2,
+                     "train.eval_every_steps": 0, "checkpoint.every_steps": 0, "log.every_steps": 10,
+                     "log.progress_bar": False, "log.sample_tokens": 0}.items():
     section, name = key.split(".")
     setattr(config[section], name, value)
   workdir = str(tmp_path / "run")

@@ -1,6 +1,6 @@
-"""PEFT adapter folders (jaxlm/interop/peft_folders.py): what jaxlm exports, `peft` + `transformers` load onto the HF base model
-with the same outputs; importing it back is bit-identical; the merged model is an ordinary HF checkpoint with the
-same outputs; folders of another base model or of an unsupported kind are one-line errors."""
+"""PEFT adapter folders (jaxlm/interop/peft_folders.py): what jaxlm exports, `peft` + `transformers` load onto the HF
+base model with the same outputs; importing it back is bit-identical; the merged model is an ordinary HF checkpoint with
+the same outputs; folders of another base model or of an unsupported kind are one-line errors."""
 
 import json
 import shutil

@@ -225,7 +225,8 @@ def test_a_task_with_its_own_loss_is_refused_on_a_pipeline(four_stages):
 
 
 def test_a_loss_scale_seeds_the_backward_and_scales_loss_and_gradients(four_stages):
-  """float16 runs (jaxlm/training/loss_scale.py) get the loss and gradients times the scale, as steps.scaled_loss_fn gives them."""
+  """float16 runs (jaxlm/training/loss_scale.py) get the loss and gradients times the scale, as steps.scaled_loss_fn
+  gives them."""
   mesh = four_stages.mesh
   gradient_fn = pipeline.make_gradient_fn(four_stages.graphdef, mesh, MICRO, "1f1b")
   run = jax.jit(sharding.traced_on(mesh, lambda p, b, scale: gradient_fn(p, b, loss_scale=scale)))

@@ -1,6 +1,6 @@
-"""jaxlm.planner.plan: hardware profiles, candidate meshes, the memory model against XLA's compiled buffers, the roofline,
-costs, and the two promises of issue 7 (gpt2_small fits one H100; GPT-2 XL does not fit one L4 and the plan says
-what does). One compile in the whole file; the rest traces shapes only."""
+"""jaxlm.planner.plan: hardware profiles, candidate meshes, the memory model against XLA's compiled buffers, the
+roofline, costs, and the two promises of issue 7 (gpt2_small fits one H100; GPT-2 XL does not fit one L4 and the plan
+says what does). One compile in the whole file; the rest traces shapes only."""
 
 import dataclasses
 import importlib.util
@@ -130,9 +130,9 @@ def test_cudnn_configs_plan_and_compile_where_there_is_no_cudnn():
 
 
 def test_roofline_and_cost_arithmetic():
-  hardware = hardware_lib.Hardware(name="toy", memory_gib=1, bf16_flops=1e12, matmul_efficiency=0.5, hbm_bytes_per_sec=1e11,
-                           interconnect_bytes_per_sec=1e10, usd_per_hour_on_demand=2.0, usd_per_hour_spot=1.0,
-                           spot_preemptions_per_hour=0.0)
+  hardware = hardware_lib.Hardware(name="toy", memory_gib=1, bf16_flops=1e12, matmul_efficiency=0.5,
+                                   hbm_bytes_per_sec=1e11, interconnect_bytes_per_sec=1e10, usd_per_hour_on_demand=2.0,
+                                   usd_per_hour_spot=1.0, spot_preemptions_per_hour=0.0)
   activations = estimates.ActivationModel(total_fixed=0, total_per_sequence=1e6, layer_fixed=0, layer_per_sequence=1e5,
                                      unremat_fixed=0, unremat_per_sequence=1e6)
   one = estimates.predict_step_time(TINY, (1, 1, 1), 1, hardware, activations, 4e6, 0.0)

@@ -1,5 +1,5 @@
-"""benchmarks/profile_step.py: HLO instructions get the right kinds (jaxlm.planner.hlo_traffic.instruction_kinds), and a profiled
-tiny step is written with its time by kind."""
+"""benchmarks/profile_step.py: HLO instructions get the right kinds (jaxlm.planner.hlo_traffic.instruction_kinds), and a
+profiled tiny step is written with its time by kind."""
 
 import json
 import os

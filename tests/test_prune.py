@@ -1,6 +1,6 @@
-"""Pruning (jaxlm/compress/prune.py): exact target sparsity (global and per layer), valid 2:4 patterns, masks that survive a
-fine-tune, int8 on top of pruning keeping the zeros, Wanda's activation-aware scores and masks (GPT-2, Llama, BERT),
-SparseGPT's masks and reconstruction (its exact cases, sequential calibration), and the errors for bad input."""
+"""Pruning (jaxlm/compress/prune.py): exact target sparsity (global and per layer), valid 2:4 patterns, masks that
+survive a fine-tune, int8 on top of pruning keeping the zeros, Wanda's activation-aware scores and masks (GPT-2, Llama,
+BERT), SparseGPT's masks and reconstruction (its exact cases, sequential calibration), and the errors for bad input."""
 
 import dataclasses
 

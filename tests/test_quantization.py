@@ -1,7 +1,8 @@
-"""int8 post-training quantization (jaxlm/compress/quantization.py, jaxlm/compress/int8.py, jaxlm/compress/smoothquant.py): quantize -> dequantize
-error bounds, quantized forwards close to the float model (GPT-2, Llama, BERT classifier; weight-only, static and
-dynamic W8A8), SmoothQuant smoothing that keeps the float function and helps where an input channel is an outlier,
-int8 checkpoints that round trip onto a mesh and run through the same generate code, and the errors for bad input."""
+"""int8 post-training quantization (jaxlm/compress/quantization.py, jaxlm/compress/int8.py,
+jaxlm/compress/smoothquant.py): quantize -> dequantize error bounds, quantized forwards close to the float model
+(GPT-2, Llama, BERT classifier; weight-only, static and dynamic W8A8), SmoothQuant smoothing that keeps the float
+function and helps where an input channel is an outlier, int8 checkpoints that round trip onto a mesh and run through
+the same generate code, and the errors for bad input."""
 
 import dataclasses
 import functools
@@ -181,7 +182,8 @@ def test_int8_checkpoint_round_trip_onto_a_mesh_and_generate(tmp_path):
   assert [len(t) for t in tokens] == [4, 4]
   # Smaller on disk; this tiny model keeps float biases and norms and orbax's metadata weighs ~25 KB, so the ratio
   # is ~2x here (the >= 3.5x of real models is measured by experiments/optimize.py, see WORKSPACE.md).
-  assert checkpoint_files.directory_bytes(str(tmp_path / "fp32")) > 1.7 * checkpoint_files.directory_bytes(str(tmp_path / "int8"))
+  fp32_bytes = checkpoint_files.directory_bytes(str(tmp_path / "fp32"))
+  assert fp32_bytes > 1.7 * checkpoint_files.directory_bytes(str(tmp_path / "int8"))
 
 
 def test_clear_errors():
@@ -242,8 +244,9 @@ def test_dynamic_scales_and_smoothing_beat_static_scales_on_an_outlier_channel()
   nnx.replace_by_pure_dict(state, pure)
   loud = nnx.merge(graphdef, state)
   ref = _apply(loud)
-  error = {(mode, strength): _rel_error(_apply(quantization_lib.quantize(loud, mode, calibration=CALIBRATION, forward=_forward,
-                                                              smoothing=strength)), ref)
+  quantize = lambda mode, strength: quantization_lib.quantize(loud, mode, calibration=CALIBRATION,  # noqa: E731
+                                                              forward=_forward, smoothing=strength)
+  error = {(mode, strength): _rel_error(_apply(quantize(mode, strength)), ref)
            for mode in ("w8a8", "w8a8_dynamic") for strength in (None, 0.5)}
   assert error["w8a8_dynamic", None] < 0.5 * error["w8a8", None], error
   assert error["w8a8", 0.5] < 0.5 * error["w8a8", None], error
@@ -276,6 +279,6 @@ def test_a_weight_only_int8_weight_applies_its_smoothing_factor():
   x, w = rng.normal(size=(3, 8)).astype(np.float32), rng.normal(size=(8, 5)).astype(np.float32)
   smooth = rng.uniform(0.5, 2.0, size=(8,)).astype(np.float32)
   weight = int8.Int8Weight(q=int8.quantize_array(w, (0,)), mode="weight_only", smooth=jnp.asarray(smooth))
-  got = int8._einsum("td,df->tf", jnp.asarray(x), weight)
+  got = weight.contract("td,df->tf", jnp.asarray(x), jnp.einsum)
   expected = (x * smooth) @ np.asarray(qwix.dequantize(weight.q))
   np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-5, atol=1e-5)

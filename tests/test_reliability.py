@@ -231,7 +231,8 @@ def test_restore_onto_fewer_devices_is_bit_identical(tmp_path):
   config = Config(model=MODEL, mesh=MeshConfig(data=2, fsdp=2, tensor=1), train=TrainConfig(batch_size=8))
   optimizer = optim.make_optimizer(config.train)
   _, state, shardings, features = features_lib.train_state_from_config(
-      config, sharding.make_mesh(config.mesh), optimizer, features_lib.decoder_factory(config, sharding.make_mesh(config.mesh)))
+      config, sharding.make_mesh(config.mesh), optimizer,
+      features_lib.decoder_factory(config, sharding.make_mesh(config.mesh)))
   saved = jax.device_get(state)
   checkpointer = Checkpointer(str(tmp_path / "ckpt"), every_steps=1, keep=2)
   checkpointer.save(1, state, {"next_index": 1}, MODEL)

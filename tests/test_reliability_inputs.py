@@ -40,6 +40,7 @@ MODEL = ModelConfig(vocab_size=320, num_layers=2, d_model=64, num_heads=4, max_s
     ("--config.train.stepz=5", r"error: unknown flag --config.train.stepz: train has no 'stepz'; "
                                r"did you mean \"steps\"\? it has: .*warmup_steps"),  # row 1
     ("--config.train.steps=ten", r"flag --config.train.steps=ten: invalid literal for int"),  # row 2
+    ("--config.kernels.attention=flash", r"error: kernels.attention='flash' is not one of auto, xla, causal_blocks"),
 ])
 def test_bad_flags_stop_the_script_before_training(tmp_path, flag, message):
   result = subprocess.run(

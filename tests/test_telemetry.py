@@ -1,4 +1,5 @@
-"""Tests for jaxlm.training.telemetry and jaxlm.training.report: FLOP counts, metrics.jsonl, resume, report, peak, throughput."""
+"""Tests for jaxlm.training.telemetry and jaxlm.training.report: FLOP counts, metrics.jsonl, resume, report, peak,
+throughput."""
 
 import json
 import math

@@ -11,10 +11,10 @@ Runtime:  a few minutes on a 2-core CPU; seconds on a GPU.
 Output:   runs/instruct/eval.json (eval_loss on the held-out response tokens), report.md (greedy responses to
           held-out prompts next to the references), hf_model/ (an HF folder) and checkpoints/.
 
-Defaults fit the data as for classification (jaxlm/recipes/data_defaults.py): train.epochs=2 passes over the packed rows (train.steps=0),
-data.seq_len=0 (the 99th percentile of the pairs' token counts, at most the model's positions), warmup 10% of the
-steps. The loss is on the response tokens only; pairs are packed whole and never attend to each other. The model's
-shape and tokenizer come from init_from; model.compute_dtype/param_dtype and kernels.* from here.
+Defaults fit the data as for classification (jaxlm/recipes/data_defaults.py): train.epochs=2 passes over the packed rows
+(train.steps=0), data.seq_len=0 (the 99th percentile of the pairs' token counts, at most the model's positions), warmup
+10% of the steps. The loss is on the response tokens only; pairs are packed whole and never attend to each other. The
+model's shape and tokenizer come from init_from; model.compute_dtype/param_dtype and kernels.* from here.
 """
 
 from jaxlm.config import default_config

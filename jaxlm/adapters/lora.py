@@ -7,10 +7,10 @@
    classifier head), "frozen": everything else, "opt_state": the optimizer state of "params" only}
 In "frozen" a target weight's entry is {"lora_base": W (float, or int8/NF4 with `lora.base`), "lora_scale":
 alpha / r ([L] for stacked blocks)}. `combine(params, frozen)` gives the model's parameter tree, where each target
-weight's value is a `LoRAWeight`; the models' weight matmuls go through `Kernels.einsum`, which hands a LoRAWeight
-its own `lora_einsum` (base matmul, dequantized on the fly, plus the low-rank update). Adapters are sharded like
-their base weight: A's input axes as W's, B's output axes as W's; the factor without W's FSDP axis (`embed`) shards
-its rank axis over fsdp instead, so FSDP shards both factors.
+weight's value is a `LoRAWeight`, a stand-in (jaxlm.kernels.weights) whose `contract` is the base matmul
+(dequantized on the fly) plus the low-rank update. Adapters are sharded like their base weight: A's input axes as
+W's, B's output axes as W's; the factor without W's FSDP axis (`embed`) shards its rank axis over fsdp instead, so
+FSDP shards both factors.
 
 We do not use qwix's LoRA provider: it creates the adapters inside the module during a first call, and our blocks
 run under `jax.lax.scan` on modules rebuilt by `nnx.merge`, so they would be lost (as for quantization, int8.py).
@@ -50,7 +50,7 @@ def dense(base: Any) -> jax.Array:
 @flax.struct.dataclass
 class LoRAWeight:
   """A target weight inside the model: the frozen base plus its adapters. It stands in for the array in the unchanged
-  model code (`param[...]`, `.astype(compute dtype)`, `.shape`), and `Kernels.einsum` calls `lora_einsum`."""
+  model code (`param[...]`, `.astype(compute dtype)`, `.shape`), and `Kernels.einsum` calls `contract`."""
   base: Any  # jax.Array [lead..., in..., out...] | int8.Int8Weight | NF4Weight
   a: jax.Array  # [lead..., in..., r]
   b: jax.Array  # [lead..., r, out...]
@@ -80,18 +80,62 @@ class LoRAWeight:
     return self.replace(base=base, a=place(self.a, tuple(axes[:n_in]) + (None,)),
                         b=place(self.b, (None,) + tuple(axes[n_in:])))
 
-  def lora_einsum(self, subscripts: str, x: jax.Array, einsum, **kwargs) -> jax.Array:
-    """`einsum(subscripts, x, W)` + scale * (x A) B, with W dequantized to x's dtype when it is quantized."""
-    y = einsum(subscripts, x, dense(self.base).astype(x.dtype), **kwargs)
+  def contract(self, subscripts: str, x: jax.Array, matmul, **kwargs) -> jax.Array:
+    """`matmul(subscripts, x, W)` + scale * (x A) B, with W dequantized to x's dtype when it is quantized."""
+    y = matmul(subscripts, x, dense(self.base).astype(x.dtype), **kwargs)
     dims = int8._dot_dims(subscripts, x.ndim, self.ndim)
     num_in = self.a.ndim - 1
-    if dims is None or dims[1] != tuple(range(num_in)):
-      raise ValueError(f"LoRA needs a weight matmul contracting the weight's leading {num_in} axes, got {subscripts}")
-    out_type = kwargs.get("preferred_element_type")
-    xa = jax.lax.dot_general(x, self.a, ((dims[0], tuple(range(num_in))), ((), ())), preferred_element_type=out_type)
-    delta = jax.lax.dot_general(xa.astype(x.dtype), self.b, (((xa.ndim - 1,), (0,)), ((), ())),
-                                preferred_element_type=out_type)
-    return y + (delta * self.scale.astype(delta.dtype)).astype(y.dtype)
+    if dims is None or dims != (tuple(range(x.ndim - num_in, x.ndim)), tuple(range(num_in))):
+      raise ValueError(f"LoRA needs a weight matmul contracting x's trailing and the weight's leading {num_in} axes, "
+                       f"got {subscripts}")
+    rank = self.a.shape[-1]
+    x_NI = x.reshape(-1, math.prod(self.a.shape[:-1]))
+    b_RO = (self.b * self.scale.astype(self.b.dtype)).reshape(rank, -1)  # the scale folded into the small factor
+    delta_NO = low_rank_product(x_NI, self.a.reshape(-1, rank).astype(x.dtype), b_RO.astype(x.dtype))
+    return y + delta_NO.reshape(y.shape).astype(y.dtype)
+
+
+  def lookup(self, ids: jax.Array) -> jax.Array:
+    raise ValueError("LoRA adapts matmul weights; a lookup table has no adapters (remove it from lora.targets)")
+
+  @classmethod
+  def concatenate(cls, weights: list["LoRAWeight"], axis: int) -> "LoRAWeight | None":
+    """One weight for one matmul (fused q/k/v): the bases joined along output `axis`, the A factors side by side
+    along the rank, the B factors (each times its scale) block-diagonal. One layer's weights only (inside the
+    layer scan); None for stacked ones."""
+    num_in = weights[0].a.ndim - 1
+    if axis < num_in or any(w.scale.ndim for w in weights):
+      return None
+    b_axis = axis - num_in + 1
+    sizes = [w.b.shape[b_axis] for w in weights]
+    blocks = []
+    for i, w in enumerate(weights):
+      pad = [(0, 0)] * w.b.ndim
+      pad[b_axis] = (sum(sizes[:i]), sum(sizes[i + 1:]))
+      blocks.append(jnp.pad(w.b * w.scale.astype(w.b.dtype), pad))
+    return cls(jnp.concatenate([dense(w.base).astype(w.a.dtype) for w in weights], axis=axis),
+               jnp.concatenate([w.a for w in weights], axis=-1), jnp.concatenate(blocks, axis=0),
+               jnp.ones((), weights[0].scale.dtype))
+
+@jax.custom_vjp
+def low_rank_product(x_NI: jax.Array, a_IR: jax.Array, b_RO: jax.Array) -> jax.Array:
+  """(x A) B. Ours rather than autodiff's backward: autodiff forms dA as x^T (g B^T), and XLA:CPU transposes the
+  whole activation x for it; here dA is computed as ((g B^T)^T x)^T, so only [N, r] and [r, I] are transposed."""
+  return (x_NI @ a_IR) @ b_RO
+
+
+def _low_rank_forward(x_NI, a_IR, b_RO):
+  xa_NR = x_NI @ a_IR
+  return xa_NR @ b_RO, (x_NI, a_IR, b_RO, xa_NR)
+
+
+def _low_rank_backward(residuals, g_NO):
+  x_NI, a_IR, b_RO, xa_NR = residuals
+  g_xa_NR = g_NO @ b_RO.T
+  return g_xa_NR @ a_IR.T, (g_xa_NR.T @ x_NI).T, xa_NR.T @ g_NO
+
+
+low_rank_product.defvjp(_low_rank_forward, _low_rank_backward)
 
 
 nnx.register_data_type(LoRAWeight)
@@ -352,8 +396,8 @@ def load_base(state: dict, shardings: dict, lora_config: LoRAConfig, make_model,
   """A fresh LoRA state with a pretrained checkpoint as its frozen base: `merge_into(plain params, their
   shardings) -> (plain params, extra)` puts the checkpoint into the model's plain tree (e.g.
   pretrained.merge_pretrained); the result is frozen (quantized as lora.base says). Returns (state, extra).
-  The whole float model is built on the way: runs load with jaxlm/interop/streaming.py (one leaf at a time, the same state);
-  this is the reference its tests and benchmarks/qlora_load_peak.py compare against."""
+  The whole float model is built on the way: runs load with jaxlm/interop/streaming.py (one leaf at a time, the
+  same state); this is the reference its tests and benchmarks/qlora_load_peak.py compare against."""
   abstract = nnx.split(nnx.eval_shape(lambda: make_model(nnx.Rngs(0))))[1]
   plain, extra = merge_into(plain_params(state), sharding.param_shardings(abstract, mesh))
   return refreeze(make_plan(abstract, lora_config), state, shardings, plain), extra

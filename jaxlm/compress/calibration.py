@@ -5,9 +5,9 @@
 
 One probed forward per batch records, for every quantizable weight of every layer, its input's absmax and sum of
 squares per input channel: W8A8's static scales (quant), SmoothQuant's factors (smoothing) and Wanda's input norms
-(prune) all come from it. The probe is jaxlm.compress.int8's interception: each weight is wrapped in an `int8.Probe` whose tag
-(one per layer, sliced by the layer scan like any parameter) names whose input a matmul saw, and a host callback
-collects the statistics.
+(prune) all come from it. Each weight is wrapped in an `int8.Probe`, a stand-in whose own matmul records its input:
+its tag (one per layer, sliced by the layer scan like any parameter) names whose input a matmul saw, and a host
+callback collects the statistics.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def input_statistics(model: nnx.Module, batches: list[Any], forward: Callable[[n
     tags["/".join(map(str, path))] = (next_tag, layers)
     next_tag += max(layers, 1)
     variable.set_value(int8.Probe(value, tag, gram))
-  probe_def, probe_state = nnx.split(int8.with_interception(nnx.merge(graphdef, probed)))
+  probe_def, probe_state = nnx.split(nnx.merge(graphdef, probed))
   key = (probe_def, forward)
   if key not in _PROBE_RUNS:  # one compile per model structure and forward, whatever the batches or weights
     def probed_forward(s, batch):

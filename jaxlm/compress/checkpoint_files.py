@@ -127,10 +127,9 @@ def save(model: nnx.Module, directory: str) -> None:
     tree = jax.device_get(tree)
   with ocp.StandardCheckpointer() as checkpointer:
     checkpointer.save(os.path.join(directory, "params"), tree, force=True)
-  float_class = getattr(type(model), "_jaxlm_float_class", type(model))
   if jax.process_index() == 0:  # quant.json is written whole or not at all: `load` needs it
     atomic_files.write_json(os.path.join(directory, "quant.json"), {
-        "mode": mode_of(state), "model_class": float_class.__name__,
+        "mode": mode_of(state), "model_class": type(model).__name__,
         "calibrated": sorted("/".join(map(str, p)) for p, v in nnx.to_flat_state(state)
                              if isinstance(v.get_value(), Int8Weight) and v.get_value().act_scale is not None),
         "smoothed": sorted("/".join(map(str, p)) for p, v in nnx.to_flat_state(state)
@@ -143,7 +142,8 @@ def load(directory: str, make_float_model: Callable[[], nnx.Module], mesh: Mesh 
   directory = os.path.abspath(directory)
   meta_path = os.path.join(directory, "quant.json")
   if not os.path.exists(meta_path):
-    raise FileNotFoundError(f"{meta_path} does not exist; give a folder written by jaxlm.compress.checkpoint_files.save")
+    raise FileNotFoundError(f"{meta_path} does not exist; give a folder written by "
+                            "jaxlm.compress.checkpoint_files.save")
   with open(meta_path) as f:
     meta = json.load(f)
   abstract_model = quantized_like(make_float_model, meta["mode"], meta.get("calibrated", ()),
@@ -157,7 +157,7 @@ def load(directory: str, make_float_model: Callable[[], nnx.Module], mesh: Mesh 
   with ocp.StandardCheckpointer() as checkpointer:
     restored = checkpointer.restore(os.path.join(directory, "params"), target)
   nnx.replace_by_pure_dict(abstract_state, _from_plain(restored, like))
-  return int8.with_interception(nnx.merge(graphdef, abstract_state))
+  return nnx.merge(graphdef, abstract_state)
 
 
 def directory_bytes(directory: str) -> int:

@@ -1,18 +1,17 @@
-"""int8 weights in the parameter tree, and the interception that runs a model's matmuls on them.
+"""int8 weights in the parameter tree, and the stand-ins that run a model's matmuls on them.
 
   w = int8.Int8Weight(int8.quantize_array(w_float, contracted))   # int8 values, one f32 scale per output channel
-  model = int8.with_interception(model)    # jnp.einsum / jnp.take read Int8Weight, SmoothedWeight and Probe
 
-Three stand-ins for a float weight, each read by the intercepted `jnp.einsum` (`_einsum`) and `jnp.take` (`_take`):
-`Int8Weight` (quantized: weight-only, static or per-token W8A8; jaxlm.compress.quantization builds them), `SmoothedWeight` (a float
-weight with SmoothQuant factors still to apply to its input; jaxlm.compress.smoothquant) and `Probe` (a float weight whose input
-statistics are recorded; jaxlm.compress.calibration).
+Three stand-ins for a float weight (jaxlm.kernels.weights: the model's kernels hand each its own `contract` and
+`lookup`): `Int8Weight` (quantized: weight-only, static or per-token W8A8; jaxlm.compress.quantization builds them),
+`SmoothedWeight` (a float weight with SmoothQuant factors still to apply to its input; jaxlm.compress.smoothquant)
+and `Probe` (a float weight whose input statistics are recorded; jaxlm.compress.calibration).
 
 What is qwix and what is ours. From qwix (0.1.8): the quantized array (`qwix.QArray`), `qwix.quantize` (per-channel
-absmax), `qwix.dequantize`, `qwix.einsum` (weight-only on accelerators: XLA fuses the dequantize into the dot),
-qwix's einsum parser for the per-token axes, and qwix's interception (which swaps `jnp.einsum` while a model runs).
-Ours, for speed on the CPU (see `_int8_dot` and `_einsum`): the int8 x int8 -> int32 dot of our plain
-contractions, and materialising a weight-only layer's float weight before its dot.
+absmax), `qwix.dequantize`, `qwix.einsum` (weight-only on accelerators: XLA fuses the dequantize into the dot) and
+qwix's einsum parser for the per-token axes. Ours, for speed on the CPU (see `_int8_dot` and
+`Int8Weight.contract`): the int8 x int8 -> int32 dot of our plain contractions, and materialising a weight-only
+layer's float weight before its dot.
 Ours, because qwix's model-level PTQ (`quantize_model` + `PtqProvider`) can not serve these models: (1) it replaces
 each weight inside the module that uses it during a first call, but our blocks run under `jax.lax.scan` on modules
 rebuilt by `nnx.merge` inside the scan body, so the replacement is lost and `quantize_params` finds no quantized
@@ -34,9 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 import qwix
 from flax import nnx
-# Private qwix modules, pinned by the qwix version in pyproject.toml: interception is how qwix's own providers swap
-# jnp.einsum, and the einsum parser gives the per-token (channelwise) axes of an input.
-from qwix._src import interception
+# A private qwix module, pinned by the qwix version in pyproject.toml: its einsum parser gives the per-token
+# (channelwise) axes of an input.
 from qwix._src.core import einsum as qwix_einsum
 
 
@@ -58,7 +56,7 @@ class Int8Weight:
   """The value of a quantized parameter: int8 values with per-channel scales, plus the calibrated input scale.
 
   It stands in for the float array inside the unchanged model code: `param[...]` and `.astype(compute dtype)` return
-  an Int8Weight, and the intercepted `jnp.einsum` / `jnp.take` read it (see `_einsum`, `_take`)."""
+  an Int8Weight, and the kernels call its `contract` and `lookup` (jaxlm.kernels.weights)."""
   q: qwix.QArray  # qvalue int8 [..weight shape], scale f32 with 1 on the contracted axes
   act_scale: jax.Array | None = None  # w8a8: input scale, [L] for stacked blocks, [] otherwise
   mode: str = flax.struct.field(pytree_node=False, default="weight_only")
@@ -79,6 +77,24 @@ class Int8Weight:
   def dequantize(self) -> jax.Array:
     return qwix.dequantize(self.q)
 
+  def contract(self, subscripts: str, x: jax.Array, matmul, **kwargs) -> jax.Array:
+    kwargs.pop("precision", None)
+    lhs = _quantize_input(subscripts, x, self)
+    if isinstance(lhs, qwix.QArray):
+      dims = _dot_dims(subscripts, x.ndim, self.ndim)
+      if dims is not None:
+        return _int8_dot(lhs, self.q, dims, kwargs.get("preferred_element_type") or x.dtype)
+    elif jax.default_backend() == "cpu":
+      # Weight-only on the CPU: XLA fuses the dequantize into the dot and then runs a loop slower than its f32
+      # GEMM; the barrier materialises this layer's float weight first. Accelerators keep qwix's fused path.
+      return matmul(subscripts, lhs, jax.lax.optimization_barrier(qwix.dequantize(self.q)), **kwargs)
+    return qwix.einsum(subscripts, lhs, self.q, **kwargs)
+
+  def lookup(self, ids: jax.Array) -> jax.Array:
+    """Embedding rows: the int8 rows and their scales gathered, then dequantized."""
+    rows = jnp.take(self.q.qvalue, ids, axis=0)
+    return rows.astype(self.q.scale.dtype) * jnp.take(self.q.scale, ids, axis=0)
+
 
 class _FloatStandIn:
   """What the model code reads of a float weight `w` wrapped with extra data: shape, dtype, `param[...]`, astype."""
@@ -96,9 +112,17 @@ class _FloatStandIn:
 @flax.struct.dataclass
 class SmoothedWeight(_FloatStandIn):
   """A float weight already multiplied by its SmoothQuant factors s (per input channel) whose input is divided by s
-  when it runs: the smoothing of a matmul whose input comes from no op that could absorb 1/s (jaxlm.compress.smoothquant)."""
+  when it runs: the smoothing of a matmul whose input comes from no op that could absorb 1/s
+  (jaxlm.compress.smoothquant)."""
   w: jax.Array
   inv_scale: jax.Array  # 1/s, the weight's contracted axes ([L,] + C)
+
+  def contract(self, subscripts: str, x: jax.Array, matmul, **kwargs) -> jax.Array:
+    return matmul(subscripts, x * _per_input_channel(self.inv_scale, subscripts, x.ndim, self.ndim).astype(x.dtype),
+                  self.w, **kwargs)
+
+  def lookup(self, ids: jax.Array) -> jax.Array:
+    raise ValueError("a smoothed weight is a matmul's, not a lookup table")
 
 
 @flax.struct.dataclass
@@ -107,6 +131,18 @@ class Probe(_FloatStandIn):
   w: jax.Array
   tag: jax.Array
   gram: bool = flax.struct.field(pytree_node=False, default=False)  # also record X^T X (SparseGPT): off for W8A8/Wanda
+
+  def contract(self, subscripts: str, x: jax.Array, matmul, **kwargs) -> jax.Array:
+    real = _real_tokens(x)
+    absmax, sumsq = _channel_stats(subscripts, real, self.ndim)
+    jax.debug.callback(lambda tag, a, q: PROBE_RECORDS.setdefault(int(tag), []).append((np.asarray(a), np.asarray(q))),
+                       self.tag, absmax, sumsq)
+    if self.gram:
+      jax.debug.callback(_add_gram, self.tag, _channel_gram(subscripts, real, self.ndim))
+    return matmul(subscripts, x, self.w, **kwargs)
+
+  def lookup(self, ids: jax.Array) -> jax.Array:
+    return jnp.take(self.w, ids, axis=0)
 
 
 nnx.register_data_type(Int8Weight)
@@ -138,7 +174,7 @@ def _add_gram(tag, gram) -> None:
   PROBE_GRAMS[tag] = PROBE_GRAMS[tag] + gram if tag in PROBE_GRAMS else gram
 
 
-# ----------------------------------------------------------------------------------------------- the interception
+# ----------------------------------------------------------------------------------------------- the int8 matmul
 
 
 def _lhs_contracted(eq: str, lhs_ndim: int, rhs_ndim: int) -> list[int]:
@@ -226,77 +262,6 @@ def _int8_dot(x: qwix.QArray, w: qwix.QArray, dims, result_dtype) -> jax.Array:
   return (acc.astype(jnp.float32) * x_scale * w_scale).astype(result_dtype)
 
 
-def _einsum(*args, **kwargs):
-  if len(args) == 3 and isinstance(args[2], Int8Weight):
-    eq, x, w = args
-    kwargs.pop("precision", None)
-    lhs = _quantize_input(eq, x, w)
-    if isinstance(lhs, qwix.QArray):
-      dims = _dot_dims(eq, x.ndim, w.ndim)
-      if dims is not None:
-        return _int8_dot(lhs, w.q, dims, kwargs.get("preferred_element_type") or x.dtype)
-    elif jax.default_backend() == "cpu":
-      # Weight-only on the CPU: XLA fuses the dequantize into the dot and then runs a loop slower than its f32
-      # GEMM; the barrier materialises this layer's float weight first. Accelerators keep qwix's fused path.
-      return jnp.einsum(eq, lhs, jax.lax.optimization_barrier(qwix.dequantize(w.q)), **kwargs)  # lhs: smoothed
-    return qwix.einsum(eq, lhs, w.q, **kwargs)
-  if len(args) == 3 and isinstance(args[2], SmoothedWeight):
-    eq, x, w = args
-    return jnp.einsum(eq, x * _per_input_channel(w.inv_scale, eq, x.ndim, w.ndim).astype(x.dtype), w.w, **kwargs)
-  if len(args) == 3 and isinstance(args[2], Probe):
-    eq, x, probe = args
-    real = _real_tokens(x)
-    absmax, sumsq = _channel_stats(eq, real, probe.ndim)
-    jax.debug.callback(lambda tag, a, q: PROBE_RECORDS.setdefault(int(tag), []).append((np.asarray(a), np.asarray(q))),
-                       probe.tag, absmax, sumsq)
-    if probe.gram:
-      jax.debug.callback(_add_gram, probe.tag, _channel_gram(eq, real, probe.ndim))
-    return jnp.einsum(eq, x, probe.w, **kwargs)
-  return jnp.einsum(*args, **kwargs)
-
-
-def _take(a, indices, axis=None, **kwargs):
-  if isinstance(a, Int8Weight):  # embedding lookup: gather int8 rows and their scales, then dequantize
-    if axis != 0:
-      raise ValueError(f"int8 tables support lookups along axis 0 only, got axis={axis}")
-    rows = jnp.take(a.q.qvalue, indices, axis=0, **kwargs)
-    scales = jnp.take(a.q.scale, indices, axis=0, **kwargs)
-    return rows.astype(a.q.scale.dtype) * scales
-  if isinstance(a, SmoothedWeight):
-    raise ValueError("a smoothed weight is a matmul's, not a lookup table")
-  if isinstance(a, Probe):
-    a = a.w
-  return jnp.take(a, indices, axis=axis, **kwargs)
-
-
-_INTERCEPTOR_ID = 0x6A61786C6D  # a stable id: jit caches compiled functions of the intercepted methods by it
-_METHODS = ("__call__", "decode", "encode", "pool", "loss_sums")
-_INTERCEPTED_CLASSES: dict[type, type] = {}
-
-
-def _interceptor() -> interception.Interceptor:
-  return interception.Interceptor(mapping={"jax.numpy.einsum": _einsum, "jax.numpy.take": _take},
-                                  id=_INTERCEPTOR_ID)
-
-
-def intercepted_class(cls: type) -> type:
-  """A subclass of a model class whose entry points run with `jnp.einsum` / `jnp.take` reading Int8Weights.
-  One subclass per class, so graph definitions (and jit caches) of quantized models compare equal."""
-  if getattr(cls, "_jaxlm_float_class", None) is not None:
-    return cls
-  if cls not in _INTERCEPTED_CLASSES:
-    fields = {name: interception.wrap_func_intercepted(getattr(cls, name), _interceptor, disable_jit=False)
-              for name in _METHODS if hasattr(cls, name)}
-    fields["_jaxlm_float_class"] = cls
-    _INTERCEPTED_CLASSES[cls] = type(f"Int8{cls.__name__}", (cls,), fields)
-  return _INTERCEPTED_CLASSES[cls]
-
-
-def _with_interception(model: nnx.Module) -> nnx.Module:
-  model.__class__ = intercepted_class(type(model))
-  return model
-
-
 # ----------------------------------------------------------------------------------------------- int8 parameters
 
 
@@ -356,11 +321,3 @@ class _Static(dict):
 
 
 jax.tree_util.register_static(_Static)
-
-
-def with_interception(model: nnx.Module) -> nnx.Module:
-  """A quantized (smoothed, probed) model whose matmuls run through the int8 paths (`quantize` returns models like this
-  already)."""
-  special = any(isinstance(v.get_value(), (Int8Weight, SmoothedWeight, Probe))
-                for _, v in nnx.to_flat_state(nnx.state(model)))
-  return _with_interception(model) if special else model

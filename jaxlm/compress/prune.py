@@ -16,8 +16,8 @@ Wanda (Sun et al., 2024) scores weight W_ij (input j, output i) by |W_ij| * ||X_
 channel over every token of the calibration batches (`calibration.input_statistics`, the probe that calibrates
 W8A8), and compares weights within one output row: a large weight on a quiet input may go, a small one on a loud
 input stays.
-Prunable weights are the matmul weights of `jaxlm.compress.int8.CONTRACTED_AXES` inside the stacked transformer blocks: the
-embedding tables (a pruned vocabulary row would delete a token) and the small dense heads (BERT's pooler, classifier
+Prunable weights are the matmul weights of `jaxlm.compress.int8.CONTRACTED_AXES` inside the stacked transformer blocks:
+the embedding tables (a pruned vocabulary row would delete a token) and the small dense heads (BERT's pooler, classifier
 and MLM transform, under 0.1% of the weights, where every pruned weight is a class's feature) stay dense. Masks are
 pure dicts of bool arrays over those parameters only. Ties at the threshold are broken by position (a stable sort),
 so exactly round(sparsity * n) weights are zeroed. The 2:4 groups
@@ -345,8 +345,8 @@ def finetune(graphdef: nnx.GraphDef, params: Any, masks: Masks,
   """A short AdamW fine-tune of pruned `params` (a pure dict) that keeps the masks; returns the new params.
   `optimizer` replaces the plain AdamW(learning_rate, weight_decay), e.g. with the run's own settings.
 
-  `loss_fn(params, batch) -> (loss sum, (count, aux))` as `jaxlm.training.steps.make_loss_fn` builds; the loss is the sum
-  divided by the count."""
+  `loss_fn(params, batch) -> (loss sum, (count, aux))` as `jaxlm.training.steps.make_loss_fn` builds; the loss is the
+  sum divided by the count."""
   return finetune_soup(graphdef, params, masks, loss_fn, [batches], learning_rate=learning_rate,
                        weight_decay=weight_decay, optimizer=optimizer)
 

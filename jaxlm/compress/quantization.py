@@ -14,10 +14,10 @@ Modes:
                 of the per-batch absmax, qwix's SimpleMovingAverage rule); int8 x int8 dots accumulate in int32.
   w8a8_dynamic  as w8a8 but each input row (token) gets its absmax scale when the model runs: no calibration.
 `smoothing` (alpha in [0, 1], either w8a8 mode) first divides each matmul input by per-channel factors and multiplies
-them into the weight (jaxlm/compress/smoothquant.py: SmoothQuant), measured on the calibration batches by the same probe that
-calibrates the static scales, which then see the smoothed inputs.
+them into the weight (jaxlm/compress/smoothquant.py: SmoothQuant), measured on the calibration batches by the same probe
+that calibrates the static scales, which then see the smoothed inputs.
 The attention score and value einsums (activation x activation), norms, biases and softmax stay in float.
-The int8 weight types and the interception that runs them are in jaxlm/compress/int8.py.
+The int8 weight types, which run their own matmuls (jaxlm.kernels.weights), are in jaxlm/compress/int8.py.
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ def quantize(model: nnx.Module, mode: str = "weight_only", *, calibration: Itera
 
   `w8a8` needs `calibration` batches and `forward(model, batch)`, which runs the model as the task does.
   `smoothing` (w8a8 modes; SmoothQuant's alpha in [0, 1], 0.5 its default) first moves each matmul input's per-channel
-  range into the weight (`jaxlm.compress.smoothquant`), measured on the same calibration batches as the static scales."""
+  range into the weight (`jaxlm.compress.smoothquant`), measured on the same calibration batches as the static
+  scales."""
   if mode not in MODES:
     raise ValueError(f"quantization mode {mode!r} is not one of {', '.join(MODES)}")
   if smoothing is not None:
@@ -68,7 +69,7 @@ def quantize(model: nnx.Module, mode: str = "weight_only", *, calibration: Itera
     if mode == "w8a8":
       act_scales = calibration_lib.static_scales(statistics, factors)
   state = jax.tree.map(lambda x: x, state)  # a copy: the float model is left as it was
-  return int8.with_interception(nnx.merge(graphdef, int8.quantize_state(state, mode, act_scales)))
+  return nnx.merge(graphdef, int8.quantize_state(state, mode, act_scales))
 
 
 def mode_of(model_or_state: Any) -> str:

@@ -140,4 +140,4 @@ def smooth(model: nnx.Module, statistics: dict, strength: float) -> tuple[nnx.Mo
       new = jnp.asarray(values[name], variable.get_value().dtype)
       variable.set_value(int8.SmoothedWeight(new, jnp.asarray(runtime[name], jnp.float32)) if name in runtime
                          else new)
-  return int8.with_interception(nnx.merge(graphdef, state)), {n: s.astype(np.float32) for n, s in scales.items()}
+  return nnx.merge(graphdef, state), {n: s.astype(np.float32) for n, s in scales.items()}

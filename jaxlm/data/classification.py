@@ -271,8 +271,8 @@ def build_classification_data(config: DataConfig, tokenizer: tokenizers.Tokenize
                               cache_dir: str | None = None, vocab_size: int | None = None,
                               max_positions: int = 512) -> ClassificationData:
   """Reads, validates, splits and tokenizes the labelled rows described by `config` (module docstring).
-  data.seq_len=0 chooses the length from the training rows' tokenized lengths (`jaxlm.data.seq_lengths.choose_seq_len`, at most
-  `max_positions`)."""
+  data.seq_len=0 chooses the length from the training rows' tokenized lengths (`jaxlm.data.seq_lengths.choose_seq_len`,
+  at most `max_positions`)."""
   if vocab_size is not None and tokenizer.get_vocab_size(with_added_tokens=True) > vocab_size:
     raise ValueError(f"the tokenizer has {tokenizer.get_vocab_size(with_added_tokens=True)} tokens but the model's "
                      f"vocabulary holds {vocab_size}; use the tokenizer that came with init_from")

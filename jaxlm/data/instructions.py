@@ -16,7 +16,8 @@ data.eval_files or a seeded data.eval_fraction held out), columns `data.prompt_c
 Bad input: a missing column or a prompt that fills data.seq_len by itself is a one-line error naming the key or the
 row; a row with an empty prompt or response is skipped and counted; a pair longer than data.seq_len keeps its prompt
 and the start of its response (counted, and warned about above `jaxlm.data.seq_lengths.TRUNCATION_WARNING_RATE`).
-data.seq_len=0 chooses the length from the training pairs (`jaxlm.data.seq_lengths.choose_seq_len`), long enough for every prompt.
+data.seq_len=0 chooses the length from the training pairs (`jaxlm.data.seq_lengths.choose_seq_len`), long enough for
+every prompt.
 """
 
 from __future__ import annotations

@@ -113,7 +113,8 @@ def generate(graphdef: nnx.GraphDef, params: Any, prompts: Sequence[Sequence[int
 
   `params` may be sharded over a mesh (NamedShardings, e.g. from `jaxlm.hf.from_pretrained(mesh=...)` or a
   training state): the decode then runs on that mesh, with the batch and KV heads split like activations.
-  `kv_cache`: "float" (the compute dtype) or "int8"; either works with float or int8 weights (jaxlm.compress.quantization)."""
+  `kv_cache`: "float" (the compute dtype) or "int8"; either works with float or int8 weights
+  (jaxlm.compress.quantization)."""
   if not prompts or any(len(p) == 0 for p in prompts):
     raise ValueError("generate needs at least one prompt and no empty prompt")
   if kv_cache not in KV_CACHES:

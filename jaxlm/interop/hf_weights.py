@@ -7,8 +7,8 @@
 Only safetensors are read (with `safetensors.numpy`): nothing is unpickled, torch is not needed, and no remote code
 is ever run. Each architecture is one table of rules below: HF tensor names and shapes <-> jaxlm parameter paths, and
 a pure reshape/transpose between them, so a jaxlm -> HF -> jaxlm round trip is bit-identical. Loading with a mesh
-builds the abstract model, computes shardings with `jaxlm.parallel.sharding.param_shardings`, and places every parameter with
-`jax.make_array_from_callback`: each device receives only its shard, and the host holds one parameter (stacked over
+builds the abstract model, computes shardings with `jaxlm.parallel.sharding.param_shardings`, and places every parameter
+with `jax.make_array_from_callback`: each device receives only its shard, and the host holds one parameter (stacked over
 layers) at a time. Saving writes one HF tensor at a time (LoRA weights merged, layer by layer), so neither the host
 nor a device ever holds the whole float model. config.json's side is jaxlm/interop/hf_config.py.
 """

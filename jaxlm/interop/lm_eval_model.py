@@ -1,13 +1,14 @@
 """jaxlm decoders as a model of EleutherAI's lm-evaluation-harness (`lm-eval`), and tasks that stay offline.
 
-  lm = harness.JaxlmLM(graphdef, params, tokenizer, batch_size=16)   # float, int8 (jaxlm.compress.quantization) or pruned weights
+  lm = harness.JaxlmLM(graphdef, params, tokenizer, batch_size=16)   # float, int8 (jaxlm.compress.quantization) or
+                                                                     # pruned weights
   results = harness.evaluate(lm, ["my_task"], include_path="tasks/")  # lm-eval's results dict
   metrics = harness.task_metrics(lm, ["my_task"], include_path="tasks/")  # {"my_task/acc": ...}, flat
 
 The model answers the harness's three requests: `loglikelihood` (context, continuation) pairs and
 `loglikelihood_rolling` (whole texts, in windows of the model's context) from one batched forward per group of
-requests, and `generate_until` through `jaxlm.inference.generate` (KV cache, float or int8). Requests are sorted by length and
-padded to a multiple of LENGTH_BUCKET tokens in fixed-size batches, so a task compiles a handful of programs.
+requests, and `generate_until` through `jaxlm.inference.generate` (KV cache, float or int8). Requests are sorted by
+length and padded to a multiple of LENGTH_BUCKET tokens in fixed-size batches, so a task compiles a handful of programs.
 Parameters sharded over a mesh (NamedShardings) run on that mesh, batch split like activations.
 
 Tasks come from lm-eval's registry or from task YAMLs in `include_path`; a task reading local files (`dataset_path:
@@ -160,8 +161,8 @@ class JaxlmLM(TemplateLM):
   # ------------------------------------------------------------------------------------------- generation
 
   def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-    """Greedy (or sampled, with do_sample and temperature) continuations through jaxlm.inference.generate's KV cache, cut
-    before the first of the request's `until` strings; requests with the same settings are batched."""
+    """Greedy (or sampled, with do_sample and temperature) continuations through jaxlm.inference.generate's KV cache,
+    cut before the first of the request's `until` strings; requests with the same settings are batched."""
     groups: dict[str, list[int]] = {}
     for index, request in enumerate(requests):
       groups.setdefault(json.dumps(request.args[1], sort_keys=True, default=str), []).append(index)

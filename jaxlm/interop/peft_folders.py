@@ -8,9 +8,9 @@
 The folder is what `peft.PeftModel.from_pretrained(hf_base_model, folder)` loads: adapter_config.json (peft_type
 LORA, r, lora_alpha, the target modules by their full HF names, modules_to_save for a classifier head) and
 adapter_model.safetensors (`base_model.model.<module>.lora_A.weight` [r, in], `lora_B.weight` [out, r]). HF module
-names come from jaxlm/interop/hf_weights.py's tables. GPT-2 keeps q, k and v in one Conv1D (c_attn): its three adapters are written
-as one of rank 3r (A stacked, B block-diagonal, alpha 3 alpha: the same update exactly) and split back on import.
-Only safetensors are read; anything but plain LoRA (DoRA, rsLoRA, biases, other peft types) is a one-line error.
+names come from jaxlm/interop/hf_weights.py's tables. GPT-2 keeps q, k and v in one Conv1D (c_attn): its three adapters
+are written as one of rank 3r (A stacked, B block-diagonal, alpha 3 alpha: the same update exactly) and split back on
+import. Only safetensors are read; anything but plain LoRA (DoRA, rsLoRA, biases, other peft types) is a one-line error.
 """
 
 from __future__ import annotations

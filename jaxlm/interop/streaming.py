@@ -3,7 +3,8 @@ on the host.
 
   abstract, source = lora_io.hf_source(folder, compute_dtype, param_dtype)   # a LazyLeaf per parameter
   state, kept_random = lora_io.load_base(state, shardings, config.lora, make_model, mesh, source, where, seed)
-  lora_io.save_merged(graphdef, params, folder)     # hf_weights.save_pretrained of the model: W + alpha/r A B per weight
+  lora_io.save_merged(graphdef, params, folder)     # hf_weights.save_pretrained of the model:
+                                                    # W + alpha/r A B per weight
 
 Load: a stacked target weight is read, placed with its sharding and quantized one layer at a time into the state's
 base storage (updated in place); any other parameter is read whole (one HF tensor at a time into its host array)
@@ -11,9 +12,10 @@ and placed. So the device holds the quantized base plus one float parameter that
 embedding), or one layer of a target weight; the host likewise. The train state's base starts empty for it
 (`lora.LoRASplit(..., empty_base=True)`); parameters the checkpoint lacks get the seeded random init, each
 from its own compiled init (XLA drops the rest of the model's). Export is `jaxlm.hf.save_pretrained`, which writes
-one HF tensor (one layer of one weight) at a time, dequantized and merged on the device. The load gives the whole-tree path's state (`lora.load_base`: the float model
-merged into the dequantized state, quantized again) bit for bit; the export its weights (`lora.merge` of the whole
-tree) up to float32 rounding of the adapters' product (one ulp: the batched A B rounds some weights otherwise).
+one HF tensor (one layer of one weight) at a time, dequantized and merged on the device. The load gives the whole-tree
+path's state (`lora.load_base`: the float model merged into the dequantized state, quantized again) bit for bit; the
+export its weights (`lora.merge` of the whole tree) up to float32 rounding of the adapters' product (one ulp: the
+batched A B rounds some weights otherwise).
 """
 
 from __future__ import annotations

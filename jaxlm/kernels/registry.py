@@ -1,18 +1,14 @@
-"""The kernel registry: for every op the models call, the implementations that compute it, where each runs, and
-which one `auto` picks.
-
-  op             implementations (the first is the reference every other one is tested equal to)
-  attention      xla, causal_blocks, cpu_fused, recompute, jax, cudnn, tokamax
-  matmul         xla, blas
-  cross_entropy  logits, chunked, tokamax
-  norm           xla, tokamax
-  glu            xla, tokamax
+"""The kernel registry, the one list of kernels: for every op the models call (attention, the weight matmul,
+cross-entropy, norms, the gated linear unit), the implementations that compute it (`IMPLEMENTATIONS`; the first of
+each is the reference every other one is tested equal to), where each runs, and which one `auto` picks (`AUTO`);
+and the execution choices that are not ops (`EXECUTION`: fused q/k/v, a scan or a loop over the layers, remat).
 
 `resolve(KernelsConfig, ...)` turns the config (every key `auto` by default) into a `Kernels`: concrete names for
-this platform, compute dtype and mesh. `auto` takes the first implementation of `AUTO[op][platform]` that can run
-here; an explicit choice that cannot is a one-line error naming the key and the values that would work. Models hold
-a `Kernels` and call its methods (`einsum`, `attend`, `layer_norm`, `rms_norm`, `gated_linear_unit`,
-`cross_entropy_sums`); they never import a backend module.
+this platform, compute dtype and mesh, looked up in these tables. `auto` takes the first implementation of
+`AUTO[op][platform]` that can run here; an explicit choice that cannot is a one-line error naming the key and the
+values that would work. Models hold a `Kernels` and call its methods (`einsum`, `lookup`, `attend`, `layer_norm`,
+`rms_norm`, `gated_linear_unit`, `cross_entropy_sums`); they never import a backend module. A weight that is not a
+plain array reaches them through one protocol (jaxlm/kernels/weights.py).
 
 Meshes: the CPU custom calls (`cpu_fused`, `blas`) and the tokamax Pallas calls carry no sharding rule, so XLA would
 run each call whole on every device of a mesh; `auto` leaves them out on a mesh of more than one device, and choosing
@@ -28,9 +24,9 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxlm.config import KernelsConfig, validate_kernels
+from jaxlm.config import KernelsConfig
 from jaxlm.kernels import attention as xla_attention
-from jaxlm.kernels import cpu, gpu, xla
+from jaxlm.kernels import cpu, gpu, weights, xla
 from jaxlm.kernels import cross_entropy as chunked_ce
 
 ALL = ("cpu", "gpu", "tpu")
@@ -52,13 +48,14 @@ def _cudnn_missing() -> str | None:
 
 
 class Target(NamedTuple):
-  """What a model will run on: the platform, its compute dtype, a decoder or not, the devices of its mesh and the
-  attention head size (0: unknown)."""
+  """What a model will run on: the platform, its compute dtype, a decoder or not, the devices of its mesh, the
+  attention head size (0: unknown) and the mesh's tensor-parallel size."""
   platform: str
   dtype: str
   causal: bool
   devices: int
   head_dim: int = 0
+  tensor: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +132,25 @@ REMAT_POLICIES = {
     "dots": jax.checkpoint_policies.save_from_both_policies(
         jax.checkpoint_policies.checkpoint_dots, jax.checkpoint_policies.save_only_these_names(cpu.CHECKPOINT_NAME)),
 }
+
+
+class Choice(NamedTuple):
+  """An execution choice that is not an op: the values it takes and what `auto` picks for a target."""
+  values: tuple[str, ...]
+  auto: Callable[[Target], str]
+
+
+EXECUTION: dict[str, Choice] = {
+    # Measured on CPUs and GPUs only. Under tensor parallelism, concatenating q/k/v weights that the tensor axis
+    # splits by heads would make GSPMD regather them.
+    "fuse_qkv": Choice(("fused", "separate"),
+                       lambda t: "fused" if t.tensor == 1 and t.platform in ("cpu", "gpu") else "separate"),
+    # A Python loop over the layers ran faster on an H200; the scan keeps CPU compile times flat in depth.
+    "layers": Choice(("scan", "loop"), lambda t: "loop" if t.platform == "gpu" else "scan"),
+    # On one CPU device, recomputing the elementwise ops beats writing and reading their saved outputs. Not on a
+    # mesh: the recomputed forward would gather FSDP-sharded weights a second time.
+    "remat": Choice(("none", *REMAT_POLICIES), lambda t: "dots" if t.platform == "cpu" and t.devices == 1 else "none"),
+}
 CROSS_ENTROPY_CHUNK = {"cpu": 1024, "gpu": 4096, "tpu": 4096}  # tokens per chunk when kernels.cross_entropy_chunk=0
 
 
@@ -164,13 +180,17 @@ class Kernels:
   # ------------------------------------------------------------------------------------------- ops
 
   def einsum(self, subscripts: str, x: jax.Array, w, **kwargs) -> jax.Array:
-    """An activation x weight contraction. A weight that is not a plain array (jaxlm.compress.quantization's int8 weights) takes
-    the XLA path, where quantization intercepts jnp.einsum."""
-    if hasattr(w, "lora_einsum"):  # a jaxlm.adapters.lora.LoRAWeight: its base matmul (through here) plus the adapters
-      return w.lora_einsum(subscripts, x, self.einsum, **kwargs)
-    if self.matmul == "blas" and isinstance(w, jax.Array):
+    """An activation x weight contraction. A weight that is not a plain array (jaxlm.kernels.weights) contracts
+    itself, with this method for the plain arrays it holds."""
+    if weights.is_stand_in(w):
+      return w.contract(subscripts, x, self.einsum, **kwargs)
+    if self.matmul == "blas":
       return cpu.einsum(subscripts, x, w)
     return xla.einsum(subscripts, x, w, **kwargs)
+
+  def lookup(self, table_ND, ids) -> jax.Array:
+    """Rows `ids` of a table [N, ...] (embeddings)."""
+    return table_ND.lookup(ids) if weights.is_stand_in(table_ND) else jnp.take(table_ND, ids, axis=0)
 
   def attend(self, q_BTHK, k_BSGK, v_BSGK, mask_BTS, *, causal: bool, document_mask: bool = True):
     """Softmax attention; `mask_BTS` holds causality and document boundaries (the same function on every path)."""
@@ -219,7 +239,7 @@ class Kernels:
 
   def cross_entropy_sums(self, x_ND, table_VD, targets_N, weights_N) -> tuple[jax.Array, jax.Array]:
     """(sum_n w_n * CE(x_n @ table^T, target_n), sum_n w_n * [argmax == target]) with f32 logits."""
-    if not isinstance(table_VD, jax.Array):  # a quantized table (jaxlm.compress.quantization): read by the intercepted einsum
+    if weights.is_stand_in(table_VD):  # e.g. an int8 table: contracted by itself, with full logits
       return xla.cross_entropy_sums(x_ND, table_VD, targets_N, weights_N, self.einsum)
     if self.cross_entropy == "chunked":
       return chunked_ce.fused_cross_entropy(x_ND, table_VD, targets_N, weights_N, self.cross_entropy_chunk,
@@ -227,6 +247,14 @@ class Kernels:
     if self.cross_entropy == "tokamax":
       return gpu.tokamax_cross_entropy(x_ND, table_VD, targets_N, weights_N, chunk=self.cross_entropy_chunk)
     return xla.cross_entropy_sums(x_ND, table_VD, targets_N, weights_N, self.einsum)
+
+
+def validate_kernels(config: KernelsConfig) -> None:
+  """Names the registry knows at all; whether one fits this platform, dtype and mesh is `resolve`'s check."""
+  for key in (*IMPLEMENTATIONS, *EXECUTION):
+    known = [i.name for i in IMPLEMENTATIONS[key]] if key in IMPLEMENTATIONS else list(EXECUTION[key].values)
+    if getattr(config, key) not in ("auto", *known):
+      raise ValueError(f"kernels.{key}={getattr(config, key)!r} is not one of auto, {', '.join(known)}")
 
 
 def _pick(op: str, requested: str, target: Target) -> str:
@@ -258,26 +286,12 @@ def resolve(config: KernelsConfig | None = None, *, compute_dtype: str = "float3
     devices = mesh.devices.size if mesh is not None else jax.device_count()
   if tensor is None:
     tensor = dict(mesh.shape).get("tensor", 1) if mesh is not None else 1
-  pick = functools.partial(_pick, target=Target(platform, jnp.dtype(compute_dtype).name, causal, devices, head_dim))
-  auto = lambda value, default: default if value == "auto" else value
-  return Kernels(
-      attention=pick("attention", config.attention),
-      attention_block=config.attention_block,
-      matmul=pick("matmul", config.matmul),
-      cross_entropy=pick("cross_entropy", config.cross_entropy),
-      cross_entropy_chunk=config.cross_entropy_chunk or CROSS_ENTROPY_CHUNK[platform],
-      norm=pick("norm", config.norm),
-      glu=pick("glu", config.glu),
-      # Measured on CPUs and GPUs only. Under tensor parallelism, concatenating q/k/v weights that the tensor axis
-      # splits by heads would make GSPMD regather them.
-      fuse_qkv=auto(config.fuse_qkv, "fused" if tensor == 1 and platform in ("cpu", "gpu") else "separate"),
-      # A Python loop over the layers ran faster on an H200; the scan keeps CPU compile times flat in depth.
-      layers=auto(config.layers, "loop" if platform == "gpu" else "scan"),
-      scan_unroll=config.scan_unroll,
-      # On one CPU device, recomputing the elementwise ops beats writing and reading their saved outputs. Not on a
-      # mesh: the recomputed forward would gather FSDP-sharded weights a second time.
-      remat=auto(config.remat, "dots" if platform == "cpu" and devices == 1 else "none"),
-  )
+  target = Target(platform, jnp.dtype(compute_dtype).name, causal, devices, head_dim, tensor)
+  ops = {op: _pick(op, getattr(config, op), target) for op in IMPLEMENTATIONS}
+  execution = {key: choice.auto(target) if getattr(config, key) == "auto" else getattr(config, key)
+               for key, choice in EXECUTION.items()}
+  return Kernels(**ops, **execution, attention_block=config.attention_block, scan_unroll=config.scan_unroll,
+                 cross_entropy_chunk=config.cross_entropy_chunk or CROSS_ENTROPY_CHUNK[platform])
 
 
 # For tracing on one platform what another will run (the planner): a stand-in computing the same function that keeps

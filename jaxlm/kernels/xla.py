@@ -15,7 +15,6 @@ def _lead(v: jax.Array, ndim: int) -> jax.Array:
 
 
 def einsum(subscripts: str, x: jax.Array, w: jax.Array, **kwargs) -> jax.Array:
-  # jnp.einsum is looked up on every call: jaxlm.compress.quantization intercepts it to read int8 weights.
   return jnp.einsum(subscripts, x, w, **kwargs)
 
 

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxlm.kernels import Kernels
+from jaxlm.kernels import Kernels, weights
 from jaxlm.kernels.registry import REMAT_POLICIES
 from jaxlm.models.precision import Policy
 from jaxlm.parallel.sharding import constrain, gather_fsdp
@@ -49,7 +49,7 @@ class Embed(nnx.Module):
 
   def __call__(self, ids_BT: jax.Array) -> jax.Array:
     table_ND = gather_fsdp(self.embedding)[...]  # FSDP: gather the table rather than reshard the activations
-    return self.policy.cast_to_compute(jnp.take(table_ND, ids_BT, axis=0))  # [B, T, D]
+    return self.policy.cast_to_compute(self.kernels.lookup(table_ND, ids_BT))  # [B, T, D]
 
   def attend(self, x_BTD: jax.Array) -> jax.Array:
     table_VD = self.policy.cast_to_compute(gather_fsdp(self.embedding)[...])
@@ -230,11 +230,13 @@ class Attention(nnx.Module):
     return constrain(y, ("act_batch", "act_seq", heads_axis, None))  # [B, T, H or G, K]
 
   def _qkv(self, x_BTD: jax.Array, rotary: Rotary | None):
-    # Quantized weights (jaxlm.compress.quantization's int8 tensors, not arrays) are read by one intercepted matmul
-    # each.
-    if self.kernels.fuse_qkv == "fused" and isinstance(self.w_q[...], jax.Array):
-      q, k, v = self._fused_project(x_BTD)
-    else:
+    fused = None
+    if self.kernels.fuse_qkv == "fused":
+      c = self.policy.cast_to_compute
+      fused = weights.concatenate([c(self.w_q[...]), c(self.w_k[...]), c(self.w_v[...])], axis=1)  # N = H + 2G
+    if fused is not None:
+      q, k, v = self._fused_project(x_BTD, fused)
+    else:  # kernels.fuse_qkv=separate, or weights whose kind cannot be joined (int8)
       q = self._project(x_BTD, self.w_q, self.b_q, "act_heads")
       k = self._project(x_BTD, self.w_k, self.b_k, "act_kv_heads")
       v = self._project(x_BTD, self.w_v, self.b_v, "act_kv_heads")
@@ -242,13 +244,12 @@ class Attention(nnx.Module):
       q, k = apply_rope(q, rotary), apply_rope(k, rotary)
     return q, k, v
 
-  def _fused_project(self, x_BTD: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+  def _fused_project(self, x_BTD: jax.Array, w_DNK) -> tuple[jax.Array, jax.Array, jax.Array]:
     """q, k, v from ONE matmul with the three weights concatenated along heads (the parameters stay separate): one
     large matmul runs nearer the machine's peak than three narrow ones, and the backward pass gets one dX and one dW
     matmul instead of three each."""
     c = self.policy.cast_to_compute
     h, g = self.w_q.shape[1], self.w_k.shape[1]
-    w_DNK = jnp.concatenate([c(self.w_q[...]), c(self.w_k[...]), c(self.w_v[...])], axis=1)  # N = H + 2G
     y_BTNK = self.kernels.einsum("btd,dnk->btnk", x_BTD, w_DNK)
     if self.b_q is not None:
       y_BTNK = y_BTNK + _lead(jnp.concatenate([c(self.b_q[...]), c(self.b_k[...]), c(self.b_v[...])]), 4)

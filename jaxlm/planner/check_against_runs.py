@@ -1,4 +1,5 @@
-"""Measured counterparts of jaxlm.planner.plan's predictions: a real train step's time and memory, and this host's rates.
+"""Measured counterparts of jaxlm.planner.plan's predictions: a real train step's time and memory, and this host's
+rates.
 
 `experiments/plan.py --measure` and `experiments/doctor.py` use these; the planner itself never runs a step.
 """
@@ -84,9 +85,9 @@ def check_step_prediction(config: Config, devices: Sequence[jax.Device] | None =
           "predicted_step_time_sec": predicted["step_time_sec"], "predicted": predicted,
           "step_time_error": predicted["step_time_sec"] / min(step_times) - 1,
           "compiled_memory_bytes": plan.compiled_memory_bytes(compiled),
-          "predicted_memory_bytes": estimates.predict_memory(estimates.as_compiled_on(config, devices[0].platform, sizes),
-                                                        sizes, config.train.grad_accum,
-                                                        devices[0].platform)["total"],
+          "predicted_memory_bytes": estimates.predict_memory(
+              estimates.as_compiled_on(config, devices[0].platform, sizes), sizes, config.train.grad_accum,
+              devices[0].platform)["total"],
           "collective_bytes": collective, "hardware": dataclasses.asdict(hardware)}
 
 

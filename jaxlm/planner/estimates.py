@@ -93,8 +93,8 @@ def saved_activation_bytes(model: ModelConfig, kernels: Kernels, seq_len: int, t
 
   Traces (never compiles) `jax.vjp` of the training loss on one device's shard: `shard_map` over a `tensor`-way
   mesh hands the model its tensor-parallel parameter shards (heads, MLP width, vocabulary split as in
-  jaxlm.parallel.sharding.RULES; FSDP shards arrive gathered, as `sharding.gather_fsdp` lays them out for compute), so the
-  residuals have exactly the per-device shapes: [B, T, D] activations whole, [B, T, F/tp] and [B, H/tp, T, T]
+  jaxlm.parallel.sharding.RULES; FSDP shards arrive gathered, as `sharding.gather_fsdp` lays them out for compute), so
+  the residuals have exactly the per-device shapes: [B, T, D] activations whole, [B, T, F/tp] and [B, H/tp, T, T]
   split. Residuals that are the parameters themselves, or slices of them (one layer's weights in a layer loop), cost
   nothing extra and are not counted; copies (a bf16 cast of an f32 weight) are. Remat policies change what is saved,
   and this count follows them. Kernels that cannot run on this host are traced through their stand-ins (the same

@@ -5,10 +5,11 @@
                head), the optimizer state of those only
   gradients    the trainable tree only, in f32 (and its running sum with accumulation)
   activations  what the LoRA step's own gradient (of the trainable tree, the base a constant) saves, traced as
-               jaxlm.planner.estimates traces full training (`lora_saved_activation_bytes`): the frozen base's backward still
-               needs the inputs of its matmuls to reach the adapters below, B's [b, T, out] products count under
+               jaxlm.planner.estimates traces full training (`lora_saved_activation_bytes`): the frozen base's backward
+               still needs the inputs of its matmuls to reach the adapters below, B's [b, T, out] products count under
                remat=dots, and without remat a quantized base's dequantized weights count (computed values)
-  working      as jaxlm.planner.estimates, plus one layer's dequantized weights (QLoRA) and, under FSDP, one gathered layer
+  working      as jaxlm.planner.estimates, plus one layer's dequantized weights (QLoRA) and,
+               under FSDP, one gathered layer
   step time    forward and input-gradient matmuls only (no weight gradients for the frozen base: 4 of the 6
                FLOPs per parameter and token), the attention matmuls, the adapters' own 6; the dequantization
                passes over the base in memory time; FSDP gathers the stored (quantized) base, reduces adapters only
@@ -37,16 +38,18 @@ from jaxlm.config import Config, LoRAConfig, ModelConfig, TrainConfig
 from jaxlm.planner.hardware import Hardware
 from jaxlm.kernels import Kernels
 from jaxlm.models.gpt import GPT
-from jaxlm.planner.estimates import (BACKWARD_WORKING_FRACTION, ELEMENTWISE_PASSES, OPTIMIZER_PASSES, OPTIMIZER_PHASE_TREES,
-                           REMAT_TRAFFIC, SAVED_PASSES, ActivationModel, _abstract_mesh, _new_buffers, abstract_batch,
-                           analytic_collective_bytes, planned_kernels, saved_activation_bytes)
+from jaxlm.planner.estimates import (BACKWARD_WORKING_FRACTION, ELEMENTWISE_PASSES, OPTIMIZER_PASSES,
+                                     OPTIMIZER_PHASE_TREES, REMAT_TRAFFIC, SAVED_PASSES, ActivationModel,
+                                     _abstract_mesh, _new_buffers, abstract_batch, analytic_collective_bytes,
+                                     planned_kernels, saved_activation_bytes)
 
 
 def lora_state_bytes(config: Config, sizes: tuple[int, int, int], platform: str | None = None) -> dict[str, float]:
   """Per-device bytes of a LoRA run's train state (jaxlm.adapters.lora.state_bytes of the abstract state), plus
   `target_params` (base weights with adapters, whole model), `target_layer_params` (one layer's, on one device of
   the tensor axis), `frozen_whole_bytes` and `trainable_whole_bytes` (the same on a 1-device mesh), and
-  `load_peak_bytes`: the state plus what loading init_from or writing the merged model adds (jaxlm/interop/streaming.py)."""
+  `load_peak_bytes`: the state plus what loading init_from or writing the merged model adds
+  (jaxlm/interop/streaming.py)."""
   kernels = planned_kernels(config, sizes, platform)
   return dict(_lora_state_bytes(config.model, config.lora, kernels_lib.runnable_on(kernels, jax.default_backend()),
                                 dataclasses.replace(config.train, grad_accum=1, batch_size=1), tuple(sizes)))
@@ -77,8 +80,8 @@ def _lora_state_bytes(model: ModelConfig, lora: LoRAConfig, kernels: Kernels, tr
 
 
 def _load_extra_bytes(plan: lora_lib.Plan, abstract_params: nnx.State, sizes: tuple[int, int, int]) -> float:
-  """Per device, beyond the state, while jaxlm/interop/streaming.py loads a checkpoint or writes the merged model: one float
-  parameter that is no target weight, or one layer of a target weight in f32 twice (placed, then its f32 copy to
+  """Per device, beyond the state, while jaxlm/interop/streaming.py loads a checkpoint or writes the merged model: one
+  float parameter that is no target weight, or one layer of a target weight in f32 twice (placed, then its f32 copy to
   quantize; or merged)."""
   shardings = lora_lib._flat(sharding.param_shardings(abstract_params, _abstract_mesh(sizes)))
   extra = 0.0
@@ -165,8 +168,8 @@ def lora_collective_bytes(config: Config, sizes: tuple[int, int, int], grad_accu
 
 def predict_lora_step_time(config: Config, sizes: tuple[int, int, int], grad_accum: int, hardware: Hardware,
                            collective_bytes: float) -> dict[str, Any]:
-  """Roofline of one LoRA optimizer step (parts as jaxlm.planner.estimates.predict_step_time); MFU counts the LoRA step's
-  own FLOPs (`lora_flops_per_token`)."""
+  """Roofline of one LoRA optimizer step (parts as jaxlm.planner.estimates.predict_step_time); MFU counts the LoRA
+  step's own FLOPs (`lora_flops_per_token`)."""
   data, fsdp, tensor = sizes
   devices = data * fsdp * tensor
   platform = hardware.platform or None
@@ -200,9 +203,9 @@ def predict_lora_step_time(config: Config, sizes: tuple[int, int, int], grad_acc
 
 def lora_saved_activation_bytes(config: Config, kernels: Kernels, tensor: int, local_batch: int) -> int:
   """Bytes one device keeps from the forward pass for the backward pass of a LoRA step, for `local_batch`
-  sequences, counted as jaxlm.planner.estimates.saved_activation_bytes counts them, on the gradient the train step takes: of
-  the trainable tree only, with the frozen base a constant of the loss (jaxlm.training.steps). Dequantized base weights
-  that the backward needs are computed values, so they count; views of the stored base do not."""
+  sequences, counted as jaxlm.planner.estimates.saved_activation_bytes counts them, on the gradient the train step
+  takes: of the trainable tree only, with the frozen base a constant of the loss (jaxlm.training.steps). Dequantized
+  base weights that the backward needs are computed values, so they count; views of the stored base do not."""
   if tensor > 1 and config.lora.base != "float":
     # A quantized weight's static shape is the whole weight's, so its shard cannot be dequantized inside shard_map:
     # traced on one device, scaled by how the tensor axis splits the base model's activations.
@@ -236,7 +239,8 @@ def lora_saved_activation_bytes(config: Config, kernels: Kernels, tensor: int, l
 
 def lora_activation_model(config: Config, sizes: tuple[int, int, int], platform: str | None = None
                           ) -> ActivationModel:
-  """jaxlm.planner.estimates.ActivationModel of a LoRA step (`lora_saved_activation_bytes`), from four traces, cached."""
+  """jaxlm.planner.estimates.ActivationModel of a LoRA step (`lora_saved_activation_bytes`), from four traces,
+  cached."""
   return _lora_activation_model(config.model, config.lora, planned_kernels(config, sizes, platform),
                                 config.data.seq_len, sizes[2])
 

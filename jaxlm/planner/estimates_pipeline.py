@@ -12,8 +12,8 @@ compiling, from the layout jaxlm/training/pipeline.py runs:
   - stages send activations forward and their gradients back to their neighbours only (`ppermute`), one
     [b, T, D] tensor per tick and direction, so PCIe's bandwidth matters far less than for tensor parallelism.
 
-The parts reuse jaxlm/planner/estimates.py's models of one device's state, saved activations and roofline, applied to the
-stage model. Dimension names: S stages, M micro-batches, b sequences per micro-batch on one device.
+The parts reuse jaxlm/planner/estimates.py's models of one device's state, saved activations and roofline, applied to
+the stage model. Dimension names: S stages, M micro-batches, b sequences per micro-batch on one device.
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ from jaxlm.training import pipeline as pipeline_lib
 from jaxlm.training import telemetry
 from jaxlm.config import Config, stage_layer_counts
 from jaxlm.planner.hardware import Hardware
-from jaxlm.planner.estimates import (BACKWARD_WORKING_FRACTION, ELEMENTWISE_PASSES, OPTIMIZER_PASSES, OPTIMIZER_PHASE_TREES,
-                           REMAT_TRAFFIC, SAVED_PASSES, analytic_collective_bytes, activation_model, planned_kernels,
-                           state_bytes)
+from jaxlm.planner.estimates import (BACKWARD_WORKING_FRACTION, ELEMENTWISE_PASSES, OPTIMIZER_PASSES,
+                                     OPTIMIZER_PHASE_TREES, REMAT_TRAFFIC, SAVED_PASSES, analytic_collective_bytes,
+                                     activation_model, planned_kernels, state_bytes)
 
 
 def bubble(num_stages: int, num_microbatches: int, schedule: str) -> float:

@@ -1,5 +1,6 @@
 """The layouts the planner compares: data, FSDP and tensor parallelism, their mixes, and pipelines of each schedule
-over data x FSDP (jaxlm/training/pipeline.py serves no tensor axis beside a pipeline), on a power-of-two device count."""
+over data x FSDP (jaxlm/training/pipeline.py serves no tensor axis beside a pipeline), on a power-of-two device
+count."""
 
 from __future__ import annotations
 
@@ -54,7 +55,8 @@ def as_layout(sizes: "tuple[int, ...] | Layout") -> Layout:
 
 def layouts(num_devices: int, num_layers: int | None = None) -> list[Layout]:
   """Every data x fsdp x tensor mix of `mesh_shapes`, and every pipeline of 2+ stages (a power of two dividing
-  `num_layers`) over data x fsdp on the devices left, once per schedule (jaxlm.training.pipeline: no tensor axis with it)."""
+  `num_layers`) over data x fsdp on the devices left, once per schedule (jaxlm.training.pipeline: no tensor axis with
+  it)."""
   result = [Layout(*s) for s in mesh_shapes(num_devices)]
   stages = 2
   while stages <= num_devices:

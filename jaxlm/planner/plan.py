@@ -1,17 +1,17 @@
 """Capacity and cost planner: will a model fit, how fast will it train, and what will the run cost, before renting.
 
-For every layout of every device count on every hardware profile (jaxlm/planner/hardware.py; layouts: jaxlm/planner/layouts.py,
-data / FSDP / tensor mixes and pipelines), in the dtype the hardware has (`for_hardware`), the planner takes the
-split into micro-batches that fits (jaxlm/planner/estimates.py: state, gradients, saved activations; predict_pipeline.py and
-predict_lora.py for pipelines and LoRA; no compiling), the roofline step time and MFU, all for the kernels the run
-would use there (`planned_kernels`: config.kernels with `auto` resolved for the profile's platform, the compute
-dtype and the mesh), and the run's wall time and cost on on-demand and spot devices, or hours and energy on owned
-ones (`run_cost`, with checkpoint writes and the work lost to preemptions). jaxlm/planner/advice.py says in words
+For every layout of every device count on every hardware profile (jaxlm/planner/hardware.py; layouts:
+jaxlm/planner/layouts.py, data / FSDP / tensor mixes and pipelines), in the dtype the hardware has (`for_hardware`), the
+planner takes the split into micro-batches that fits (jaxlm/planner/estimates.py: state, gradients, saved activations;
+predict_pipeline.py and predict_lora.py for pipelines and LoRA; no compiling), the roofline step time and MFU, all for
+the kernels the run would use there (`planned_kernels`: config.kernels with `auto` resolved for the profile's platform,
+the compute dtype and the mesh), and the run's wall time and cost on on-demand and spot devices, or hours and energy on
+owned ones (`run_cost`, with checkpoint writes and the work lost to preemptions). jaxlm/planner/advice.py says in words
 which layout wins and why.
 `compile_train_step` + `compiled_memory_bytes` check a prediction against the real train step compiled by XLA for
 simulated CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=N): its buffer assignment from
-`memory_analysis()`, its collective bytes from the HLO (jaxlm/planner/hlo_traffic.py). Tens of seconds per program on a CPU, so
-experiments/plan.py compiles the chosen candidates only and reports both numbers.
+`memory_analysis()`, its collective bytes from the HLO (jaxlm/planner/hlo_traffic.py). Tens of seconds per program on a
+CPU, so experiments/plan.py compiles the chosen candidates only and reports both numbers.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 The run goes through pretraining's loop, `loop.run_loop` (resume, stop signals, non-finite skipping, metric windows,
 eval cadence, checkpoints with the loader position, report.md), and its pieces: the sharded init
-(`features_lib.train_state_from_config`) and the jitted steps (`steps_lib.jit_steps` with a classification loss). This module keeps
-what is specific to classification (its `loop.Task`):
+(`features_lib.train_state_from_config`) and the jitted steps (`steps_lib.jit_steps` with a classification loss). This
+module keeps what is specific to classification (its `loop.Task`):
 
   init_from   (jaxlm/recipes/init_from.py) an HF checkpoint folder (config.json + safetensors, e.g. all-MiniLM-L6-v2)
               or a jaxlm run workdir (its latest orbax checkpoint); the encoder (and a classification head for the
@@ -17,9 +17,10 @@ what is specific to classification (its `loop.Task`):
               tokenizer.json, eval.json) of the step with the best `train.best_metric`; transformers loads it and
               `jaxlm.hf.from_pretrained` returns a BertForSequenceClassification.
   eval.json   the final evaluation as flat numbers, plus best_step and best_<metric>, the trainable parameter count
-              and the per-device bytes of the trainable params, optimizer state and frozen base (jaxlm.adapters.lora.state_bytes).
-  LoRA        `lora.rank > 0`: only adapters and the head train (jaxlm/adapters/lora.py); best_model/ holds the merged weights,
-              `<workdir>/adapter/` the final adapters as a PEFT folder (jaxlm/interop/peft_folders.py).
+              and the per-device bytes of the trainable params, optimizer state and frozen base
+              (jaxlm.adapters.lora.state_bytes).
+  LoRA        `lora.rank > 0`: only adapters and the head train (jaxlm/adapters/lora.py); best_model/ holds the merged
+              weights, `<workdir>/adapter/` the final adapters as a PEFT folder (jaxlm/interop/peft_folders.py).
 
 Metrics in metrics.jsonl: `loss`, `train_accuracy`, `tokens_per_sec` (real, unpadded tokens), `padded_tokens_per_sec`,
 `examples_per_sec`, `mfu` (of the padded tokens), `grad_norm`, `update_norm`, `param_norm`, `learning_rate`,
@@ -147,8 +148,9 @@ def classification_task(config: Config, workdir: str, mesh: Mesh, kernels: Kerne
                      f"{', '.join(k for k in known_metrics if '/' not in k)} or f1/<class>")
   _check_labels_file(workdir, class_names)
   stats_line = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in data.stats.items())
-  data_defaults.print_on_process_0(seq_lengths.truncation_warning(data.stats["truncated_examples"], len(data.train) + len(data.eval),
-                                                d.seq_len, model_config.max_seq_len, chosen_seq_len))
+  data_defaults.print_on_process_0(seq_lengths.truncation_warning(data.stats["truncated_examples"],
+                                                                  len(data.train) + len(data.eval), d.seq_len,
+                                                                  model_config.max_seq_len, chosen_seq_len))
   data_defaults.print_on_process_0(data_defaults.describe_steps(t, len(data.train), derived=derived_steps))
   if jax.process_index() == 0:
     print(f"data: {stats_line}", flush=True)
@@ -176,7 +178,8 @@ def classification_task(config: Config, workdir: str, mesh: Mesh, kernels: Kerne
       head_fits = saved_names is not None and (saved_names == class_names or (
           len(saved_names) == num_labels and saved_names == [f"LABEL_{i}" for i in range(num_labels)]))
       params = pretrained.params if head_fits else {"bert": pretrained.params["bert"]}
-      if "frozen" in state:  # LoRA: the checkpoint becomes the frozen base (jaxlm/adapters/lora.py); adapters start fresh
+      if "frozen" in state:  # LoRA: the checkpoint becomes the frozen base (jaxlm/adapters/lora.py);
+                             # adapters start fresh
         state, kept_random = streaming.load_base(state, state_shardings, config.lora, make_model, mesh, params,
                                                config.init_from, t.seed, strict=False)  # one leaf at a time
       else:

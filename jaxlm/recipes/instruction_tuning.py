@@ -15,8 +15,8 @@ non-finite skipping, eval cadence, checkpoints, report.md); this module is its `
               (`log.sample_tokens` new tokens at most); eval.json the final evaluation as flat numbers;
               `<workdir>/hf_model/` the tuned model as an HF folder (transformers loads it).
   LoRA        `lora.rank > 0`: the base frozen (int8/NF4 with `lora.base`), only the adapters train, through the same
-              train state as classification (jaxlm/adapters/lora.py); hf_model/ holds the merged weights, `<workdir>/adapter/`
-              the adapters as a PEFT folder (jaxlm/interop/peft_folders.py).
+              train state as classification (jaxlm/adapters/lora.py); hf_model/ holds the merged weights,
+              `<workdir>/adapter/` the adapters as a PEFT folder (jaxlm/interop/peft_folders.py).
 """
 
 from __future__ import annotations
@@ -123,8 +123,9 @@ def instruction_task(config: Config, workdir: str, mesh: Mesh, kernels: Kernels)
   t, d = data_defaults.resolve_steps(t, len(data.train)), dataclasses.replace(d, seq_len=data.seq_len)
   config = dataclasses.replace(config, model=model_config, train=t, data=d)
   stats = data.stats
-  data_defaults.print_on_process_0(seq_lengths.truncation_warning(stats["truncated_pairs"], stats["train_pairs"] + stats["eval_pairs"],
-                                                d.seq_len, model_config.max_seq_len, chosen_seq_len))
+  data_defaults.print_on_process_0(seq_lengths.truncation_warning(stats["truncated_pairs"],
+                                                                  stats["train_pairs"] + stats["eval_pairs"], d.seq_len,
+                                                                  model_config.max_seq_len, chosen_seq_len))
   data_defaults.print_on_process_0(data_defaults.describe_steps(t, len(data.train), derived_steps, unit="packed rows"))
   if jax.process_index() == 0:
     print("data: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in stats.items()),
@@ -143,7 +144,8 @@ def instruction_task(config: Config, workdir: str, mesh: Mesh, kernels: Kernels)
 
   def start(state: TrainState, start_step: int) -> TrainState:
     if start_step == 0:
-      if "frozen" in state:  # LoRA: the checkpoint becomes the frozen base, one leaf at a time (jaxlm/interop/streaming.py)
+      if "frozen" in state:  # LoRA: the checkpoint becomes the frozen base, one leaf at a time
+                             # (jaxlm/interop/streaming.py)
         state, _ = streaming.load_base(state, state_shardings, config.lora, make_model, mesh, decoder.params,
                                      config.init_from, t.seed)
       else:
@@ -172,7 +174,8 @@ def instruction_task(config: Config, workdir: str, mesh: Mesh, kernels: Kernels)
     examples = generated_examples(graphdef, params, decoder.tokenizer, data, config.log.sample_tokens,
                                   model_config, t.seed)
     # Every process joins the gathers; process 0 writes. LoRA: hf_model/ holds the merged weights.
-    hf_weights.save_pretrained(nnx.merge(graphdef, params), os.path.join(workdir, HF_MODEL))  # merged one weight at a time
+    hf_weights.save_pretrained(nnx.merge(graphdef, params),
+                               os.path.join(workdir, HF_MODEL))  # merged one weight at a time
     if jax.process_index() == 0:
       decoder.tokenizer.save(os.path.join(workdir, HF_MODEL, "tokenizer.json"))
     result: dict[str, Any] = {f"start_{k}": v for k, v in _read_json(os.path.join(workdir, START_EVAL)).items()}

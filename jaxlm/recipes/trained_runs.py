@@ -69,7 +69,8 @@ def load_decoder_run(workdir: str, mesh_tensor: int = 1, mesh_config: config_lib
   return config, built["graphdef"], built["features"].model_params(state), tokenizer, step
 
 
-WEIGHTS = ("float", "weight_only", "w8a8_dynamic")  # the trained weights, or jaxlm.compress.quantization's calibration-free int8
+WEIGHTS = ("float", "weight_only", "w8a8_dynamic")  # the trained weights, or jaxlm.compress.quantization's
+                                                    # calibration-free int8
 
 
 def with_weights(graphdef, params, weights: str = "float"):
@@ -145,9 +146,9 @@ def lm_task(workdir: str, config, *, calibration_batches: int, finetune_steps: i
 def classifier_task(workdir: str, config, *, calibration_batches: int, finetune_steps: int, finetune_orders: int = 1,
                     finetune_seed: int = 0, distill_files: tuple[str, ...] = (), distill_temperature: float = 2.0
                     ) -> TrainedRun:
-  """A classifier_finetuning.py run (its config `config`): held-out accuracy and macro-F1 of its best model, whose evaluation also
-  returns the predictions (PREDICTIONS), `calibration_batches` training batches spread from short to long, and
-  `finetune_orders` random orders (seeds finetune_seed + k) of `finetune_steps` training batches.
+  """A classifier_finetuning.py run (its config `config`): held-out accuracy and macro-F1 of its best model, whose
+  evaluation also returns the predictions (PREDICTIONS), `calibration_batches` training batches spread from short to
+  long, and `finetune_orders` random orders (seeds finetune_seed + k) of `finetune_steps` training batches.
 
   `distill_files` (unlabelled text of the task): the fine-tune batches are drawn from their texts instead, and the
   loss distils the float model's outputs on them (`jaxlm.compress.distill`, `distill_temperature`)."""
@@ -168,8 +169,8 @@ def classifier_task(workdir: str, config, *, calibration_batches: int, finetune_
 
   def evaluate(m):
     g, p = nnx.split(m)
-    result = classifier_finetuning.run_eval(jax.jit(classifier_finetuning.make_eval_step(g)), p, eval_batches, data.eval, data.class_names, mesh,
-                               with_predictions=True)
+    result = classifier_finetuning.run_eval(jax.jit(classifier_finetuning.make_eval_step(g)), p, eval_batches,
+                                            data.eval, data.class_names, mesh, with_predictions=True)
     return {"accuracy": result["accuracy"], "f1_macro": result["f1_macro"], "loss": result["loss"],
             "eval_examples": result["examples"],
             PREDICTIONS: (result["labels"], result["predictions"], len(data.class_names))}

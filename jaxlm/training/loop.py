@@ -1,5 +1,5 @@
-"""THE training loop. The steps it runs (jitted, sharded, state donated) are in jaxlm/training/steps.py. Metrics stay on the
-device and are read one step late, so the host never waits for the device.
+"""THE training loop. The steps it runs (jitted, sharded, state donated) are in jaxlm/training/steps.py. Metrics stay on
+the device and are read one step late, so the host never waits for the device.
 
 Every kind of run goes through one loop, `run_loop`: pretraining, classifier fine-tuning and instruction tuning
 (jaxlm/recipes/) each describe themselves as a `Task` (their steps, data, per-step counts, evaluation and report),
@@ -76,6 +76,7 @@ def prepare_run(config: Config, workdir: str, causal: bool = True) -> tuple[Conf
   the devices, the batch splits over the data axes, the micro-batches and the processes, and config.kernels resolves
   for this platform, compute dtype and mesh (`causal`: a decoder's attention; printed once). Returns the config with
   the resolved kernels in place of `auto` (what config.json and report.md record), the mesh and the kernels."""
+  kernels_lib.validate_kernels(config.kernels)  # names the registry lists, before anything is written
   if os.path.exists(workdir) and not os.path.isdir(workdir):
     raise ValueError(f"--workdir={workdir!r} is a file, not a folder; give a folder path (it is created)")
   os.makedirs(workdir, exist_ok=True)

@@ -29,7 +29,8 @@ def warmup_steps(config: TrainConfig) -> int:
 
 def learning_rate_schedule(config: TrainConfig) -> optax.Schedule:
   if config.steps < 1:
-    raise ValueError(f"train.steps={config.steps}: derive the steps from the data first (jaxlm.recipes.data_defaults.resolve_steps)")
+    raise ValueError(f"train.steps={config.steps}: derive the steps from the data first "
+                     "(jaxlm.recipes.data_defaults.resolve_steps)")
   warmup = warmup_steps(config)
   return optax.warmup_cosine_decay_schedule(
       init_value=0.0, peak_value=config.learning_rate, warmup_steps=warmup,

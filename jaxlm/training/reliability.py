@@ -4,8 +4,8 @@ Preemption: spot and preemptible machines get SIGTERM some seconds before they v
 SIGINT (Ctrl-C). `StopSignals` turns the first of either into a flag that the training loop reads after each step;
 the loop then saves a checkpoint with the data position and returns normally, so the next start resumes exactly
 there. A second signal means "now": it raises KeyboardInterrupt, which is safe too, because an interrupted save
-leaves only a temporary folder that restore ignores (see jaxlm/training/checkpoint.py). SIGUSR1 is a notice: it stops the
-run the same way but never counts as that second signal (the launchers in launch/ pass their signals on as it).
+leaves only a temporary folder that restore ignores (see jaxlm/training/checkpoint.py). SIGUSR1 is a notice: it stops
+the run the same way but never counts as that second signal (the launchers in launch/ pass their signals on as it).
 
 Non-finite steps: the jitted train step itself skips an update whose loss, gradients or updates are not finite
 (parameters and optimizer state stay bit-identical, no host sync); `NonFiniteCounter` counts those skips on the host
