@@ -225,11 +225,25 @@ def test_smoothing_keeps_the_float_function(name):
     assert isinstance(blocks(after)["attn"]["w_q"], jax.Array)
     np.testing.assert_allclose(blocks(after)["attn_norm"]["scale"] * factors["blocks/attn/w_q"],
                                blocks(before)["attn_norm"]["scale"], rtol=1e-5)
-  # s_j = max|X_j|^a / max|W_j|^(1-a), recomputed by hand for the MLP's input weight (not shared with another).
+  # s_j = max|X_j|^a / max|W_j|^(1-a), recomputed by hand for the MLP's input weight (not shared with another), in
+  # the layers where it lowers the int8 noise (smoothquant.helps), 1 in the others.
   path = {"bert": "bert/blocks/mlp/w_in", "gpt2": "blocks/mlp/w_in", "llama": "blocks/mlp/w_down"}[name]
   w = np.asarray(blocks(before)["mlp"][path.split("/")[-1]])
-  expected = np.sqrt(statistics[path].absmax.max(axis=0)) / np.sqrt(np.abs(w).max(axis=2))
-  np.testing.assert_allclose(factors[path], expected, rtol=1e-5)
+  act = statistics[path].absmax.max(axis=0)
+  expected = np.sqrt(act) / np.sqrt(np.abs(w).max(axis=2))
+  useful = smoothquant.helps(expected, act, np.square(w).sum(axis=2), stacked=True)
+  np.testing.assert_allclose(factors[path], np.where(useful[:, None], expected, 1.0), rtol=1e-5)
+
+
+def test_smoothing_is_kept_where_it_lowers_the_int8_noise_and_left_out_where_it_raises_it():
+  """An outlier input channel meeting ordinary weight rows is smoothed (SmoothQuant's case). Where the input's large
+  channels meet the large weight rows, s would only scale the small rows up under the same input range: left out."""
+  def useful(act, weight_absmax):
+    act, weight_absmax = np.array([act]), np.array([weight_absmax])  # [L=1, C]
+    s = smoothquant.factors(act, weight_absmax, 0.5)
+    return smoothquant.helps(s, act, np.square(weight_absmax), stacked=True).tolist()
+  assert useful([1.0, 1.0, 1.0, 20.0], [1.0, 1.0, 1.0, 1.0]) == [True]
+  assert useful([1.0, 1.0, 1.0, 10.0], [0.1, 0.1, 0.1, 10.0]) == [False]
 
 
 def test_dynamic_scales_and_smoothing_beat_static_scales_on_an_outlier_channel():

@@ -67,6 +67,26 @@ def factors(act_absmax: np.ndarray, weight_absmax: np.ndarray, strength: float) 
   return np.where(valid, s, 1.0)
 
 
+def helps(s: np.ndarray, act_absmax: np.ndarray, weight_energy: np.ndarray, stacked: bool) -> np.ndarray:
+  """Whether smoothing by `s` [L?, *C] lowers the int8 noise at the matmul's output, per layer ([L], or one bool).
+  With one input scale per tensor that noise goes as max_c(a_c / s_c)^2 * sum_c s_c^2 |W_c|^2 (a_c: the input's
+  absmax, |W_c|^2: the weight's energy in input channel c). Smoothing lowers it when the input's outlier channels
+  meet ordinary weights; where they meet outlier weights too (BERT's MLP output projections), it raises it."""
+  axes = tuple(range(int(stacked), s.ndim))
+  noise = lambda f: np.max(act_absmax / f, axis=axes) ** 2 * np.sum(f ** 2 * weight_energy, axis=axes)  # noqa: E731
+  return noise(s) < noise(np.ones_like(s))
+
+
+def _per_layer(mask: np.ndarray, ndim: int) -> np.ndarray:
+  return np.reshape(mask, np.shape(mask) + (1,) * (ndim - np.ndim(mask)))
+
+
+def _weight_energy(w: np.ndarray, contracted: tuple[int, ...], stacked: bool) -> np.ndarray:
+  """sum W^2 per input channel: [L?, *C]."""
+  keep = set(contracted) | ({0} if stacked else set())
+  return np.sum(np.square(w), axis=tuple(a for a in range(w.ndim) if a not in keep))
+
+
 def _weight_absmax(w: np.ndarray, contracted: tuple[int, ...], stacked: bool) -> np.ndarray:
   """max |W| per input channel: [L?, *C] (over every axis that is neither the layer nor a contracted one)."""
   keep = set(contracted) | ({0} if stacked else set())
@@ -117,6 +137,9 @@ def smooth(model: nnx.Module, statistics: dict, strength: float) -> tuple[nnx.Mo
                                 ).max(axis=int(stacked) + 1)  # noqa: E731
     s_producer = factors(group(act), group(weight), strength)
     s = np.repeat(s_producer, repeat, axis=int(stacked))  # query head h reads key/value head h // repeat
+    energy = np.sum([_weight_energy(values[c], *layout[c]) for c in fold.consumers], axis=0)
+    useful = helps(s, act, energy, stacked)  # a layer where smoothing adds noise keeps its weights as they are
+    s_producer, s = (np.where(_per_layer(useful, f.ndim), f, 1.0) for f in (s_producer, s))
     for p in fold.producers:
       v = values[p]
       values[p] = v / _along(s_producer, v.ndim, tuple(range(v.ndim - len(channels), v.ndim)), stacked)
@@ -130,6 +153,8 @@ def smooth(model: nnx.Module, statistics: dict, strength: float) -> tuple[nnx.Mo
     if name in scales or name.endswith("embedding"):
       continue
     s = factors(input_absmax(name), _weight_absmax(values[name], contracted, stacked), strength)
+    useful = helps(s, input_absmax(name), _weight_energy(values[name], contracted, stacked), stacked)
+    s = np.where(_per_layer(useful, s.ndim), s, 1.0)
     values[name] = values[name] * _along(s, values[name].ndim, contracted, stacked)
     scales[name], runtime[name] = s, 1.0 / s
     changed.add(name)
