@@ -16,9 +16,9 @@ $(VENV)/.installed: pyproject.toml | $(PY)
 	$(PY) -m pip install --quiet -e .
 	touch $@
 
-$(VENV)/.installed-test: pyproject.toml $(VENV)/.installed
+$(VENV)/.installed-test: pyproject.toml | $(PY)
 	$(PY) -m pip install --quiet -e ".[dev,hf]"
-	touch $@
+	touch $(VENV)/.installed $@
 
 install: $(VENV)/.installed
 

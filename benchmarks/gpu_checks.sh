@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The GPU speed checks as ONE script, for a short device session. Each part has its own time limit, so one failure
-# or hang does not eat the rest (every part writes its own files as it ends). Results go under OUT
+# The GPU speed checks as ONE script, for a short device session: the parts' time limits add up to 9 minutes, so
+# one failure or hang does not eat the rest (every part writes its own files as it ends). Results go under OUT
 # (default runs/gpu_checks):
 #   ab_gpt2/ab.json           GPT-2 124M, bf16, seq 1024, batch 32: jaxlm's options side by side in ONE process,
 #                             rounds interleaved (benchmarks/ab_step.py), beside torch.compile's HF GPT-2 step of the
@@ -8,7 +8,7 @@
 #   profile_gpt2/profile.json where the baseline step's time goes, kernel by kernel (benchmarks/profile_step.py)
 #   ab_llama/ab.json          the ~1.1B Llama flavour, seq 2048, batch 8: options side by side
 #   profile_llama/profile.json  its baseline step kernel by kernel
-#   ab_kernels/ab.json        the Llama flavour's kernels side by side: attention cuDNN (auto) / XLA / tokamax,
+#   ab_kernels/ab.json        the Llama flavour (4 layers) side by side: attention cuDNN (auto) / XLA / tokamax,
 #                             tokamax's RMSNorm and gated linear unit against XLA's
 #   ab_fp16/ab.json           GPT-2 in float16 with dynamic loss scaling against bf16
 #   qlora_7b/step_memory.json a QLoRA (NF4 base, rank 64) step of a random 7B Llama: the measured peak memory beside
@@ -28,21 +28,24 @@ cd "$(dirname "$0")/.."
 mkdir -p "$OUT"
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.9} PYTHONUNBUFFERED=1
 TINY=""  # overrides appended to every --config: none on a GPU
-ROUNDS=(--rounds=5 --steps_per_round=5)
+ROUNDS=(--rounds=3 --steps_per_round=5)
+KERNEL_LAYERS="--config.model.num_layers=4"  # the kernels' A/B: per-layer costs, a quarter of the compiles
 GPU_PLATFORM=cuda
 TORCH=--torch
 INT8_SHAPE=(--batch=64 --seq=128)
 if [ "${GPU_CHECKS_DRY_RUN:-0}" = 1 ]; then
   TINY="--config.model.num_layers=2 --config.model.d_model=128 --config.model.num_heads=2 --config.model.num_kv_heads=2"
   TINY+=" --config.model.d_ff=256 --config.model.vocab_size=512 --config.data.seq_len=32 --config.train.batch_size=4"
-  ROUNDS=(--rounds=1 --steps_per_round=1)
+  ROUNDS=(--rounds=1 --steps_per_round=1 --warmup_steps_per_round=0)
   TORCH=""
+  KERNEL_LAYERS=""
   INT8_SHAPE=(--batch=2 --seq=8 --repeats=1)
   GPU_PLATFORM=cpu  # the cuDNN test is skipped there
 fi
 
-gpu_only() {  # the variants of a list that a dry run can compile: XLA:GPU options (xla.*) are left out there
-  if [ "${GPU_CHECKS_DRY_RUN:-0}" = 1 ]; then tr ',' '\n' <<<"$1" | grep -v ":xla\." | paste -sd, -; else echo "$1"; fi
+gpu_only() {  # a dry run leaves out the XLA:GPU options (xla.*), which the CPU lacks, and the batch-size variants
+  if [ "${GPU_CHECKS_DRY_RUN:-0}" = 1 ]; then tr ',' '\n' <<<"$1" | grep -v ":xla\.\|batch_size" | paste -sd, -
+  else echo "$1"; fi
 }
 
 part() {  # part <seconds> <name> <command...>: runs one check, logs its status, never stops the script
@@ -63,30 +66,29 @@ TRITON_BLOCKS="triton_blocks:xla.xla_gpu_experimental_enable_fusion_block_level_
 VARIANTS="base:,ln_cudnn:xla.xla_gpu_enable_cudnn_layer_norm=True,$TRITON_BLOCKS"
 VARIANTS+=",triton_mof:xla.xla_gpu_unsupported_enable_triton_multi_output_fusion=True,b64:train.batch_size=64"
 # torch.compile runs in the same process: JAX must not take 90% of the memory up front.
-XLA_PYTHON_CLIENT_PREALLOCATE=false part 240 ab_gpt2 $PY benchmarks/ab_step.py $GPT2 $TORCH "${ROUNDS[@]}" \
+XLA_PYTHON_CLIENT_PREALLOCATE=false part 90 ab_gpt2 $PY benchmarks/ab_step.py $GPT2 $TORCH "${ROUNDS[@]}" \
     --workdir="$OUT/ab_gpt2" --variants="$(gpu_only "$VARIANTS")"
-part 90 profile_gpt2 $PY benchmarks/profile_step.py $GPT2 --workdir="$OUT/profile_gpt2" --top=30
+part 40 profile_gpt2 $PY benchmarks/profile_step.py $GPT2 --workdir="$OUT/profile_gpt2" --top=30
 LLAMA="--config=benchmarks/configs/bench_llama_1b.py $TINY"
-# Batch 16: fixed per-step costs spread over twice the tokens. Four contenders' states and temporaries must fit:
-# JAX allocates as it goes, not 75% up front.
-XLA_PYTHON_CLIENT_PREALLOCATE=false part 200 ab_llama $PY benchmarks/ab_step.py $LLAMA "${ROUNDS[@]}" \
+# Three contenders' states and temporaries must fit: JAX allocates as it goes, not 75% up front.
+XLA_PYTHON_CLIENT_PREALLOCATE=false part 90 ab_llama $PY benchmarks/ab_step.py $LLAMA "${ROUNDS[@]}" \
     --workdir="$OUT/ab_llama" \
-    --variants="$(gpu_only "base:,qkv:kernels.fuse_qkv=separate,$TRITON_BLOCKS,b16:train.batch_size=16")"
-part 90 profile_llama $PY benchmarks/profile_step.py $LLAMA --workdir="$OUT/profile_llama" --top=30
+    --variants="$(gpu_only "base:,qkv:kernels.fuse_qkv=separate,$TRITON_BLOCKS")"
+part 40 profile_llama $PY benchmarks/profile_step.py $LLAMA --workdir="$OUT/profile_llama" --top=30
 # tokamax's kernels (not picked by `auto` until measured) against cuDNN and XLA; a kernel this image cannot run is
 # reported and skipped.
 KERNELS="base:,attention_xla:kernels.attention=xla,attention_tokamax:kernels.attention=tokamax"
 KERNELS+=",norm_tokamax:kernels.norm=tokamax,glu_tokamax:kernels.glu=tokamax"
-XLA_PYTHON_CLIENT_PREALLOCATE=false part 150 ab_kernels $PY benchmarks/ab_step.py $LLAMA "${ROUNDS[@]}" \
+XLA_PYTHON_CLIENT_PREALLOCATE=false part 80 ab_kernels $PY benchmarks/ab_step.py $LLAMA $KERNEL_LAYERS "${ROUNDS[@]}" \
     --workdir="$OUT/ab_kernels" --variants="$KERNELS"
 # float16 compute (dynamic loss scaling, jaxlm/training/loss_scale.py) against bf16, for GPUs without bf16.
-XLA_PYTHON_CLIENT_PREALLOCATE=false part 120 ab_fp16 $PY benchmarks/ab_step.py $GPT2 "${ROUNDS[@]}" \
+XLA_PYTHON_CLIENT_PREALLOCATE=false part 50 ab_fp16 $PY benchmarks/ab_step.py $GPT2 "${ROUNDS[@]}" \
     --workdir="$OUT/ab_fp16" --variants="bf16:,fp16:model.compute_dtype=float16"
-part 240 qlora_7b $PY benchmarks/step_memory.py --config=experiments/configs/llama_7b_qlora.py $TINY \
+part 100 qlora_7b $PY benchmarks/step_memory.py --config=experiments/configs/llama_7b_qlora.py $TINY \
     --config.train.batch_size=4 --workdir="$OUT/qlora_7b"
-part 60 int8 $PY benchmarks/bench_int8.py "${INT8_SHAPE[@]}" --out="$OUT/int8.json"
+part 20 int8 $PY benchmarks/bench_int8.py "${INT8_SHAPE[@]}" --out="$OUT/int8.json"
 # cuDNN attention against the XLA reference (bf16, packed documents): the one test the CPU suite skips.
-JAX_PLATFORMS=$GPU_PLATFORM part 90 test_cudnn $PY -m pytest -q -p no:cacheprovider tests/test_kernels.py -k cudnn
+JAX_PLATFORMS=$GPU_PLATFORM part 30 test_cudnn $PY -m pytest -q -p no:cacheprovider tests/test_kernels.py -k cudnn
 rm -rf "$OUT/profile_gpt2/trace" "$OUT/profile_llama/trace"  # the raw traces are too deep and large to come back
 grep -h -B1 -A12 "ms/step (min" "$OUT/log.txt" | grep -v "^WARNING\|^I0\|^W0" >"$OUT/summary.txt"
 grep -h -A45 "ms wall; ops" "$OUT/log.txt" >>"$OUT/summary.txt"

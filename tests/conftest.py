@@ -42,6 +42,18 @@ def pytest_sessionfinish(session, exitstatus):
     shutil.rmtree(_OWN_CACHE, ignore_errors=True)
 
 
+# The files that take longest, started first: both xdist workers (--dist loadfile: one file to one worker) then end
+# together instead of one waiting on a long file handed out last.
+LONGEST_FIRST = ("test_slurm", "test_gpu_checks", "test_multiprocess", "test_finetune", "test_kernels", "test_parallel",
+                 "test_train", "test_plan", "test_lora", "test_pipeline", "test_distill", "test_optimize")
+
+
+def pytest_collection_modifyitems(session, config, items):
+  del session, config
+  rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+  items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: the order inside a file is kept
+
+
 def xla_flags_without_device_count() -> str:
   """The suite's XLA flags (its cheaper compile settings) for a subprocess that chooses its own device count."""
   return re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", "")).strip()

@@ -3,9 +3,10 @@ its end and writes its results, so a GPU session's minutes are not lost to a bro
 
 import json
 import os
-import re
 import subprocess
 import sys
+
+from conftest import xla_flags_without_device_count
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = ("ab_gpt2/ab.json", "profile_gpt2/profile.json", "ab_llama/ab.json", "profile_llama/profile.json",
@@ -15,9 +16,8 @@ RESULTS = ("ab_gpt2/ab.json", "profile_gpt2/profile.json", "ab_llama/ab.json", "
 def test_every_part_runs_on_tiny_shapes(tmp_path):
   out = tmp_path / "gpu_checks"
   # One device (the GPU script's meshes are one GPU's), and the suite's other XLA flags (fast CPU compiles).
-  flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
   env = {**os.environ, "GPU_CHECKS_DRY_RUN": "1",
-         "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count=1".strip()}
+         "XLA_FLAGS": f"{xla_flags_without_device_count()} --xla_force_host_platform_device_count=1"}
   done = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu_checks.sh"), sys.executable, str(out)],
                         env=env, capture_output=True, text=True, timeout=600)
   log = (out / "log.txt").read_text()
