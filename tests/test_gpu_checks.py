@@ -1,5 +1,7 @@
 """benchmarks/gpu_checks.sh, the one script a lent GPU runs, dry-run on tiny shapes on the CPU: every part runs to
-its end and writes its results, so a GPU session's minutes are not lost to a broken flag or path."""
+its end and writes its results, so a GPU session's minutes are not lost to a broken flag or path. Its files also
+show benchmarks/ab_step.py skipping the variants that cannot run (tokamax on the CPU) and timing the rest, and
+benchmarks/profile_step.py writing a profiled step with its time by kind."""
 
 import json
 import os
@@ -29,3 +31,21 @@ def test_every_part_runs_on_tiny_shapes(tmp_path):
   assert memory["lora"] == "rank 64 base nf4" and memory["predicted_peak_bytes"] > 0
   fp16 = json.loads((out / "ab_fp16" / "ab.json").read_text())
   assert "fp16" in json.dumps(fp16)
+  ab = json.loads((out / "ab_kernels" / "ab.json").read_text())
+  assert set(ab["failed"]) == {"attention_tokamax", "norm_tokamax", "glu_tokamax"}, ab["failed"]
+  assert "runs on gpu/tpu, not cpu" in ab["failed"]["attention_tokamax"]
+  assert set(ab["rows"]) == {"base", "attention_xla"} and ab["rows"]["base"]["tokens_per_sec"] > 0
+  assert 0 < ab["rows"]["base"]["mfu"]
+  profile = json.loads((out / "profile_gpt2" / "profile.json").read_text())
+  assert profile["step_ms"] > 0 and profile["top_ops"]
+  # Each top op says what it computes: its shape and the JAX operation it came from.
+  assert any(row.get("source", "").startswith("jit(") and row.get("shape") for row in profile["top_ops"])
+  # Every op counted has a kind, and the kinds add up to the total. (Which kind leads is not asserted: on a
+  # tiny model and a shared 2-core machine the thunks' times are mostly waiting.)
+  kinds = profile["kinds_ms"]
+  assert kinds["matmul"] > 0 and set(kinds) <= {"matmul", "attention (cuDNN)", "custom-call", "collective",
+                                                 "copy/transpose", "slicing", "reduce", "elementwise"}, kinds
+  assert abs(sum(kinds.values()) - profile["op_ms_total"]) < 1e-6 * profile["op_ms_total"] + 1e-9
+  shares = profile["wall_time_shares"]
+  assert set(shares) <= {"library alone", "library beside XLA ops", "one XLA op", "several XLA ops", "nothing"}
+  assert abs(sum(shares.values()) - 1) < 1e-9, shares
