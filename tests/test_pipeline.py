@@ -218,7 +218,6 @@ def test_a_pipeline_that_does_not_fit_the_devices_stops_before_anything_is_writt
 
 
 def test_a_task_with_its_own_loss_is_refused_on_a_pipeline(four_stages):
-  loss_fn = lambda params, batch: (0.0, (1.0, {}))
   with pytest.raises(ValueError, match=r"a task with another loss \(fine-tuning\) needs mesh.pipeline=1"):
     features_lib.features_from_config(four_stages.config, four_stages.mesh, lambda rngs: None,
                                       language_model_loss=False)

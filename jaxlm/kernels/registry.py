@@ -18,7 +18,6 @@ them there is an error.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Callable, NamedTuple
 
 import jax
