@@ -130,7 +130,7 @@ class TrainConfig:
   grad_accum: int = _ranged(1, 1)  # micro-batches per step; batch_size must be divisible by it
   seed: int = 0  # seeds init, data order and sampling
   learning_rate: float = _ranged(6e-4, 0, note="0 = fine-tuning's rate for the method")  # peak rate; 0: the
-  # fine-tuning recipes choose it (5e-5 full, 5e-4 LoRA: jaxlm/recipes/data_defaults.py)
+  # fine-tuning recipes choose it (5e-5 full, 1e-3 LoRA: jaxlm/recipes/data_defaults.py)
   min_lr_ratio: float = _ranged(0.1, 0, 1)  # cosine decays to learning_rate * min_lr_ratio
   warmup_steps: int = 100  # linear warmup from 0; -1 = train.warmup_fraction of the steps
   warmup_fraction: float = _ranged(0.1, 0, 1, high_open=True)  # the warmup's share of train.steps when

@@ -35,7 +35,7 @@ def test_out_of_range_values_name_their_key_in_one_line(key, value, message):
 
 def test_fine_tuning_rate_follows_the_method_unless_set():
   assert data_defaults.resolve_learning_rate(TrainConfig(learning_rate=0.0), 0).learning_rate == 5e-5
-  assert data_defaults.resolve_learning_rate(TrainConfig(learning_rate=0.0), 8).learning_rate == 5e-4
+  assert data_defaults.resolve_learning_rate(TrainConfig(learning_rate=0.0), 8).learning_rate == 1e-3
   assert data_defaults.resolve_learning_rate(TrainConfig(learning_rate=1e-3), 8).learning_rate == 1e-3
   config = dataclasses.replace(from_config_dict(default_config()), train=TrainConfig(learning_rate=0.0))
   with pytest.raises(ValueError, match=r"train.learning_rate=0 .* pretraining needs a rate > 0"):

@@ -18,7 +18,8 @@ setting only init_from, data.train_files and data.eval_files gives a good classi
   data.seq_len=0                      the 99th percentile of the tokenized training lengths (at most the model's
                                       positions): almost no example is cut, and a warning says when many are
   learning_rate 5e-5, warmup 10%      of the derived steps (train.warmup_steps=-1), then cosine decay to 10%;
-                                      with --config.lora.rank=8 the rate is LoRA's 5e-4 (train.learning_rate=0)
+                                      with --config.lora.rank=8 the rate is LoRA's 1e-3 (train.learning_rate=0),
+                                      its adapters on the attention weights (lora.targets=attention)
   train.layer_lr_decay=0.8            each block below the top learns at 0.8 x the rate of the one above it (the
                                       embeddings at 0.8^L), so the pretrained lower layers change least
   batch 16, weight decay 0.01, Adam b2 0.999, bucketed batching (similar lengths together, little padding)
@@ -57,7 +58,8 @@ def get_config():
   config.train.steps = 0  # derived from train.epochs
   config.train.epochs = 3.0
   config.train.batch_size = 16
-  config.train.learning_rate = 0.0  # the method's rate: 5e-5 full fine-tuning, 5e-4 with lora.rank > 0
+  config.train.learning_rate = 0.0  # the method's rate: 5e-5 full fine-tuning, 1e-3 with lora.rank > 0
+  config.lora.targets = "attention"  # used when lora.rank > 0
   config.train.warmup_steps = -1  # train.warmup_fraction of the steps
   config.train.warmup_fraction = 0.1
   config.train.weight_decay = 0.01

@@ -20,10 +20,10 @@ from jaxlm.config import Config, TrainConfig
 from jaxlm.training import optim
 
 
-# Fine-tuning's peak rates by method: adapters start at zero and carry few parameters, so they need a rate about
-# ten times full fine-tuning's (benchmarks/results/cpu_minilm_lora_r8_vs_full_finetuning.json).
+# Fine-tuning's peak rates by method: adapters start at zero and carry few parameters, so they need a rate many
+# times full fine-tuning's (benchmarks/results/cpu_minilm_lora_r8_vs_full_stdlib_docs_step_and_f1.json).
 FULL_FINETUNE_RATE = 5e-5
-LORA_RATE = 5e-4
+LORA_RATE = 1e-3
 
 
 def resolve_learning_rate(train: TrainConfig, lora_rank: int) -> TrainConfig:
