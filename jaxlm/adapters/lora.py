@@ -94,7 +94,6 @@ class LoRAWeight:
     delta_NO = low_rank_product(x_NI, self.a.reshape(-1, rank).astype(x.dtype), b_RO.astype(x.dtype))
     return y + delta_NO.reshape(y.shape).astype(y.dtype)
 
-
   def lookup(self, ids: jax.Array) -> jax.Array:
     raise ValueError("LoRA adapts matmul weights; a lookup table has no adapters (remove it from lora.targets)")
 

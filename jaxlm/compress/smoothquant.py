@@ -81,16 +81,20 @@ def _per_layer(mask: np.ndarray, ndim: int) -> np.ndarray:
   return np.reshape(mask, np.shape(mask) + (1,) * (ndim - np.ndim(mask)))
 
 
+def _output_axes(w: np.ndarray, contracted: tuple[int, ...], stacked: bool) -> tuple[int, ...]:
+  """Every axis of a weight that is neither the layer axis nor a contracted (input channel) one."""
+  keep = set(contracted) | ({0} if stacked else set())
+  return tuple(a for a in range(w.ndim) if a not in keep)
+
+
 def _weight_energy(w: np.ndarray, contracted: tuple[int, ...], stacked: bool) -> np.ndarray:
   """sum W^2 per input channel: [L?, *C]."""
-  keep = set(contracted) | ({0} if stacked else set())
-  return np.sum(np.square(w), axis=tuple(a for a in range(w.ndim) if a not in keep))
+  return np.sum(np.square(w), axis=_output_axes(w, contracted, stacked))
 
 
 def _weight_absmax(w: np.ndarray, contracted: tuple[int, ...], stacked: bool) -> np.ndarray:
-  """max |W| per input channel: [L?, *C] (over every axis that is neither the layer nor a contracted one)."""
-  keep = set(contracted) | ({0} if stacked else set())
-  return np.max(np.abs(w), axis=tuple(a for a in range(w.ndim) if a not in keep))
+  """max |W| per input channel: [L?, *C]."""
+  return np.max(np.abs(w), axis=_output_axes(w, contracted, stacked))
 
 
 def _along(s: np.ndarray, ndim: int, axes: tuple[int, ...], stacked: bool) -> np.ndarray:
