@@ -1,13 +1,12 @@
 #!/usr/bin/env bash
-# The GPU speed checks as ONE script, for a short device session: the parts' time limits add up to 9 minutes, so
+# The GPU speed checks as ONE script, for a short device session: the parts' time limits add up to 575 s, so
 # one failure or hang does not eat the rest (every part writes its own files as it ends). Results go under OUT
 # (default runs/gpu_checks):
 #   ab_gpt2/ab.json           GPT-2 124M, bf16, seq 1024, batch 32: jaxlm's options side by side in ONE process,
 #                             rounds interleaved (benchmarks/ab_step.py), beside torch.compile's HF GPT-2 step of the
 #                             same shape; tokens/s and MFU (bf16 datasheet peak) per contender
 #   profile_gpt2/profile.json where the baseline step's time goes, kernel by kernel (benchmarks/profile_step.py)
-#   ab_llama/ab.json          the ~1.1B Llama flavour, seq 2048, batch 8: options side by side
-#   profile_llama/profile.json  its baseline step kernel by kernel
+#   ab_llama/ab.json          the ~1.1B Llama flavour, seq 2048, batch 8: its step and MFU
 #   ab_kernels/ab.json        the Llama flavour (4 layers) side by side: attention cuDNN (auto) / XLA / tokamax,
 #                             tokamax's RMSNorm and gated linear unit against XLA's
 #   ab_fp16/ab.json           GPT-2 in float16 with dynamic loss scaling against bf16
@@ -17,6 +16,7 @@
 #   (log.txt)                 tests/test_kernels.py's cuDNN-vs-XLA attention test, skipped on the CPU
 #   log.txt                   everything printed
 # Usage: bash benchmarks/gpu_checks.sh [python] [OUT]
+# GPU_CHECKS_PARTS="ab_kernels int8" runs only the parts named (default: all), to split a device session's minutes.
 # GPU_CHECKS_DRY_RUN=1 runs every part on tiny shapes on whatever device there is (the test suite does, on the CPU),
 # so a lent GPU's minutes are not spent finding a broken flag.
 # On an image whose jax lacks some of our dependencies (e.g. ml_collections, grain): install them into a folder and
@@ -43,14 +43,15 @@ if [ "${GPU_CHECKS_DRY_RUN:-0}" = 1 ]; then
   GPU_PLATFORM=cpu  # the cuDNN test is skipped there
 fi
 
-gpu_only() {  # a dry run leaves out the XLA:GPU options (xla.*), which the CPU lacks, and the batch-size variants
-  if [ "${GPU_CHECKS_DRY_RUN:-0}" = 1 ]; then tr ',' '\n' <<<"$1" | grep -v ":xla\.\|batch_size" | paste -sd, -
+gpu_only() {  # a dry run leaves out the XLA:GPU options (xla.*), which the CPU lacks
+  if [ "${GPU_CHECKS_DRY_RUN:-0}" = 1 ]; then tr ',' '\n' <<<"$1" | grep -v ":xla\." | paste -sd, -
   else echo "$1"; fi
 }
 
 part() {  # part <seconds> <name> <command...>: runs one check, logs its status, never stops the script
   local limit=$1 name=$2
   shift 2
+  if [ -n "${GPU_CHECKS_PARTS:-}" ] && ! grep -qw -- "$name" <<<"$GPU_CHECKS_PARTS"; then return; fi
   echo "=== $name ($(date +%T), limit ${limit}s)" | tee -a "$OUT/log.txt"
   timeout "$limit" "$@" >>"$OUT/log.txt" 2>&1
   echo "=== $name: exit $?" | tee -a "$OUT/log.txt"
@@ -59,22 +60,17 @@ part() {  # part <seconds> <name> <command...>: runs one check, logs its status,
 # The baseline is the bench config as it stands: kernels `auto` (what a GPU run gets by default) and plain causal
 # attention (its rows hold one document each, so the function is the same and cuDNN gets no bias tensor). Each
 # variant changes one thing. The XLA options aim at the step's time in XLA's own fusions (norms, GELU, bias
-# gradients): cuDNN LayerNorm, Triton block-level (normalization/softmax) fusions, Triton multi-output fusions.
+# gradients): cuDNN LayerNorm, Triton multi-output fusions.
 # Each is a compile option of its variant alone; one this XLA lacks is skipped, the others still run.
 GPT2="--config=benchmarks/configs/bench_gpu.py $TINY"
-TRITON_BLOCKS="triton_blocks:xla.xla_gpu_experimental_enable_fusion_block_level_rewriter=True"
-VARIANTS="base:,ln_cudnn:xla.xla_gpu_enable_cudnn_layer_norm=True,$TRITON_BLOCKS"
-VARIANTS+=",triton_mof:xla.xla_gpu_unsupported_enable_triton_multi_output_fusion=True,b64:train.batch_size=64"
+VARIANTS="base:,ln_cudnn:xla.xla_gpu_enable_cudnn_layer_norm=True"
+VARIANTS+=",triton_mof:xla.xla_gpu_unsupported_enable_triton_multi_output_fusion=True"
 # torch.compile runs in the same process: JAX must not take 90% of the memory up front.
-XLA_PYTHON_CLIENT_PREALLOCATE=false part 90 ab_gpt2 $PY benchmarks/ab_step.py $GPT2 $TORCH "${ROUNDS[@]}" \
+XLA_PYTHON_CLIENT_PREALLOCATE=false part 150 ab_gpt2 $PY benchmarks/ab_step.py $GPT2 $TORCH "${ROUNDS[@]}" \
     --workdir="$OUT/ab_gpt2" --variants="$(gpu_only "$VARIANTS")"
 part 40 profile_gpt2 $PY benchmarks/profile_step.py $GPT2 --workdir="$OUT/profile_gpt2" --top=30
 LLAMA="--config=benchmarks/configs/bench_llama_1b.py $TINY"
-# Three contenders' states and temporaries must fit: JAX allocates as it goes, not 75% up front.
-XLA_PYTHON_CLIENT_PREALLOCATE=false part 90 ab_llama $PY benchmarks/ab_step.py $LLAMA "${ROUNDS[@]}" \
-    --workdir="$OUT/ab_llama" \
-    --variants="$(gpu_only "base:,qkv:kernels.fuse_qkv=separate,$TRITON_BLOCKS")"
-part 40 profile_llama $PY benchmarks/profile_step.py $LLAMA --workdir="$OUT/profile_llama" --top=30
+part 75 ab_llama $PY benchmarks/ab_step.py $LLAMA "${ROUNDS[@]}" --workdir="$OUT/ab_llama" --variants="base:"
 # tokamax's kernels (not picked by `auto` until measured) against cuDNN and XLA; a kernel this image cannot run is
 # reported and skipped.
 KERNELS="base:,attention_xla:kernels.attention=xla,attention_tokamax:kernels.attention=tokamax"
@@ -82,14 +78,14 @@ KERNELS+=",norm_tokamax:kernels.norm=tokamax,glu_tokamax:kernels.glu=tokamax"
 XLA_PYTHON_CLIENT_PREALLOCATE=false part 80 ab_kernels $PY benchmarks/ab_step.py $LLAMA $KERNEL_LAYERS "${ROUNDS[@]}" \
     --workdir="$OUT/ab_kernels" --variants="$KERNELS"
 # float16 compute (dynamic loss scaling, jaxlm/training/loss_scale.py) against bf16, for GPUs without bf16.
-XLA_PYTHON_CLIENT_PREALLOCATE=false part 50 ab_fp16 $PY benchmarks/ab_step.py $GPT2 "${ROUNDS[@]}" \
+XLA_PYTHON_CLIENT_PREALLOCATE=false part 55 ab_fp16 $PY benchmarks/ab_step.py $GPT2 "${ROUNDS[@]}" \
     --workdir="$OUT/ab_fp16" --variants="bf16:,fp16:model.compute_dtype=float16"
 part 100 qlora_7b $PY benchmarks/step_memory.py --config=experiments/configs/llama_7b_qlora.py $TINY \
     --config.train.batch_size=4 --workdir="$OUT/qlora_7b"
-part 20 int8 $PY benchmarks/bench_int8.py "${INT8_SHAPE[@]}" --out="$OUT/int8.json"
+part 45 int8 $PY benchmarks/bench_int8.py "${INT8_SHAPE[@]}" --out="$OUT/int8.json"
 # cuDNN attention against the XLA reference (bf16, packed documents): the one test the CPU suite skips.
 JAX_PLATFORMS=$GPU_PLATFORM part 30 test_cudnn $PY -m pytest -q -p no:cacheprovider tests/test_kernels.py -k cudnn
-rm -rf "$OUT/profile_gpt2/trace" "$OUT/profile_llama/trace"  # the raw traces are too deep and large to come back
+rm -rf "$OUT/profile_gpt2/trace"  # the raw trace is too deep and large to come back
 grep -h -B1 -A12 "ms/step (min" "$OUT/log.txt" | grep -v "^WARNING\|^I0\|^W0" >"$OUT/summary.txt"
 grep -h -A45 "ms wall; ops" "$OUT/log.txt" >>"$OUT/summary.txt"
 grep -h "passed\|failed\|error" "$OUT/log.txt" | tail -3 >>"$OUT/summary.txt"

@@ -134,21 +134,27 @@ REMAT_POLICIES = {
 
 
 class Choice(NamedTuple):
-  """An execution choice that is not an op: the values it takes and what `auto` picks for a target."""
+  """An execution choice that is not an op: the values it takes and what `auto` picks for a target, given the
+  choices already made (the explicit ones, then the table's earlier entries)."""
   values: tuple[str, ...]
-  auto: Callable[[Target], str]
+  auto: Callable[[Target, dict[str, str]], str]
 
 
 EXECUTION: dict[str, Choice] = {
     # Measured on CPUs and GPUs only. Under tensor parallelism, concatenating q/k/v weights that the tensor axis
     # splits by heads would make GSPMD regather them.
     "fuse_qkv": Choice(("fused", "separate"),
-                       lambda t: "fused" if t.tensor == 1 and t.platform in ("cpu", "gpu") else "separate"),
-    # A Python loop over the layers ran faster on an H200; the scan keeps CPU compile times flat in depth.
-    "layers": Choice(("scan", "loop"), lambda t: "loop" if t.platform == "gpu" else "scan"),
+                       lambda t, _: "fused" if t.tensor == 1 and t.platform in ("cpu", "gpu") else "separate"),
     # On one CPU device, recomputing the elementwise ops beats writing and reading their saved outputs. Not on a
-    # mesh: the recomputed forward would gather FSDP-sharded weights a second time.
-    "remat": Choice(("none", *REMAT_POLICIES), lambda t: "dots" if t.platform == "cpu" and t.devices == 1 else "none"),
+    # mesh: the recomputed forward would gather FSDP-sharded weights a second time. A Python loop cannot recompute.
+    "remat": Choice(("none", *REMAT_POLICIES),
+                    lambda t, chosen: "dots" if t.platform == "cpu" and t.devices == 1
+                    and chosen.get("layers") != "loop" else "none"),
+    # A Python loop over the layers ran faster on an H200; the scan keeps CPU compile times flat in depth. Only the
+    # scan recomputes: XLA schedules an unrolled loop's recomputed blocks beside the forward pass, so every layer's
+    # activations stay alive (a QLoRA 7B step on an H200 held 4.8x the planned memory).
+    "layers": Choice(("scan", "loop"),
+                     lambda t, chosen: "loop" if t.platform == "gpu" and chosen["remat"] == "none" else "scan"),
 }
 CROSS_ENTROPY_CHUNK = {"cpu": 1024, "gpu": 4096, "tpu": 4096}  # tokens per chunk when kernels.cross_entropy_chunk=0
 
@@ -254,6 +260,9 @@ def validate_kernels(config: KernelsConfig) -> None:
     known = [i.name for i in IMPLEMENTATIONS[key]] if key in IMPLEMENTATIONS else list(EXECUTION[key].values)
     if getattr(config, key) not in ("auto", *known):
       raise ValueError(f"kernels.{key}={getattr(config, key)!r} is not one of auto, {', '.join(known)}")
+  if config.layers == "loop" and config.remat not in ("auto", "none"):
+    raise ValueError(f"kernels.layers=loop cannot recompute (kernels.remat={config.remat}): XLA keeps every layer's "
+                     "activations of an unrolled loop; use kernels.layers=scan (or auto) with remat")
 
 
 def _pick(op: str, requested: str, target: Target) -> str:
@@ -287,8 +296,9 @@ def resolve(config: KernelsConfig | None = None, *, compute_dtype: str = "float3
     tensor = dict(mesh.shape).get("tensor", 1) if mesh is not None else 1
   target = Target(platform, jnp.dtype(compute_dtype).name, causal, devices, head_dim, tensor)
   ops = {op: _pick(op, getattr(config, op), target) for op in IMPLEMENTATIONS}
-  execution = {key: choice.auto(target) if getattr(config, key) == "auto" else getattr(config, key)
-               for key, choice in EXECUTION.items()}
+  execution = {key: getattr(config, key) for key in EXECUTION if getattr(config, key) != "auto"}
+  for key, choice in EXECUTION.items():
+    execution.setdefault(key, choice.auto(target, execution))
   return Kernels(**ops, **execution, attention_block=config.attention_block, scan_unroll=config.scan_unroll,
                  cross_entropy_chunk=config.cross_entropy_chunk or CROSS_ENTROPY_CHUNK[platform])
 
