@@ -8,16 +8,21 @@ CPU_DEVICES := XLA_FLAGS=--xla_force_host_platform_device_count=4 JAX_PLATFORMS=
 
 .PHONY: demo test soak install install-test clean
 
+# uv installs the same requirements in a third of pip's time; pip's local wheel folder (the CPU torch) goes along,
+# and pip itself is the fallback where uv cannot run.
+FIND_LINKS := $(or $(PIP_FIND_LINKS),$(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null))
+UV_INSTALL = $(PY) -m uv pip install --quiet --python $(PY) $(if $(FIND_LINKS),--find-links $(FIND_LINKS))
+
 $(PY):
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet uv
 
 $(VENV)/.installed: pyproject.toml | $(PY)
-	$(PY) -m pip install --quiet -e .
+	$(UV_INSTALL) -e . || $(PY) -m pip install --quiet -e .
 	touch $@
 
 $(VENV)/.installed-test: pyproject.toml | $(PY)
-	$(PY) -m pip install --quiet -e ".[dev,hf]"
+	$(UV_INSTALL) -e ".[dev,hf]" || $(PY) -m pip install --quiet -e ".[dev,hf]"
 	touch $(VENV)/.installed $@
 
 install: $(VENV)/.installed
