@@ -41,7 +41,7 @@ from jaxlm.models.gpt import GPT
 from jaxlm.planner.estimates import (BACKWARD_WORKING_FRACTION, ELEMENTWISE_PASSES, OPTIMIZER_PASSES,
                                      OPTIMIZER_PHASE_TREES, REMAT_TRAFFIC, SAVED_PASSES, ActivationModel,
                                      _abstract_mesh, _new_buffers, abstract_batch, analytic_collective_bytes,
-                                     planned_kernels, saved_activation_bytes)
+                                     calibrated_step_time, planned_kernels, saved_activation_bytes)
 
 
 def lora_state_bytes(config: Config, sizes: tuple[int, int, int], platform: str | None = None) -> dict[str, float]:
@@ -175,7 +175,8 @@ def predict_lora_step_time(config: Config, sizes: tuple[int, int, int], grad_acc
   platform = hardware.platform or None
   s = lora_state_bytes(config, sizes, platform)
   activations = lora_activation_model(config, sizes, platform)
-  remat = planned_kernels(config, sizes, platform).remat
+  kernels = planned_kernels(config, sizes, platform)
+  remat = kernels.remat
   dtype = config.model.compute_dtype
   tokens = config.train.batch_size * config.data.seq_len
   model_flops = lora_flops_per_token(config) * tokens
@@ -195,7 +196,7 @@ def predict_lora_step_time(config: Config, sizes: tuple[int, int, int], grad_acc
       "network_sec": collective_bytes / hardware.interconnect_bytes_per_sec,
   }
   roofline = sum(parts.values())
-  step = roofline * hardware.step_time_factor
+  step = calibrated_step_time(roofline, hardware, kernels)
   parts.update({"roofline_sec": roofline, "step_time_sec": step, "tokens_per_sec": tokens / step,
                 "mfu": model_flops / (step * devices * hardware.peak_flops(dtype))})
   return parts
