@@ -10,7 +10,7 @@ CPU_DEVICES := XLA_FLAGS=--xla_force_host_platform_device_count=4 JAX_PLATFORMS=
 
 # uv installs the same requirements (bytecode compiled, as pip does) in half of pip's time; pip's local wheels go along,
 # and pip itself is the fallback where uv cannot run.
-FIND_LINKS := $(or $(PIP_FIND_LINKS),$(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null))
+FIND_LINKS = $(or $(PIP_FIND_LINKS),$(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null))
 UV_INSTALL = $(PY) -m uv pip install --quiet --compile-bytecode --python $(PY) $(if $(FIND_LINKS),--find-links $(FIND_LINKS))
 
 $(PY):
