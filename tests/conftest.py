@@ -9,7 +9,7 @@ import sys
 import tempfile
 
 _flags = os.environ.get("XLA_FLAGS", "")
-# XLA:CPU's older fusion emitters: they compile faster, and run some models slower (BERT's step about 1.8x).
+# XLA:CPU's older fusion emitters: they compile faster, and run some models' steps slower (WORKSPACE.md).
 LOOP_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
 if "xla_force_host_platform_device_count" not in _flags:
   os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=4").strip()

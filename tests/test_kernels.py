@@ -70,8 +70,8 @@ def test_auto_on_a_gpu_picks_cudnn_in_bf16_and_the_layer_loop():
 
 
 def test_recomputation_runs_in_a_scan_never_in_a_python_loop():
-  """XLA schedules an unrolled loop's recomputed blocks beside the forward pass, so nothing is freed (a QLoRA 7B step
-  held 4.8x its planned memory on an H200): remat implies the scan, and a loop recomputes nothing."""
+  """XLA schedules an unrolled loop's recomputed blocks beside the forward pass, so nothing is freed
+  (docs/performance.md): remat implies the scan, and a loop recomputes nothing."""
   assert _resolve(platform="gpu", compute_dtype="bfloat16", config={"remat": "full"}).layers == "scan"
   assert _resolve(platform="cpu", config={"layers": "loop"}).remat == "none"
   with pytest.raises(ValueError, match="kernels.layers=loop cannot recompute .* use kernels.layers=scan"):

@@ -163,8 +163,9 @@ def test_sharded_accumulated_step_equals_one_device_unaccumulated(trained):
     state, metrics = train_step(state, steps_lib.to_global_batch(_batch(), mesh))
     losses.append((float(metrics["loss"]), float(metrics["grad_norm"])))
   # Each step's loss, and its gradient norm, which after two Adam updates also carries their rounding (see below).
-  np.testing.assert_allclose(np.array(losses)[:, 0], np.array(sharded_losses)[:, 0], rtol=1e-5)
-  np.testing.assert_allclose(np.array(losses)[:, 1], np.array(sharded_losses)[:, 1], rtol=5e-5)
+  (loss, grad_norm), (sharded_loss, sharded_grad_norm) = np.transpose(losses), np.transpose(sharded_losses)
+  np.testing.assert_allclose(loss, sharded_loss, rtol=1e-5)
+  np.testing.assert_allclose(grad_norm, sharded_grad_norm, rtol=5e-5)
   # Adam divides by the root of the squared gradients, so a weight with a near-zero gradient moves by up to the
   # learning rate on float rounding alone: the tolerance is a small fraction of the 3 x 1e-2 the updates can reach.
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-3),

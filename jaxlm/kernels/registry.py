@@ -152,7 +152,7 @@ EXECUTION: dict[str, Choice] = {
                     and chosen.get("layers") != "loop" else "none"),
     # A Python loop over the layers ran faster on an H200; the scan keeps CPU compile times flat in depth. Only the
     # scan recomputes: XLA schedules an unrolled loop's recomputed blocks beside the forward pass, so every layer's
-    # activations stay alive (a QLoRA 7B step on an H200 held 4.8x the planned memory).
+    # activations stay alive (docs/performance.md).
     "layers": Choice(("scan", "loop"),
                      lambda t, chosen: "loop" if t.platform == "gpu" and chosen["remat"] == "none" else "scan"),
 }
