@@ -46,10 +46,24 @@ class ModelConfig:
   classifier_pooling: str = "cls"  # bert classifiers: cls (HF's tanh pooler on [CLS]) | mean (mean of the tokens'
                                    # last hidden states, as sentence-transformers models are trained) | auto (fine-
                                    # tuning: what init_from was trained for: mean with a mean-pooling 1_Pooling/)
+  # Mixture of experts (decoders; jaxlm/models/moe.py): every block's MLP becomes num_experts MLPs and a router.
+  num_experts: int = _ranged(0, 0, note="0 = dense MLPs")  # experts per MoE layer; 0 = a dense MLP
+  experts_per_token: int = _ranged(2, 1)  # experts each token is routed to (top-k)
+  expert_d_ff: int = _ranged(0, 0, note="0 = the dense MLP width")  # each expert's MLP width; 0 = model.d_ff's
+  shared_expert_d_ff: int = _ranged(0, 0, note="0 = none")  # width of a dense MLP beside the experts that every
+                                                            # token takes (0 = none)
+  router_normalize_topk: bool = True  # the chosen experts' weights rescaled to sum to 1 (Mixtral, Qwen3-MoE);
+                                      # False keeps their softmax probabilities (OLMoE)
+  router_balance_weight: float = _ranged(0.01, 0)  # weight of the load-balancing loss in the objective
+  router_z_weight: float = _ranged(0.001, 0)  # weight of the router z-loss in the objective
 
   @property
   def mlp_width(self) -> int:
     return self.d_ff or 4 * self.d_model
+
+  @property
+  def expert_width(self) -> int:
+    return self.expert_d_ff or self.mlp_width
 
   @property
   def head_dim(self) -> int:
@@ -69,6 +83,7 @@ class KernelsConfig:
   cross_entropy_chunk: int = _ranged(0, 0, note="0 = auto")  # tokens per chunk of the chunked cross-entropy; 0 = auto
   norm: str = "auto"  # LayerNorm / RMSNorm
   glu: str = "auto"  # Llama's gated MLP projection
+  grouped_matmul: str = "auto"  # mixture-of-experts layers: each expert's matmul on the tokens routed to it
   fuse_qkv: str = "auto"  # q, k, v from one matmul or three
   layers: str = "auto"  # a scan over the stacked layers or a Python loop
   scan_unroll: int = _ranged(1, 1)  # layers per iteration of the scan
@@ -85,6 +100,8 @@ class MeshConfig:
                                # axes | auto: shard_map for pure data parallel with grad_accum > 1, else gspmd
   sequence_parallel: bool = False  # Megatron-SP: the residual stream (norms, residual adds) is sharded along the
                                    # sequence over the tensor axis; all-reduces become reduce-scatter + all-gather
+  expert: int = 1  # devices that split every mixture-of-experts layer's experts (model.num_experts); they are
+                   # data-parallel replicas for the rest of the model (docs/parallelism.md)
   pipeline: int = 1  # pipeline stages: each holds model.num_layers / pipeline consecutive blocks, and the
                      # train.grad_accum micro-batches flow through them (docs/performance.md#pipeline-parallelism)
   pipeline_schedule: str = "gpipe"  # gpipe: all forwards, then all backwards (keeps all micro-batch inputs) |
@@ -278,6 +295,8 @@ def validate(config: Config) -> None:
                      f"{', '.join(CLASSIFIER_POOLINGS)}")
   if m.num_kv_heads < 0 or m.num_heads % (m.num_kv_heads or m.num_heads):
     raise ValueError(f"model.num_heads={m.num_heads} is not divisible by model.num_kv_heads={m.num_kv_heads}")
+  if m.num_experts:
+    validate_experts(m)
   if m.flavour == "llama" and m.head_dim % 2:
     raise ValueError(f"model.d_model/num_heads={m.head_dim} must be even for rotary positions (llama)")
   for name in ("param_dtype", "compute_dtype"):
@@ -293,6 +312,8 @@ def validate(config: Config) -> None:
     raise ValueError("data.source=hf needs data.hf_name")
   if config.mesh.gradient_sync not in ("auto", "gspmd", "shard_map"):
     raise ValueError(f"mesh.gradient_sync={config.mesh.gradient_sync!r} is not one of auto, gspmd, shard_map")
+  if config.mesh.expert != 1:
+    validate_expert_axis(config)
   if config.mesh.pipeline != 1 or config.mesh.pipeline_schedule != MeshConfig.pipeline_schedule:
     validate_pipeline(config)
   if t.steps < 0 or (t.steps == 0 and t.epochs <= 0):
@@ -306,6 +327,30 @@ def validate(config: Config) -> None:
     raise ValueError(f"data.seq_len={d.seq_len} must be >= 1, or 0 to choose it from the data (fine-tuning)")
   validate_lora(config.lora)
   validate_loss_scale(config.loss_scale)
+
+
+def validate_experts(m: ModelConfig) -> None:
+  if m.flavour not in ("gpt2", "llama"):
+    raise ValueError(f"model.num_experts={m.num_experts} needs a decoder (model.flavour gpt2 or llama), not "
+                     f"model.flavour={m.flavour}; set model.num_experts=0")
+  if m.experts_per_token > m.num_experts:
+    raise ValueError(f"model.experts_per_token={m.experts_per_token} exceeds model.num_experts={m.num_experts}; "
+                     "route each token to at most num_experts experts")
+
+
+def validate_expert_axis(config: Config) -> None:
+  mesh, m = config.mesh, config.model
+  if mesh.expert < 1:
+    raise ValueError(f"mesh.expert={mesh.expert} must be >= 1")
+  if not m.num_experts:
+    raise ValueError(f"mesh.expert={mesh.expert} splits the experts of a mixture-of-experts model; this one has none "
+                     "(model.num_experts=0): set mesh.expert=1 or model.num_experts")
+  if m.num_experts % mesh.expert:
+    raise ValueError(f"model.num_experts={m.num_experts} is not divisible by mesh.expert={mesh.expert}; choose a "
+                     "mesh.expert that divides the experts")
+  if mesh_sizes(mesh)[2] != 1 or mesh.pipeline != 1:
+    raise ValueError(f"mesh.expert={mesh.expert} combines with mesh.data and mesh.fsdp only; set mesh.tensor=1 and "
+                     "mesh.pipeline=1")
 
 
 def _range_error(key: str, value: Any, low, high, low_open: bool, high_open: bool, note: str) -> str | None:
@@ -416,3 +461,6 @@ def validate_pipeline(config: Config) -> None:
   if config.lora.rank:
     raise ValueError(f"lora.rank={config.lora.rank} with mesh.pipeline={mesh.pipeline} is not supported; use "
                      "mesh.pipeline=1 (adapters fit on one device's share)")
+  if config.model.num_experts:
+    raise ValueError(f"model.num_experts={config.model.num_experts} with mesh.pipeline={mesh.pipeline} is not "
+                     "supported; use mesh.pipeline=1 (and mesh.expert to spread the experts)")

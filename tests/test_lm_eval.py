@@ -74,7 +74,8 @@ def reference():
     n = len(whole) - 1
     inputs[0, :n], targets[0, :n] = whole[:-1], whole[1:]
     weights[0, n - min(len(continuation_ids), n):n] = 1.0
-    loss, correct = cache[graphdef](params, inputs, targets, weights)
+    loss, sums = cache[graphdef](params, inputs, targets, weights)
+    correct = sums["correct"]
     return -float(loss), bool(float(correct) == weights.sum())
 
   return score

@@ -1,5 +1,5 @@
-// One XLA FFI handler: row-major C = op(A) @ op(B) in f32 through the Fortran BLAS sgemm that scipy ships
-// (OpenBLAS). Built and loaded by jaxlm/kernels/cpu.py, which also hands over the BLAS function pointers.
+// XLA FFI handlers: row-major C = op(A) @ op(B) in f32 through the Fortran BLAS sgemm that scipy ships
+// (OpenBLAS), and the grouped matmuls of mixture-of-experts layers (below). Built and loaded by jaxlm/kernels/cpu.py, which also hands over the BLAS function pointers.
 //
 // Threads: OpenBLAS's own thread pool fights XLA's for the same cores (and two gemms that XLA runs at once share
 // it). So OpenBLAS runs on one thread (jaxlm/kernels/cpu.py sets it) and each call
@@ -7,6 +7,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <utility>
+#include <vector>
 
 #include "cpu_kernels.h"
 #include "xla/ffi/api/ffi.h"
@@ -114,3 +116,104 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxlm_gemm, GemmImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<bool>("trans_a")
                                   .Attr<bool>("trans_b"));
+
+// Grouped (ragged) matmuls for mixture-of-experts layers, rows sorted by group: group g owns the next
+// group_sizes[g] rows of x. Written here because XLA:CPU computes jax.lax.ragged_dot as a dense product per group
+// (every row against every group's weight); these run one sgemm per group on its own rows only.
+namespace {
+
+// Row offsets of each group (prefix sums of the sizes, clipped to the rows there are).
+std::vector<int64_t> GroupStarts(const int32_t* sizes, int64_t groups, int64_t rows) {
+  std::vector<int64_t> starts(groups + 1, 0);
+  for (int64_t g = 0; g < groups; ++g) starts[g + 1] = std::min(rows, starts[g] + std::max<int32_t>(sizes[g], 0));
+  return starts;
+}
+
+// y[rows of g, N] = x[rows of g, K] @ op(w[g]); w is [G, K, N] (or [G, N, K] with trans_w). Rows past the groups
+// are zero. Tasks are row blocks of one group each, so a large group is split over the threads.
+ffi::Error GroupedGemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                           ffi::Buffer<ffi::S32> group_sizes, ffi::ResultBuffer<ffi::F32> y, bool trans_w) {
+  if (sgemm == nullptr) return ffi::Error::Internal("jaxlm_grouped_gemm: no sgemm (load it with jaxlm.kernels.cpu)");
+  auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || group_sizes.dimensions().size() != 1 ||
+      group_sizes.dimensions()[0] != wd[0]) {
+    return ffi::Error::InvalidArgument("jaxlm_grouped_gemm: x [M, K], w [G, K, N], group_sizes [G]");
+  }
+  const int64_t rows = xd[0], k = xd[1], groups = wd[0];
+  const int64_t n = trans_w ? wd[1] : wd[2];
+  if ((trans_w ? wd[2] : wd[1]) != k) return ffi::Error::InvalidArgument("jaxlm_grouped_gemm: contracted sizes differ");
+  const std::vector<int64_t> starts = GroupStarts(group_sizes.typed_data(), groups, rows);
+  float* out = y->typed_data();
+  std::fill(out + starts[groups] * n, out + rows * n, 0.0f);
+  if (k == 0) {
+    std::fill(out, out + starts[groups] * n, 0.0f);
+    return ffi::Error::Success();
+  }
+  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
+  // Rows per task: enough work to pay for a task, and about two tasks per thread over all groups.
+  const int64_t by_work = std::max<int64_t>(1, kMinBlockWork / std::max<int64_t>(n * k, 1));
+  const int64_t chunk = std::max(by_work, (starts[groups] + 2 * threads - 1) / (2 * threads));
+  std::vector<std::pair<int64_t, int64_t>> tasks;  // (group, first row)
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int64_t r = starts[g]; r < starts[g + 1]; r += chunk) tasks.emplace_back(g, r);
+  }
+  const float* xs = x.typed_data();
+  const float* ws = w.typed_data();
+  jaxlm::ParallelFor(pool, tasks.size(), threads, [&](int64_t t) {
+    const auto [g, first] = tasks[t];
+    const int count = int(std::min(chunk, starts[g + 1] - first));
+    RowMajorGemm(false, trans_w, count, int(n), int(k), 1.0f, xs + first * k, int(k), ws + g * k * n,
+                 int(trans_w ? k : n), 0.0f, out + first * n, int(n));
+  });
+  return ffi::Error::Success();
+}
+
+// dw[g] = x[rows of g]^T @ dy[rows of g]: [G, K, N]; a group without rows gets zeros. Tasks are (group, column
+// block) pairs.
+ffi::Error GroupedGemmWeightGradImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> dy,
+                                     ffi::Buffer<ffi::S32> group_sizes, ffi::ResultBuffer<ffi::F32> dw) {
+  if (sgemm == nullptr) return ffi::Error::Internal("jaxlm_grouped_gemm_dw: no sgemm (load it with jaxlm.kernels.cpu)");
+  auto xd = x.dimensions(), yd = dy.dimensions();
+  if (xd.size() != 2 || yd.size() != 2 || xd[0] != yd[0] || group_sizes.dimensions().size() != 1) {
+    return ffi::Error::InvalidArgument("jaxlm_grouped_gemm_dw: x [M, K], dy [M, N], group_sizes [G]");
+  }
+  const int64_t rows = xd[0], k = xd[1], n = yd[1], groups = group_sizes.dimensions()[0];
+  const std::vector<int64_t> starts = GroupStarts(group_sizes.typed_data(), groups, rows);
+  float* out = dw->typed_data();
+  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
+  const int64_t col_blocks = std::max<int64_t>(1, std::min<int64_t>(threads, n / 64));
+  const float* xs = x.typed_data();
+  const float* ys = dy.typed_data();
+  jaxlm::ParallelFor(pool, groups * col_blocks, threads, [&](int64_t t) {
+    const int64_t g = t / col_blocks, block = t % col_blocks;
+    const int64_t begin = n * block / col_blocks, end = n * (block + 1) / col_blocks;
+    float* out_g = out + g * k * n;
+    const int64_t count = starts[g + 1] - starts[g];
+    if (count == 0) {
+      for (int64_t i = 0; i < k; ++i) std::fill(out_g + i * n + begin, out_g + i * n + end, 0.0f);
+      return;
+    }
+    RowMajorGemm(true, false, int(k), int(end - begin), int(count), 1.0f, xs + starts[g] * k, int(k),
+                 ys + starts[g] * n + begin, int(n), 0.0f, out_g + begin, int(n));
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxlm_grouped_gemm, GroupedGemmImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<bool>("trans_w"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxlm_grouped_gemm_dw, GroupedGemmWeightGradImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

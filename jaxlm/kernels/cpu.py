@@ -36,6 +36,7 @@ _SOURCES = tuple(pathlib.Path(__file__).with_name(name) for name in ("blas_gemm.
 _HEADER = pathlib.Path(__file__).with_name("cpu_kernels.h")
 TARGET = "jaxlm_gemm"
 ATTENTION_TARGETS = ("jaxlm_attention_fwd", "jaxlm_attention_bwd")  # cpu_attention.cc
+GROUPED_TARGETS = ("jaxlm_grouped_gemm", "jaxlm_grouped_gemm_dw")  # blas_gemm.cc
 CHECKPOINT_NAME = "blas_matmul"  # the outputs' name: remat=dots saves them like XLA's dot outputs
 
 
@@ -126,7 +127,7 @@ def register() -> None:
   library = ctypes.cdll.LoadLibrary(str(_build()))
   library.jaxlm_set_sgemm.argtypes = [ctypes.c_void_p]
   library.jaxlm_set_sgemm(_capsule_pointer(cython_blas.__pyx_capi__["sgemm"]))
-  for target in (TARGET, *ATTENTION_TARGETS):
+  for target in (TARGET, *ATTENTION_TARGETS, *GROUPED_TARGETS):
     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, target)), platform="cpu")
 
 
@@ -274,3 +275,43 @@ def _fused_cpu_bwd(block, residuals, dout_BTHK):
 
 
 _fused_cpu.defvjp(_fused_cpu_fwd, _fused_cpu_bwd)
+
+
+def grouped_gemm(x_MK: jax.Array, w_GKN: jax.Array, group_sizes_G: jax.Array, trans_w: bool = False) -> jax.Array:
+  """Rows of x sorted by group, group g the next group_sizes[g] rows: y = x_g @ op(w[g]) per group ([M, N]; rows
+  past the groups are zero). One custom call (blas_gemm.cc), not differentiable (`grouped_matmul` is)."""
+  _check_cpu_f32("kernels.grouped_matmul=blas", "kernels.grouped_matmul=ragged_dot", x_MK, w_GKN)
+  register()
+  n = w_GKN.shape[1] if trans_w else w_GKN.shape[2]
+  out = jax.ShapeDtypeStruct((x_MK.shape[0], n), jnp.float32)
+  return jax.ffi.ffi_call(GROUPED_TARGETS[0], out, vmap_method="sequential")(
+      x_MK, w_GKN, group_sizes_G.astype(jnp.int32), trans_w=trans_w)
+
+
+def grouped_gemm_weight_grad(x_MK: jax.Array, dy_MN: jax.Array, group_sizes_G: jax.Array) -> jax.Array:
+  """dw[g] = x_g^T @ dy_g per group: [G, K, N] (zeros for a group without rows)."""
+  _check_cpu_f32("kernels.grouped_matmul=blas", "kernels.grouped_matmul=ragged_dot", x_MK, dy_MN)
+  register()
+  out = jax.ShapeDtypeStruct((group_sizes_G.shape[0], x_MK.shape[1], dy_MN.shape[1]), jnp.float32)
+  return jax.ffi.ffi_call(GROUPED_TARGETS[1], out, vmap_method="sequential")(x_MK, dy_MN,
+                                                                              group_sizes_G.astype(jnp.int32))
+
+
+@jax.custom_vjp
+def grouped_matmul(x_MK: jax.Array, w_GKN: jax.Array, group_sizes_G: jax.Array) -> jax.Array:
+  """Differentiable `grouped_gemm`: what `jax.lax.ragged_dot(x, w, group_sizes)` computes, one sgemm per group."""
+  return grouped_gemm(x_MK, w_GKN, group_sizes_G)
+
+
+def _grouped_fwd(x_MK, w_GKN, group_sizes_G):
+  return grouped_gemm(x_MK, w_GKN, group_sizes_G), (x_MK, w_GKN, group_sizes_G)
+
+
+def _grouped_bwd(residuals, dy_MN):
+  x_MK, w_GKN, group_sizes_G = residuals
+  # dx = dy_g @ w[g]^T (a flag, no transpose in memory), dw[g] = x_g^T @ dy_g; the sizes are integers (no cotangent).
+  return (grouped_gemm(dy_MN, w_GKN, group_sizes_G, trans_w=True), grouped_gemm_weight_grad(x_MK, dy_MN, group_sizes_G),
+          None)
+
+
+grouped_matmul.defvjp(_grouped_fwd, _grouped_bwd)

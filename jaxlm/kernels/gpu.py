@@ -91,6 +91,13 @@ def tokamax_glu(x_BTD, w_gate_DF, w_up_DF, *, implementation=None) -> jax.Array:
                implementation=implementation)
 
 
+def tokamax_ragged_dot(x_MK, w_GKN, group_sizes_G, *, implementation=None) -> jax.Array:
+  """`jax.lax.ragged_dot(x, w, group_sizes)` (rows sorted by group) through tokamax.ragged_dot, its grouped-matmul
+  kernels for GPUs and TPUs."""
+  _plain("the expert weights", w_GKN)
+  return _call("ragged_dot", x_MK, w_GKN, group_sizes_G.astype(jnp.int32), implementation=implementation)
+
+
 def _concrete(x) -> np.ndarray | None:
   try:
     return np.asarray(x)

@@ -1,5 +1,5 @@
 """The kernel registry, the one list of kernels: for every op the models call (attention, the weight matmul,
-cross-entropy, norms, the gated linear unit), the implementations that compute it (`IMPLEMENTATIONS`; the first of
+cross-entropy, norms, the gated linear unit, the experts' grouped matmul), the implementations that compute it (`IMPLEMENTATIONS`; the first of
 each is the reference every other one is tested equal to), where each runs, and which one `auto` picks (`AUTO`);
 and the execution choices that are not ops (`EXECUTION`: fused q/k/v, a scan or a loop over the layers, remat).
 
@@ -7,7 +7,7 @@ and the execution choices that are not ops (`EXECUTION`: fused q/k/v, a scan or 
 this platform, compute dtype and mesh, looked up in these tables. `auto` takes the first implementation of
 `AUTO[op][platform]` that can run here; an explicit choice that cannot is a one-line error naming the key and the
 values that would work. Models hold a `Kernels` and call its methods (`einsum`, `lookup`, `attend`, `layer_norm`,
-`rms_norm`, `gated_linear_unit`, `cross_entropy_sums`); they never import a backend module. A weight that is not a
+`rms_norm`, `gated_linear_unit`, `expert_matmul`, `cross_entropy_sums`); they never import a backend module. A weight that is not a
 plain array reaches them through one protocol (jaxlm/kernels/weights.py).
 
 Meshes: the CPU custom calls (`cpu_fused`, `blas`) and the tokamax Pallas calls carry no sharding rule, so XLA would
@@ -112,6 +112,12 @@ IMPLEMENTATIONS: dict[str, tuple[Implementation, ...]] = {
              Implementation("tokamax", ("gpu", "tpu"), one_device=True, missing=gpu.tokamax_unavailable)),
     "glu": (Implementation("xla", ALL),
             Implementation("tokamax", ("gpu", "tpu"), one_device=True, missing=gpu.tokamax_unavailable)),
+    # Mixture-of-experts layers: rows sorted by expert, one matmul per expert on its own rows.
+    "grouped_matmul": (
+        Implementation("ragged_dot", ALL),
+        Implementation("blas", ("cpu",), ("float32",), one_device=True, missing=_compiler_missing),
+        Implementation("tokamax", ("gpu", "tpu"), one_device=True, missing=gpu.tokamax_unavailable),
+    ),
 }
 
 # What `auto` tries, in order; the reference (always able to run) ends every list. Only implementations measured
@@ -123,6 +129,8 @@ AUTO: dict[str, dict[str, tuple[str, ...]]] = {
     "cross_entropy": {"cpu": ("chunked", "logits"), "gpu": ("chunked", "logits"), "tpu": ("logits",)},
     "norm": {"cpu": ("xla",), "gpu": ("xla",), "tpu": ("xla",)},
     "glu": {"cpu": ("xla",), "gpu": ("xla",), "tpu": ("xla",)},
+    # XLA:CPU computes ragged_dot as a dense product per expert (all rows against every expert's weight).
+    "grouped_matmul": {"cpu": ("blas", "ragged_dot"), "gpu": ("ragged_dot",), "tpu": ("ragged_dot",)},
 }
 # kernels.remat: what a block saves for the backward pass ("none" saves everything, no recomputation).
 REMAT_POLICIES = {
@@ -170,6 +178,7 @@ class Kernels:
   cross_entropy_chunk: int = 1024
   norm: str = "xla"
   glu: str = "xla"
+  grouped_matmul: str = "ragged_dot"
   fuse_qkv: str = "separate"
   layers: str = "scan"
   scan_unroll: int = 1
@@ -242,6 +251,15 @@ class Kernels:
       return gpu.tokamax_glu(x_BTD, w_gate_DF, w_up_DF)
     return xla.glu(x_BTD, w_gate_DF, w_up_DF, self.einsum)
 
+  def expert_matmul(self, x_MK, w_GKN, group_sizes_G) -> jax.Array:
+    """Rows of x sorted by expert (expert g owns the next group_sizes[g] rows): x_g @ w[g] for each, [M, N]; rows past
+    the experts' are zero. What `jax.lax.ragged_dot` computes."""
+    if self.grouped_matmul == "blas":
+      return cpu.grouped_matmul(x_MK, w_GKN, group_sizes_G)
+    if self.grouped_matmul == "tokamax":
+      return gpu.tokamax_ragged_dot(x_MK, w_GKN, group_sizes_G)
+    return jax.lax.ragged_dot(x_MK, w_GKN, group_sizes_G)
+
   def cross_entropy_sums(self, x_ND, table_VD, targets_N, weights_N) -> tuple[jax.Array, jax.Array]:
     """(sum_n w_n * CE(x_n @ table^T, target_n), sum_n w_n * [argmax == target]) with f32 logits."""
     if weights.is_stand_in(table_VD):  # e.g. an int8 table: contracted by itself, with full logits
@@ -305,7 +323,8 @@ def resolve(config: KernelsConfig | None = None, *, compute_dtype: str = "float3
 
 # For tracing on one platform what another will run (the planner): a stand-in computing the same function that keeps
 # the same residuals for the backward pass (q, k, v, the output and per-row softmax statistics for flash kernels).
-_STAND_INS = {"attention": "recompute", "matmul": "xla", "cross_entropy": "chunked", "norm": "xla", "glu": "xla"}
+_STAND_INS = {"attention": "recompute", "matmul": "xla", "cross_entropy": "chunked", "norm": "xla", "glu": "xla",
+              "grouped_matmul": "ragged_dot"}
 
 
 def runnable_on(kernels: Kernels, platform: str, target: str | None = None) -> Kernels:

@@ -2,7 +2,8 @@
 
   gpt2   learned positions, pre-LayerNorm, GELU MLP, biases, tied embeddings
   llama  rotary positions (`rope_theta`), pre-RMSNorm, SwiGLU MLP, no biases, tied or untied embeddings
-Both support grouped-query / multi-query attention (`num_kv_heads`).
+Both support grouped-query / multi-query attention (`num_kv_heads`) and mixture-of-experts MLPs (`num_experts`,
+jaxlm/models/moe.py).
 
 Blocks are created once with a leading layer axis (`nnx.vmap`) and run with `jax.lax.scan` (or a loop, as
 `kernels.layers` says). `model(input_ids) -> logits [B, T, V]` in f32; `model.decode(input_ids, cache, ...)` is the
@@ -22,6 +23,7 @@ from jaxlm import kernels as kernels_lib
 from jaxlm.config import ModelConfig
 from jaxlm.kernels import Kernels
 from jaxlm.models.masks import cache_mask, causal_mask
+from jaxlm.models.moe import MoE
 from jaxlm.models.layers import (MLP, Attention, Embed, GatedMLP, KVCache, LayerKV, LayerNorm, RMSNorm, Rotary,
                                  rotary_tables, scan_blocks, stacked)
 from jaxlm.models.precision import Policy
@@ -44,20 +46,33 @@ class Block(nnx.Module):
                           std, out_std, use_bias=not llama, causal=True, document_mask=config.document_mask,
                           rngs=rngs)
     self.mlp_norm = norm(config.d_model, config.layer_norm_eps, policy, kernels)
-    mlp = GatedMLP if llama else MLP
-    self.mlp = mlp(config.d_model, config.mlp_width, policy, kernels, std, out_std, rngs=rngs)
+    if config.num_experts:
+      self.mlp = MoE(config.d_model, config.num_experts, config.experts_per_token, config.expert_width, policy,
+                     kernels, std, out_std, gated=llama, normalize_topk=config.router_normalize_topk,
+                     shared_d_ff=config.shared_expert_d_ff, rngs=rngs)
+    else:
+      self.mlp = (GatedMLP if llama else MLP)(config.d_model, config.mlp_width, policy, kernels, std, out_std,
+                                              rngs=rngs)
 
-  def __call__(self, x_BTD: jax.Array, mask_BTS: jax.Array, rotary: Rotary | None) -> jax.Array:
+  def _mlp(self, x_BTD: jax.Array, valid_BT: jax.Array | None) -> tuple[jax.Array, dict]:
+    """The MLP sublayer's output and its statistics (a mixture of experts' router statistics; none for a dense MLP)."""
+    if isinstance(self.mlp, MoE):
+      return self.mlp(x_BTD, valid_BT)
+    return self.mlp(x_BTD), {}
+
+  def __call__(self, x_BTD: jax.Array, mask_BTS: jax.Array, rotary: Rotary | None,
+               valid_BT: jax.Array | None = None) -> tuple[jax.Array, dict]:
+    """(output, the MLP's statistics over the tokens where `valid_BT`)."""
     # Constraining after each residual add makes a row-parallel output's all-reduce a reduce-scatter under
     # sequence parallelism (and pins the layout otherwise).
     x_BTD = constrain(x_BTD + self.attn(self.attn_norm(x_BTD), mask_BTS, rotary), RESIDUAL_AXES)
-    x_BTD = x_BTD + self.mlp(self.mlp_norm(x_BTD))
-    return constrain(x_BTD, RESIDUAL_AXES)
+    mlp_BTD, stats = self._mlp(self.mlp_norm(x_BTD), valid_BT)
+    return constrain(x_BTD + mlp_BTD, RESIDUAL_AXES), stats
 
   def decode(self, x_BTD, mask_BTS, rotary, kv: LayerKV, end):
     attn_BTD, kv = self.attn.decode(self.attn_norm(x_BTD), mask_BTS, rotary, kv, end)
     x_BTD = x_BTD + attn_BTD
-    x_BTD = x_BTD + self.mlp(self.mlp_norm(x_BTD))
+    x_BTD = x_BTD + self._mlp(self.mlp_norm(x_BTD), None)[0]
     return constrain(x_BTD, RESIDUAL_AXES), kv
 
 
@@ -118,11 +133,23 @@ class GPT(nnx.Module):
 
   def loss_sums(self, input_ids_BT: jax.Array, targets_BT: jax.Array, weights_BT: jax.Array,
                 positions_BT: jax.Array | None = None,
-                segment_ids_BT: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-    """(sum of w * cross-entropy, sum of w * [argmax == target]) over every token: the training loss, computed by
-    `kernels.cross_entropy_sums` from the final hidden states (without [B, T, V] logits where the kernel allows)."""
-    return self.hidden_loss_sums(self.features(input_ids_BT, positions_BT, segment_ids_BT, final_norm=False),
-                                 targets_BT, weights_BT)
+                segment_ids_BT: jax.Array | None = None) -> tuple[jax.Array, dict]:
+    """(sum of w * cross-entropy over every token, sums): the training loss, computed by `kernels.cross_entropy_sums`
+    from the final hidden states (without [B, T, V] logits where the kernel allows). `sums["correct"]` is the sum of
+    w * [argmax == target]; a mixture of experts adds `aux_loss` (its router losses times their weights, to add to
+    the objective) and its router statistics (moe.py; `expert_load_max_over_mean/layer_<l>` per layer), each
+    multiplied by sum(w) so that dividing by the batch's total weight averages them over micro-batches too."""
+    x_BTD, stats = self._forward(input_ids_BT, positions_BT, segment_ids_BT)
+    loss_sum, correct = self.hidden_loss_sums(x_BTD, targets_BT, weights_BT)
+    sums = {"correct": correct}
+    if stats:
+      weight, c = jnp.sum(weights_BT), self.config
+      balance, z = jnp.mean(stats["router_balance_loss"]), jnp.mean(stats["router_z_loss"])
+      sums.update(aux_loss=(c.router_balance_weight * balance + c.router_z_weight * z) * weight,
+                  router_balance_loss=balance * weight, router_z_loss=z * weight)
+      for layer in range(c.num_layers):
+        sums[f"expert_load_max_over_mean/layer_{layer}"] = stats["expert_load_max_over_mean"][layer] * weight
+    return loss_sum, sums
 
   def hidden_loss_sums(self, x_BTD: jax.Array, targets_BT: jax.Array,
                        weights_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -136,29 +163,36 @@ class GPT(nnx.Module):
                segment_ids_BT: jax.Array | None = None, final_norm: bool = True) -> jax.Array:
     """The final-normed hidden states [B, T, D] in the compute dtype, before the vocabulary projection (the training
     loss, `kernels.cross_entropy_sums`, takes these and `output_table()` rather than [B, T, V] logits)."""
+    x_BTD = self._forward(input_ids_BT, positions_BT, segment_ids_BT)[0]
+    return self.final_norm(x_BTD) if final_norm else x_BTD
+
+  def _forward(self, input_ids_BT, positions_BT, segment_ids_BT) -> tuple[jax.Array, dict]:
+    """(the last block's output [B, T, D], the blocks' statistics [L] each)."""
     if positions_BT is None:
       positions_BT = jnp.broadcast_to(jnp.arange(input_ids_BT.shape[1]), input_ids_BT.shape)
     if segment_ids_BT is None:
       segment_ids_BT = jnp.ones_like(input_ids_BT)
-    x_BTD = self.run_blocks(self._embed(input_ids_BT, positions_BT), positions_BT, segment_ids_BT)
-    return self.final_norm(x_BTD) if final_norm else x_BTD
+    return self.run_blocks(self._embed(input_ids_BT, positions_BT), positions_BT, segment_ids_BT)
 
   def embed(self, input_ids_BT: jax.Array, positions_BT: jax.Array) -> jax.Array:
     """The first block's input [B, T, D] (the pipeline's first stage runs this, then `run_blocks`)."""
     return self._embed(input_ids_BT, positions_BT)
 
-  def run_blocks(self, x_BTD: jax.Array, positions_BT: jax.Array, segment_ids_BT: jax.Array) -> jax.Array:
-    """`self.blocks` applied to x [B, T, D]: all layers, or one pipeline stage's (its slice of the stacked blocks)."""
+  def run_blocks(self, x_BTD: jax.Array, positions_BT: jax.Array,
+                 segment_ids_BT: jax.Array) -> tuple[jax.Array, dict]:
+    """`self.blocks` applied to x [B, T, D]: all layers, or one pipeline stage's (its slice of the stacked blocks);
+    with each layer's statistics stacked ([L] each; none for dense MLPs)."""
     # Without document masking every row is one causal sequence (the library kernels then get no mask at all).
     mask_BTS = causal_mask(segment_ids_BT if self.config.document_mask else jnp.ones_like(segment_ids_BT))
 
     rotary = self._rotary(positions_BT)
 
-    def body(block, x_BTD, _):
-      return block(x_BTD, mask_BTS, rotary), None
+    valid_BT = segment_ids_BT > 0
 
-    x_BTD, _ = scan_blocks(self.blocks, body, x_BTD, self.kernels)
-    return x_BTD
+    def body(block, x_BTD, _):
+      return block(x_BTD, mask_BTS, rotary, valid_BT)
+
+    return scan_blocks(self.blocks, body, x_BTD, self.kernels)
 
   def init_cache(self, batch: int, slots: int, quantized: bool = False) -> KVCache:
     """An empty KV cache of `slots` positions per row, in the compute dtype (or int8 with per-token scales)."""

@@ -9,6 +9,8 @@ Mesh axes:
   fsdp    devices that shard params, grads and optimizer state along `embed`, and also slice the batch
   tensor  devices that split heads, MLP width and vocabulary (Megatron-style column/row parallelism)
   pipeline  stages that each hold consecutive layers of the stacked blocks (jaxlm/training/pipeline.py); outermost
+  expert  devices that each hold a share of every mixture-of-experts layer's experts; tokens travel to their experts'
+          devices and back (jaxlm/models/moe.py). For everything else they are data-parallel replicas.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from jaxlm.config import MeshConfig, mesh_sizes
 
 MESH_AXES = ("data", "fsdp", "tensor")
 PIPELINE_AXIS = "pipeline"  # a mesh axis beside MESH_AXES, so mesh_shape keeps returning (data, fsdp, tensor)
+EXPERT_AXIS = "expert"  # likewise
 
 # Logical axis -> mesh axis (or tuple of mesh axes, or None = replicated). The only sharding table in jaxlm.
 RULES: dict[str, Any] = {
@@ -35,10 +38,12 @@ RULES: dict[str, Any] = {
     "kv_heads": "tensor",  # grouped-query key/value heads; replicated when the tensor axis does not divide them
     "head_dim": None,
     "mlp": "tensor",
+    "experts": EXPERT_AXIS,  # a mixture-of-experts layer's expert axis
+    "expert_mlp": "tensor",  # each expert's MLP width
     "positions": None,
     "layers": PIPELINE_AXIS,  # the stacked blocks' leading axis: stage s holds layers [s * L/S, (s + 1) * L/S)
     # activations
-    "act_batch": ("data", "fsdp"),
+    "act_batch": ("data", "fsdp", EXPERT_AXIS),
     "act_seq": None,
     # The residual stream between sublayers: sharded over `tensor` with `mesh.sequence_parallel` (Megatron-SP), so
     # norms and the saved residuals cost 1/tensor of the memory; attention and MLPs still see whole sequences.
@@ -67,12 +72,13 @@ def rule_overrides(config: MeshConfig) -> dict[str, Any]:
 
 
 def mesh_shape(config: MeshConfig, num_devices: int) -> tuple[int, int, int]:
-  """Resolves -1 entries (at most one) so that data * fsdp * tensor == num_devices / mesh.pipeline, or raises a
-  one-line error."""
-  if config.pipeline < 1 or num_devices % config.pipeline:
-    raise ValueError(f"mesh.pipeline={config.pipeline} does not divide the {num_devices} devices; choose a number "
-                     "of pipeline stages that divides the device count")
-  num_devices //= config.pipeline
+  """Resolves -1 entries (at most one) so that data * fsdp * tensor == num_devices / (mesh.pipeline * mesh.expert),
+  or raises a one-line error."""
+  for name, size in (("pipeline", config.pipeline), ("expert", config.expert)):
+    if size < 1 or num_devices % size:
+      raise ValueError(f"mesh.{name}={size} does not divide the {num_devices} devices; choose a mesh.{name} that "
+                       "divides the device count")
+    num_devices //= size
   sizes = list(mesh_sizes(config))
   wildcards = [i for i, s in enumerate(sizes) if s == -1]
   if len(wildcards) > 1:
@@ -95,9 +101,11 @@ def mesh_shape(config: MeshConfig, num_devices: int) -> tuple[int, int, int]:
 
 def make_mesh(config: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
   devices = list(devices) if devices is not None else jax.devices()
-  shape = (config.pipeline,) + mesh_shape(config, len(devices))
+  data, fsdp, tensor = mesh_shape(config, len(devices))
+  shape = (config.pipeline, data, fsdp, config.expert, tensor)
   auto = (jax.sharding.AxisType.Auto,) * len(shape)
-  return jax.make_mesh(shape, (PIPELINE_AXIS,) + MESH_AXES, axis_types=auto, devices=devices)
+  return jax.make_mesh(shape, (PIPELINE_AXIS, "data", "fsdp", EXPERT_AXIS, "tensor"), axis_types=auto,
+                       devices=devices)
 
 
 def logical_to_spec(logical_axes: Sequence[str | None], shape: Sequence[int] | None = None,
@@ -180,9 +188,14 @@ def traced_on(mesh: Mesh, fn, overrides: dict[str, Any] | None = None):
   return functools.wraps(fn)(wrapped)
 
 
+def batch_axes(mesh) -> tuple[str, ...]:
+  """The mesh axes that split the batch (`act_batch`'s, those this mesh has)."""
+  return tuple(a for a in RULES["act_batch"] if a in mesh.shape)
+
+
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
-  """Inputs are [B, T, ...] with the batch split over the data and fsdp axes."""
-  return NamedSharding(mesh, P(RULES["act_batch"], *([None] * (ndim - 1))))
+  """Inputs are [B, T, ...] with the batch split over the data, fsdp and expert axes."""
+  return NamedSharding(mesh, P(batch_axes(mesh), *([None] * (ndim - 1))))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -81,11 +81,11 @@ def prepare_run(config: Config, workdir: str, causal: bool = True) -> tuple[Conf
     raise ValueError(f"--workdir={workdir!r} is a file, not a folder; give a folder path (it is created)")
   os.makedirs(workdir, exist_ok=True)
   mesh = sharding.make_mesh(config.mesh)
-  num_data_shards = mesh.shape["data"] * mesh.shape["fsdp"]
+  num_data_shards = mesh.shape["data"] * mesh.shape["fsdp"] * mesh.shape[sharding.EXPERT_AXIS]
   t = config.train
   if t.batch_size % (num_data_shards * t.grad_accum):
     raise ValueError(
-        f"train.batch_size={t.batch_size} must be divisible by mesh.data*mesh.fsdp*train.grad_accum="
+        f"train.batch_size={t.batch_size} must be divisible by mesh.data*mesh.fsdp*mesh.expert*train.grad_accum="
         f"{num_data_shards * t.grad_accum}")
   if t.batch_size % jax.process_count():
     raise ValueError(f"train.batch_size={t.batch_size} is not divisible by the {jax.process_count()} processes")

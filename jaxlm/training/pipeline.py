@@ -172,7 +172,7 @@ def make_gradient_fn(graphdef, mesh, num_microbatches: int, schedule: str):
   stages = num_stages(mesh)
   table = make_schedule(stages, num_microbatches, schedule)
   slots = stash_slots(stages, num_microbatches, schedule)
-  pipe, batch_axes = sharding.PIPELINE_AXIS, sharding.RULES["act_batch"]
+  pipe, batch_axes = sharding.PIPELINE_AXIS, sharding.batch_axes(mesh)
   send_forward = [(s, s + 1) for s in range(stages - 1)]
   send_backward = [(s + 1, s) for s in range(stages - 1)]
 
@@ -193,7 +193,7 @@ def make_gradient_fn(graphdef, mesh, num_microbatches: int, schedule: str):
       return model(rest, blocks).embed(mb["inputs"], mb["positions"])
 
     def run_stage(blocks, rest, x, mb):
-      return model(rest, blocks).run_blocks(x, mb["positions"], mb["segment_ids"])
+      return model(rest, blocks).run_blocks(x, mb["positions"], mb["segment_ids"])[0]
 
     def stage_loss(blocks, rest, kept, mb):
       """The stage as a function of its parameters and kept input: (output, loss sum), correct predictions."""

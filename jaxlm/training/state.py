@@ -101,6 +101,9 @@ def check_mesh_fits_model(config: ModelConfig, mesh: Mesh) -> None:
   hint = "choose a mesh.tensor that divides it"
   sharding.check_divisible("model.num_heads", config.num_heads, mesh, "tensor", hint)
   sharding.check_divisible("model MLP width", config.mlp_width, mesh, "tensor", hint)
+  if config.num_experts and sharding.EXPERT_AXIS in mesh.shape:
+    sharding.check_divisible("model.num_experts", config.num_experts, mesh, sharding.EXPERT_AXIS,
+                             "choose a mesh.expert that divides the experts")
 
 
 def init_train_state(make_model: ModelFactory, seed: int, mesh: Mesh, optimizer: optax.GradientTransformation,

@@ -34,15 +34,19 @@ GradientFn = Callable[[Any, dict], tuple[jax.Array, jax.Array, Any, dict]]
 # ----------------------------------------------------------------------------------------------- steps
 
 
-def make_loss_fn(graphdef: nnx.GraphDef) -> optim.SumLossFn:
-  """Sum of token cross-entropies over valid tokens, the valid-token count, and summed aux metrics. The model's
-  kernels compute the loss from the final hidden states and the output table (with or without [B, T, V] logits)."""
+def make_loss_fn(graphdef: nnx.GraphDef, objective: bool = True) -> optim.SumLossFn:
+  """Sum of token cross-entropies over valid tokens (plus the model's `aux_loss` sum when `objective`: what training
+  minimises; evaluation reports the cross-entropy alone), the valid-token count, and the model's summed metrics
+  (`correct` and any others, each weighted by tokens). The model's kernels compute the loss from the final hidden
+  states and the output table (with or without [B, T, V] logits)."""
 
   def loss_fn(params, batch):
     mask_BT = batch["loss_mask"].astype(jnp.float32)
-    loss_sum, correct = nnx.merge(graphdef, params).loss_sums(batch["inputs"], batch["targets"], mask_BT,
-                                                              batch["positions"], batch["segment_ids"])
-    return loss_sum, (mask_BT.sum(), {"correct": correct})
+    loss_sum, sums = nnx.merge(graphdef, params).loss_sums(batch["inputs"], batch["targets"], mask_BT,
+                                                           batch["positions"], batch["segment_ids"])
+    if objective and "aux_loss" in sums:
+      loss_sum = loss_sum + sums["aux_loss"]
+    return loss_sum, (mask_BT.sum(), sums)
 
   return loss_fn
 
@@ -57,7 +61,8 @@ def resolve_gradient_sync(gradient_sync: str, mesh_shape: dict[str, int], grad_a
   gradient memory sharded, so `auto` keeps GSPMD there."""
   if gradient_sync != "auto":
     return gradient_sync
-  pure_data = mesh_shape.get("fsdp", 1) == 1 and mesh_shape.get("tensor", 1) == 1 and mesh_shape.get("data", 1) > 1
+  pure_data = (mesh_shape.get("fsdp", 1) == 1 and mesh_shape.get("tensor", 1) == 1
+               and mesh_shape.get(sharding.EXPERT_AXIS, 1) == 1 and mesh_shape.get("data", 1) > 1)
   return "shard_map" if pure_data and grad_accum > 1 else "gspmd"
 
 
@@ -73,7 +78,7 @@ def make_gradient_fn(loss_fn: optim.SumLossFn, grad_accum: int, mesh: Mesh | Non
   """
   if resolve_gradient_sync(gradient_sync, dict(mesh.shape) if mesh is not None else {}, grad_accum) == "gspmd":
     return lambda params, batch: optim.accumulate_gradients(loss_fn, params, batch, grad_accum)
-  batch_axes = sharding.RULES["act_batch"]
+  batch_axes = sharding.batch_axes(mesh)
 
   def per_shard(params, batch):
     return optim.accumulate_gradients(loss_fn, params, batch, grad_accum,
@@ -147,6 +152,8 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
         "learning_rate": schedule(state["step"]),
         "skipped_steps": 1.0 - finite.astype(jnp.float32),  # 1 when this step's update was skipped
         **gradients.metrics,
+        # The model's other sums (a mixture of experts' router statistics) are weighted by tokens: their means.
+        **{name: value / jnp.maximum(count, 1.0) for name, value in aux.items() if name != "correct"},
     }
     new_state = {**state, "step": state["step"] + 1, "params": params, "opt_state": opt_state}
     for entry in features.entries:
@@ -162,7 +169,7 @@ def global_norm(tree: Any) -> jax.Array:
 
 
 def make_eval_step(graphdef: nnx.GraphDef):
-  loss_fn = make_loss_fn(graphdef)
+  loss_fn = make_loss_fn(graphdef, objective=False)
 
   def eval_step(params, batch):
     loss_sum, (count, aux) = loss_fn(params, batch)

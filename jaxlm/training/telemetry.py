@@ -37,7 +37,8 @@ def flops_per_token(model: ModelConfig, seq_len: int, num_labels: int = 0) -> fl
     per layer  q and output projections   2 * D * H * K          (H * K = d_model)
                k and v projections        2 * D * G * K          (G = num_kv_heads: grouped/multi-query shrink them)
                MLP                        2 * D * F  (gpt2, bert: up, down)  or  3 * D * F  (llama SwiGLU: gate, up,
-                                          down)
+                                          down); a mixture of experts: the k experts a token takes (and a shared
+                                          MLP) plus the router's D * E, the active parameters
     head       decoders                   V * D  (the output projection, tied or untied: the input embedding is a
                                           table lookup, which is no matmul, so untying adds parameters, not FLOPs)
                bert, num_labels == 0      D * D + V * D  (masked-LM transform and decoder, on every token)
@@ -52,7 +53,12 @@ def flops_per_token(model: ModelConfig, seq_len: int, num_labels: int = 0) -> fl
   d, num_layers, width = model.d_model, model.num_layers, model.num_heads * model.head_dim
   kv_width = (model.num_kv_heads or model.num_heads) * model.head_dim
   mlp_matrices = 3 if model.flavour == "llama" else 2
-  layer_params = 2 * d * width + 2 * d * kv_width + mlp_matrices * d * model.mlp_width
+  if model.num_experts:  # a token meets its k experts (and the shared MLP) and the router: active parameters only
+    mlp_params = (mlp_matrices * d * (model.experts_per_token * model.expert_width + model.shared_expert_d_ff)
+                  + d * model.num_experts)
+  else:
+    mlp_params = mlp_matrices * d * model.mlp_width
+  layer_params = 2 * d * width + 2 * d * kv_width + mlp_params
   if model.flavour != "bert":
     head_params = model.vocab_size * d
   elif num_labels:
