@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU speed checks as ONE script, for a short device session: the parts' time limits add up to 575 s, so
+# The GPU speed checks as ONE script, for a short device session: the parts' time limits add up to 665 s, so
 # one failure or hang does not eat the rest (every part writes its own files as it ends). Results go under OUT
 # (default runs/gpu_checks):
 #   ab_gpt2/ab.json           GPT-2 124M, bf16, seq 1024, batch 32: jaxlm's options side by side in ONE process,
@@ -10,6 +10,9 @@
 #   ab_kernels/ab.json        the Llama flavour (4 layers) side by side: attention cuDNN (auto) / XLA / tokamax,
 #                             tokamax's RMSNorm and gated linear unit against XLA's
 #   ab_fp16/ab.json           GPT-2 in float16 with dynamic loss scaling against bf16
+#   ab_moe/ab.json            a mixture-of-experts Llama step (8 experts, top-2): dropless with XLA's ragged_dot
+#                             (auto) against tokamax's grouped matmul, beside a dense model of the same active
+#                             parameters
 #   qlora_7b/step_memory.json a QLoRA (NF4 base, rank 64) step of a random 7B Llama: the measured peak memory beside
 #                             the planner's prediction (benchmarks/step_memory.py)
 #   int8.json                 W8A8 int8 matmuls and MLP against bf16 and f32 (benchmarks/bench_int8.py)
@@ -80,6 +83,11 @@ XLA_PYTHON_CLIENT_PREALLOCATE=false part 80 ab_kernels $PY benchmarks/ab_step.py
 # float16 compute (dynamic loss scaling, jaxlm/training/loss_scale.py) against bf16, for GPUs without bf16.
 XLA_PYTHON_CLIENT_PREALLOCATE=false part 55 ab_fp16 $PY benchmarks/ab_step.py $GPT2 "${ROUNDS[@]}" \
     --workdir="$OUT/ab_fp16" --variants="bf16:,fp16:model.compute_dtype=float16"
+# The dropless MoE step's grouped matmuls: XLA's ragged_dot (what auto picks on a GPU) against tokamax's kernel.
+MOE="--config=benchmarks/configs/bench_moe_gpu.py $TINY"
+MOE_VARIANTS="ragged_dot:,tokamax:kernels.grouped_matmul=tokamax"
+MOE_VARIANTS+=",dense_same_active:model.num_experts=0;model.d_ff=5632"  # 2 x 2816: the same active parameters
+part 90 ab_moe $PY benchmarks/ab_step.py $MOE "${ROUNDS[@]}" --workdir="$OUT/ab_moe" --variants="$MOE_VARIANTS"
 part 100 qlora_7b $PY benchmarks/step_memory.py --config=experiments/configs/llama_7b_qlora.py $TINY \
     --config.train.batch_size=4 --workdir="$OUT/qlora_7b"
 part 45 int8 $PY benchmarks/bench_int8.py "${INT8_SHAPE[@]}" --out="$OUT/int8.json"

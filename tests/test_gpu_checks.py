@@ -12,7 +12,7 @@ from conftest import xla_flags_without_device_count
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = ("ab_gpt2/ab.json", "profile_gpt2/profile.json", "ab_llama/ab.json",
-           "ab_kernels/ab.json", "ab_fp16/ab.json", "qlora_7b/step_memory.json", "int8.json")
+           "ab_kernels/ab.json", "ab_fp16/ab.json", "ab_moe/ab.json", "qlora_7b/step_memory.json", "int8.json")
 
 
 def test_every_part_runs_on_tiny_shapes(tmp_path):
@@ -24,7 +24,7 @@ def test_every_part_runs_on_tiny_shapes(tmp_path):
                         env=env, capture_output=True, text=True, timeout=600)
   log = (out / "log.txt").read_text()
   exits = [line for line in log.splitlines() if line.startswith("=== ") and ": exit " in line]
-  assert len(exits) == 8 and all(line.endswith("exit 0") for line in exits), (exits, done.stdout[-3000:])
+  assert len(exits) == 9 and all(line.endswith("exit 0") for line in exits), (exits, done.stdout[-3000:])
   for path in RESULTS:
     assert (out / path).exists(), (path, log[-3000:])
   memory = json.loads((out / "qlora_7b" / "step_memory.json").read_text())
@@ -36,6 +36,8 @@ def test_every_part_runs_on_tiny_shapes(tmp_path):
   assert "runs on gpu/tpu, not cpu" in ab["failed"]["attention_tokamax"]
   assert set(ab["rows"]) == {"base", "attention_xla"} and ab["rows"]["base"]["tokens_per_sec"] > 0
   assert 0 < ab["rows"]["base"]["mfu"]
+  moe = json.loads((out / "ab_moe" / "ab.json").read_text())
+  assert set(moe["rows"]) == {"ragged_dot", "dense_same_active"} and set(moe["failed"]) == {"tokamax"}, moe
   profile = json.loads((out / "profile_gpt2" / "profile.json").read_text())
   assert profile["step_ms"] > 0 and profile["top_ops"]
   # Each top op says what it computes: its shape and the JAX operation it came from.

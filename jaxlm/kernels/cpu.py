@@ -297,9 +297,14 @@ def grouped_gemm_weight_grad(x_MK: jax.Array, dy_MN: jax.Array, group_sizes_G: j
                                                                               group_sizes_G.astype(jnp.int32))
 
 
-@jax.custom_vjp
 def grouped_matmul(x_MK: jax.Array, w_GKN: jax.Array, group_sizes_G: jax.Array) -> jax.Array:
-  """Differentiable `grouped_gemm`: what `jax.lax.ragged_dot(x, w, group_sizes)` computes, one sgemm per group."""
+  """Differentiable `grouped_gemm`: what `jax.lax.ragged_dot(x, w, group_sizes)` computes, one sgemm per group. Its
+  output is named CHECKPOINT_NAME, so remat=dots keeps it as it keeps XLA's matmul outputs."""
+  return checkpoint_name(_grouped_matmul(x_MK, w_GKN, group_sizes_G), CHECKPOINT_NAME)
+
+
+@jax.custom_vjp
+def _grouped_matmul(x_MK: jax.Array, w_GKN: jax.Array, group_sizes_G: jax.Array) -> jax.Array:
   return grouped_gemm(x_MK, w_GKN, group_sizes_G)
 
 
@@ -314,4 +319,4 @@ def _grouped_bwd(residuals, dy_MN):
           None)
 
 
-grouped_matmul.defvjp(_grouped_fwd, _grouped_bwd)
+_grouped_matmul.defvjp(_grouped_fwd, _grouped_bwd)
