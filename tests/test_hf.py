@@ -46,6 +46,11 @@ HF_CONFIGS = {
     "llama_gqa_tied": lambda: transformers.LlamaConfig(
         hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         vocab_size=VOCAB, tie_word_embeddings=True, bos_token_id=0, eos_token_id=0),
+    # Saved with one tensor per expert (w1 gate, w3 up, w2 down) and a router (`gate`) per layer.
+    "mixtral": lambda: transformers.MixtralConfig(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        num_local_experts=4, num_experts_per_tok=2, vocab_size=VOCAB, max_position_embeddings=32, bos_token_id=0,
+        eos_token_id=0),
 }
 BERT_CONFIG = lambda **kw: transformers.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                                    intermediate_size=48, vocab_size=VOCAB, max_position_embeddings=32,
@@ -165,7 +170,7 @@ def _jaxlm_llama():
   return GPT(config, rngs=nnx.Rngs(3))
 
 
-@pytest.mark.parametrize("name", ["llama_jaxlm_init", "gpt2", "bert_mlm", "bert_cls"])
+@pytest.mark.parametrize("name", ["llama_jaxlm_init", "gpt2", "mixtral", "bert_mlm", "bert_cls"])
 def test_jaxlm_to_hf_to_jaxlm_is_bit_identical_and_transformers_agrees(hf_folders, tmp_path, name):
   """A jaxlm model (initialised by jaxlm, or loaded earlier) saved for HF: reading it back gives the same bits,
   and transformers computes the same outputs from the saved folder."""

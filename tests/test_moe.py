@@ -116,3 +116,24 @@ def test_expert_parallel_training_matches_one_device(one_device_moe, mesh):
 def test_bad_expert_settings_are_one_line_errors(overrides, message):
   with pytest.raises(ValueError, match=message):
     from_config_dict(overrides)
+
+
+def test_lora_on_expert_weights_is_a_one_line_error_and_attention_adapters_train():
+  from jaxlm.adapters import lora
+  from jaxlm.config import LoRAConfig
+  from jaxlm.training.state import abstract_model
+  _, abstract = abstract_model(lambda rngs: GPT(MOE, KERNELS, rngs=rngs))
+  with pytest.raises(ValueError, match="adapters are not built for; use lora.targets=attention"):
+    lora.make_plan(abstract, LoRAConfig(rank=4, targets="all"))
+  plan = lora.make_plan(abstract, LoRAConfig(rank=4, targets="attention"))
+  assert set(plan.targets) == {f"blocks/attn/{w}" for w in ("w_q", "w_k", "w_v", "w_o")}
+
+
+def test_kv_cache_decoding_equals_the_full_forward():
+  model = GPT(dataclasses.replace(MOE, flavour="llama"), KERNELS, rngs=nnx.Rngs(0))
+  ids = jax.random.randint(jax.random.key(1), (2, 12), 0, MOE.vocab_size)
+  cache = model.init_cache(2, 16)
+  logits = [model.decode(ids[:, :8], cache)]
+  for i in range(8, 12):
+    logits.append(model.decode(ids[:, i:i + 1], logits[-1][1]))
+  np.testing.assert_allclose(jnp.concatenate([l for l, _ in logits], axis=1), model(ids), rtol=1e-5, atol=1e-5)

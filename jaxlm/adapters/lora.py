@@ -185,6 +185,9 @@ def make_plan(abstract_state: nnx.State, lora: LoRAConfig) -> Plan:
   for entry in wanted:
     names = TARGET_GROUPS.get(entry, MATMUL_WEIGHTS if entry == "all" else (entry,))
     hits = [p for p in candidates if p.rsplit("/", 1)[-1] in names or (("/" in entry) and p.endswith(entry))]
+    if experts := [p for p in hits if "experts" in axes[p]]:
+      raise ValueError(f"lora.targets={lora.targets}: {entry!r} takes the mixture-of-experts weights ({experts[0]}), "
+                       "which adapters are not built for; use lora.targets=attention")
     if not hits:
       known = sorted({p.rsplit("/", 1)[-1] for p in candidates})
       raise ValueError(f"lora.targets: {entry!r} matches no weight of this model; use attention, mlp, all or some "

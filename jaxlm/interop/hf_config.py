@@ -1,4 +1,4 @@
-"""HF config.json <-> jaxlm model configs, for GPT-2, Llama and BERT: which jaxlm model a config.json describes (or a
+"""HF config.json <-> jaxlm model configs, for GPT-2, Llama, Mixtral and BERT: which jaxlm model a config.json describes (or a
 one-line error naming the key jaxlm does not support), and the config.json transformers needs for a jaxlm model.
 The weights' names and shapes are jaxlm/interop/hf_weights.py's tables.
 """
@@ -31,7 +31,7 @@ def model_from_hf_config(hf: dict, where: str, weight_names: set[str], c_dtype: 
   model_type, arch = hf.get("model_type"), (hf.get("architectures") or [None])[0]
   if hf.get("auto_map"):
     raise ValueError(f"{where}: auto_map names custom modelling code; jaxlm never runs remote code "
-                     "(trust_remote_code) and reads only gpt2, llama and bert")
+                     "(trust_remote_code) and reads only gpt2, llama, mixtral and bert")
   common = dict(compute_dtype=c_dtype, param_dtype=p_dtype, vocab_size=get("vocab_size"),
                 init_std=get("initializer_range", 0.02))
   if model_type == "gpt2":
@@ -44,7 +44,7 @@ def model_from_hf_config(hf: dict, where: str, weight_names: set[str], c_dtype: 
                          layer_norm_eps=get("layer_norm_epsilon", 1e-5),
                          tie_embeddings=get("tie_word_embeddings", True), **common)
     return lambda rngs: GPT(config, rngs=rngs)
-  if model_type == "llama":
+  if model_type in ("llama", "mixtral"):
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     need(rope.get("rope_type", rope.get("type", "default")) == "default",
          "rope_parameters" if "rope_parameters" in hf else "rope_scaling", "default rotary positions, no scaling")
@@ -57,6 +57,13 @@ def model_from_hf_config(hf: dict, where: str, weight_names: set[str], c_dtype: 
                          max_seq_len=get("max_position_embeddings", 2048), layer_norm_eps=get("rms_norm_eps", 1e-6),
                          rope_theta=float(hf.get("rope_theta") or rope.get("rope_theta") or 10000.0),
                          tie_embeddings=get("tie_word_embeddings", False), **common)
+    if model_type == "mixtral":
+      need(not hf.get("sliding_window") or hf["sliding_window"] >= config.max_seq_len, "sliding_window",
+           "none, or at least max_position_embeddings")
+      need(not hf.get("router_jitter_noise"), "router_jitter_noise", "0")
+      config = dataclasses.replace(config, num_experts=get("num_local_experts"),
+                                   experts_per_token=get("num_experts_per_tok"), expert_d_ff=config.d_ff,
+                                   router_balance_weight=get("router_aux_loss_coef", 0.001), router_z_weight=0.0)
     return lambda rngs: GPT(config, rngs=rngs)
   if model_type == "bert":
     need(get("hidden_act", "gelu") == "gelu", "hidden_act", "gelu")
@@ -79,7 +86,17 @@ def model_from_hf_config(hf: dict, where: str, weight_names: set[str], c_dtype: 
     raise ValueError(f"{where}: architectures={hf.get('architectures')} is not supported for bert (jaxlm supports "
                      "BertModel, BertForMaskedLM, BertForPreTraining, BertForSequenceClassification)")
   raise ValueError(f"{where}: model_type={model_type!r} (architectures={hf.get('architectures')}) is not supported; "
-                   "jaxlm reads gpt2, llama and bert")
+                   "jaxlm reads gpt2, llama, mixtral and bert")
+
+
+def _llama_keys(c: ModelConfig, common: dict) -> dict:
+  """The config.json keys of a Llama-style decoder (Llama, and Mixtral's non-expert part)."""
+  return {"num_hidden_layers": c.num_layers, "hidden_size": c.d_model, "num_attention_heads": c.num_heads,
+          "num_key_value_heads": c.num_kv_heads or c.num_heads, "head_dim": c.head_dim,
+          "intermediate_size": c.mlp_width, "hidden_act": "silu", "max_position_embeddings": c.max_seq_len,
+          "rms_norm_eps": c.layer_norm_eps, "rope_theta": c.rope_theta,  # transformers < 5 reads rope_theta
+          "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta}, "attention_bias": False,
+          "mlp_bias": False, "tie_word_embeddings": c.tie_embeddings, **common}
 
 
 def hf_config(model: nnx.Module) -> dict:
@@ -94,14 +111,16 @@ def hf_config(model: nnx.Module) -> dict:
             "layer_norm_epsilon": c.layer_norm_eps, "activation_function": "gelu_new", "scale_attn_weights": True,
             "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,  # jaxlm trains without dropout
             "tie_word_embeddings": c.tie_embeddings, **common}
+  if isinstance(model, GPT) and c.num_experts:
+    if c.shared_expert_d_ff or not c.router_normalize_topk:
+      raise ValueError("HF Mixtral has no shared expert and renormalises the top-k weights; this mixture of experts "
+                       "(model.shared_expert_d_ff, model.router_normalize_topk) has no HF counterpart here")
+    return {**_llama_keys(c, common), "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+            "intermediate_size": c.expert_width, "num_local_experts": c.num_experts,
+            "num_experts_per_tok": c.experts_per_token, "router_aux_loss_coef": c.router_balance_weight,
+            "router_jitter_noise": 0.0, "sliding_window": None, "output_router_logits": False}
   if isinstance(model, GPT):
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": c.num_layers,
-            "hidden_size": c.d_model, "num_attention_heads": c.num_heads,
-            "num_key_value_heads": c.num_kv_heads or c.num_heads, "head_dim": c.head_dim,
-            "intermediate_size": c.mlp_width, "hidden_act": "silu", "max_position_embeddings": c.max_seq_len,
-            "rms_norm_eps": c.layer_norm_eps, "rope_theta": c.rope_theta,  # transformers < 5 reads rope_theta
-            "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta}, "attention_bias": False,
-            "mlp_bias": False, "tie_word_embeddings": c.tie_embeddings, **common}
+    return {**_llama_keys(c, common), "architectures": ["LlamaForCausalLM"], "model_type": "llama"}
   arch = {Bert: "BertModel", BertForMaskedLM: "BertForMaskedLM",
           BertForSequenceClassification: "BertForSequenceClassification"}[type(model)]
   out = {"architectures": [arch], "model_type": "bert", "num_hidden_layers": c.num_layers, "hidden_size": c.d_model,

@@ -1,4 +1,4 @@
-"""HF checkpoint folders (config.json + safetensors) <-> jaxlm models, for GPT-2, Llama and BERT.
+"""HF checkpoint folders (config.json + safetensors) <-> jaxlm models, for GPT-2, Llama, Mixtral and BERT.
 
   model = hf.from_pretrained("path/to/folder")             # GPT (gpt2 or llama flavour) or a BERT model
   model = hf.from_pretrained(folder, mesh=mesh)            # each tensor straight onto its NamedSharding
@@ -67,6 +67,11 @@ class Rule:
   def per_layer(self) -> bool:
     return "{i}" in self.hf
 
+  @property
+  def per_expert(self) -> bool:
+    """`{e}` in the name: one HF tensor per expert of each layer fills the [L, E, ...] parameter."""
+    return "{e}" in self.hf
+
 
 def _r(kind: str, hf_name: str, hf_shape: tuple[int, ...], *jax_paths: str) -> Rule:
   return Rule(kind, hf_name, hf_shape, jax_paths)
@@ -118,6 +123,12 @@ def _llama_rules(c: ModelConfig) -> list[Rule]:
            ("linear", "mlp.gate_proj.weight", (f, d), "mlp/w_gate"),
            ("linear", "mlp.up_proj.weight", (f, d), "mlp/w_up"),
            ("linear", "mlp.down_proj.weight", (d, f), "mlp/w_down")]
+  if c.num_experts:  # Mixtral: a router and one MLP per expert (transformers saves them one tensor each)
+    f = c.expert_width
+    layer[-3:] = [("linear", "block_sparse_moe.gate.weight", (c.num_experts, d), "mlp/w_router"),
+                  ("linear", "block_sparse_moe.experts.{e}.w1.weight", (f, d), "mlp/w_gate"),
+                  ("linear", "block_sparse_moe.experts.{e}.w3.weight", (f, d), "mlp/w_up"),
+                  ("linear", "block_sparse_moe.experts.{e}.w2.weight", (d, f), "mlp/w_down")]
   return rules + [_r(kind, f"layers.{{i}}.{name}", shape, f"blocks/{path}") for kind, name, shape, path in layer]
 
 
@@ -267,9 +278,12 @@ def lazy_pretrained(folder: str, compute_dtype: str = "float32", param_dtype: st
         hf = weights.read(hf_prefix + rule.hf, rule.shape)
         return _to_jax(rule, hf, [shapes[p] for p in paths])[j].astype(DTYPES[param_dtype], copy=False)
       out = np.empty(shapes[paths[j]][0 if layer is None else 1:], DTYPES[param_dtype])
+      lead = 2 if rule.per_expert else 1  # the stacked axes each HF tensor fills one entry of: layer (and expert)
       for i in [layer] if layer is not None else range(abstract.config.num_layers):
-        hf = weights.read(hf_prefix + rule.hf.format(i=i), rule.shape)
-        out[... if layer is not None else i] = _to_jax(rule, hf, [shapes[p][1:] for p in paths])[j]  # as astype
+        for e in range(abstract.config.num_experts) if rule.per_expert else [None]:
+          hf = weights.read(hf_prefix + rule.hf.format(i=i, e=e), rule.shape)
+          at = (() if layer is not None else (i,)) + (() if e is None else (e,))
+          out[at or ...] = _to_jax(rule, hf, [shapes[p][lead:] for p in paths])[j]  # as astype
       return out
     finally:
       weights.handles.clear()
@@ -309,9 +323,10 @@ def _hf_tensors(model: nnx.Module) -> tuple[list[tuple[str, tuple, np.dtype]], C
     raise ValueError(f"parameter {sorted(set(flat) - used)[0]} has no HF counterpart; cannot save this model")
   layers = lambda rule: range(model.config.num_layers) if rule.per_layer else [None]
   merged_dtype = lambda v: jnp.float32 if isinstance(v, lora.LoRAWeight) else v.dtype  # lora.merge's
-  entries = [(hf_prefix + rule.hf.format(i=i), rule.shape,
+  experts = lambda rule: range(model.config.num_experts) if rule.per_expert else [None]
+  entries = [(hf_prefix + rule.hf.format(i=i, e=e), rule.shape,
               np.dtype(jnp.result_type(*(merged_dtype(flat[jax_prefix + p]) for p in rule.jax))))
-             for hf_prefix, jax_prefix, rule in rules for i in layers(rule)]
+             for hf_prefix, jax_prefix, rule in rules for i in layers(rule) for e in experts(rule)]
 
   def layer(value, host: np.ndarray | None, i: int | None) -> np.ndarray:
     if host is not None:  # a plain parameter: read to the host once per rule
@@ -323,10 +338,12 @@ def _hf_tensors(model: nnx.Module) -> tuple[list[tuple[str, tuple, np.dtype]], C
       values = [flat[jax_prefix + p] for p in rule.jax]
       hosts = [None if isinstance(v, lora.LoRAWeight) else _to_host(v) for v in values]
       for i in layers(rule):
-        out = _to_hf(rule, [layer(v, h, i) for v, h in zip(values, hosts)])
-        if out.shape != rule.shape:
-          raise ValueError(f"parameter {rule.jax[0]} gives HF tensor {rule.hf} of shape {out.shape}, not {rule.shape}")
-        yield out
+        for e in experts(rule):  # expert weights are never LoRA-adapted: plain host arrays
+          out = _to_hf(rule, [layer(v, h, i) if e is None else h[i][e] for v, h in zip(values, hosts)])
+          if out.shape != rule.shape:
+            raise ValueError(f"parameter {rule.jax[0]} gives HF tensor {rule.hf} of shape {out.shape}, not "
+                             f"{rule.shape}")
+          yield out
   return entries, tensors
 
 
