@@ -97,7 +97,8 @@ def test_a_mesh_that_does_not_fit_the_devices(mesh, message):
 
 def test_a_batch_that_does_not_split_over_the_mesh(tmp_path):  # row 14
   config = Config(model=MODEL, mesh=MeshConfig(data=4, fsdp=1, tensor=1), train=TrainConfig(batch_size=6))
-  with pytest.raises(ValueError, match=r"train.batch_size=6 must be divisible by mesh.data\*mesh.fsdp\*train.grad_"):
+  with pytest.raises(ValueError,
+                     match=r"train.batch_size=6 must be divisible by mesh.data\*mesh.fsdp\*mesh.expert\*train.grad_"):
     pretraining.train(config, str(tmp_path / "run"))
 
 
