@@ -102,6 +102,8 @@ class MeshConfig:
                                    # sequence over the tensor axis; all-reduces become reduce-scatter + all-gather
   expert: int = 1  # devices that split every mixture-of-experts layer's experts (model.num_experts); they are
                    # data-parallel replicas for the rest of the model (docs/parallelism.md)
+  context: int = 1  # devices that split every row's sequence for the whole model (ring attention; each holds an
+                    # early and a late chunk); data.seq_len must be divisible by 2 * mesh.context
   pipeline: int = 1  # pipeline stages: each holds model.num_layers / pipeline consecutive blocks, and the
                      # train.grad_accum micro-batches flow through them (docs/performance.md#pipeline-parallelism)
   pipeline_schedule: str = "gpipe"  # gpipe: all forwards, then all backwards (keeps all micro-batch inputs) |
@@ -314,6 +316,8 @@ def validate(config: Config) -> None:
     raise ValueError(f"mesh.gradient_sync={config.mesh.gradient_sync!r} is not one of auto, gspmd, shard_map")
   if config.mesh.expert != 1:
     validate_expert_axis(config)
+  if config.mesh.context != 1:
+    validate_context_axis(config)
   if config.mesh.pipeline != 1 or config.mesh.pipeline_schedule != MeshConfig.pipeline_schedule:
     validate_pipeline(config)
   if t.steps < 0 or (t.steps == 0 and t.epochs <= 0):
@@ -351,6 +355,21 @@ def validate_expert_axis(config: Config) -> None:
   if mesh_sizes(mesh)[2] != 1 or mesh.pipeline != 1:
     raise ValueError(f"mesh.expert={mesh.expert} combines with mesh.data and mesh.fsdp only; set mesh.tensor=1 and "
                      "mesh.pipeline=1")
+
+
+def validate_context_axis(config: Config) -> None:
+  mesh = config.mesh
+  if mesh.context < 1:
+    raise ValueError(f"mesh.context={mesh.context} must be >= 1")
+  if config.model.flavour not in ("gpt2", "llama"):
+    raise ValueError(f"mesh.context={mesh.context} splits a decoder's sequences; model.flavour={config.model.flavour} "
+                     "is not one: set mesh.context=1")
+  if config.data.seq_len % (2 * mesh.context):
+    raise ValueError(f"data.seq_len={config.data.seq_len} is not divisible by 2 * mesh.context={2 * mesh.context} "
+                     "(each device holds an early and a late chunk); choose a seq_len or mesh.context that divides")
+  if mesh_sizes(mesh)[2] != 1 or mesh.pipeline != 1 or mesh.expert != 1 or mesh.sequence_parallel:
+    raise ValueError(f"mesh.context={mesh.context} combines with mesh.data and mesh.fsdp only; set mesh.tensor=1, "
+                     "mesh.pipeline=1, mesh.expert=1 and mesh.sequence_parallel=False")
 
 
 def _range_error(key: str, value: Any, low, high, low_open: bool, high_open: bool, note: str) -> str | None:

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from jaxlm.config import KernelsConfig
 from jaxlm.kernels import attention as xla_attention
-from jaxlm.kernels import cpu, gpu, weights, xla
+from jaxlm.kernels import cpu, gpu, ring_attention, weights, xla
 from jaxlm.kernels import cross_entropy as chunked_ce
 
 ALL = ("cpu", "gpu", "tpu")
@@ -55,6 +55,7 @@ class Target(NamedTuple):
   devices: int
   head_dim: int = 0
   tensor: int = 1
+  context: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +66,7 @@ class Implementation:
   causal_only: bool = False  # needs a causal mask (decoders): it skips the blocks above the diagonal
   one_device: bool = False  # a custom call (or Pallas call) that carries no sharding rule: XLA cannot partition it
   head_dims: Callable[[int], bool] | None = None  # the attention head sizes it takes
+  sequence: str = ""  # attention: "whole" (one device holds every row's whole sequence) or "split" (mesh.context)
   missing: Callable[[], str | None] | None = None  # why it cannot run on this machine, or None
 
   def unfit(self, target: Target) -> str | None:
@@ -77,6 +79,10 @@ class Implementation:
       return "needs a causal model (a decoder)"
     if self.one_device and target.devices > 1:
       return f"cannot be partitioned: XLA would run it whole on each of the {target.devices} devices"
+    if self.sequence == "whole" and target.context > 1:
+      return f"needs whole sequences, and mesh.context={target.context} splits them (ring takes split ones)"
+    if self.sequence == "split" and target.context == 1:
+      return "passes sequence chunks round mesh.context, which is 1 here"
     if self.head_dims and target.head_dim and not self.head_dims(target.head_dim):
       return f"does not take heads of {target.head_dim} (model.d_model / model.num_heads)"
     # What this machine lacks matters only when the target is this machine (the planner resolves for others).
@@ -87,16 +93,18 @@ class Implementation:
 
 IMPLEMENTATIONS: dict[str, tuple[Implementation, ...]] = {
     "attention": (
-        Implementation("xla", ALL),
-        Implementation("causal_blocks", ALL, causal_only=True),
+        Implementation("xla", ALL, sequence="whole"),
+        Implementation("causal_blocks", ALL, causal_only=True, sequence="whole"),
         Implementation("cpu_fused", ("cpu",), ("float32",), causal_only=True, one_device=True,
-                       missing=_compiler_missing),
-        Implementation("recompute", ALL),
-        Implementation("jax", ALL),
+                       missing=_compiler_missing, sequence="whole"),
+        Implementation("recompute", ALL, sequence="whole"),
+        Implementation("jax", ALL, sequence="whole"),
         # cuDNN's flash kernels take head sizes that are multiples of 8, up to 128.
         Implementation("cudnn", ("gpu",), ("bfloat16", "float16"), head_dims=lambda k: k % 8 == 0 and k <= 128,
-                       missing=_cudnn_missing),
-        Implementation("tokamax", ("gpu", "tpu"), one_device=True, missing=gpu.tokamax_unavailable),
+                       missing=_cudnn_missing, sequence="whole"),
+        Implementation("tokamax", ("gpu", "tpu"), one_device=True, missing=gpu.tokamax_unavailable,
+                       sequence="whole"),
+        Implementation("ring", ALL, causal_only=True, sequence="split"),  # context parallelism
     ),
     "matmul": (
         Implementation("xla", ALL),
@@ -124,7 +132,8 @@ IMPLEMENTATIONS: dict[str, tuple[Implementation, ...]] = {
 # faster on that platform are listed ahead of it (docs/performance.md has the measurements): nothing yet on TPUs,
 # and the tokamax kernels are not yet measured on a GPU, so `auto` does not pick them.
 AUTO: dict[str, dict[str, tuple[str, ...]]] = {
-    "attention": {"cpu": ("cpu_fused", "causal_blocks", "xla"), "gpu": ("cudnn", "xla"), "tpu": ("xla",)},
+    "attention": {"cpu": ("ring", "cpu_fused", "causal_blocks", "xla"), "gpu": ("ring", "cudnn", "xla"),
+                  "tpu": ("ring", "xla")},
     "matmul": {"cpu": ("blas", "xla"), "gpu": ("xla",), "tpu": ("xla",)},
     "cross_entropy": {"cpu": ("chunked", "logits"), "gpu": ("chunked", "logits"), "tpu": ("logits",)},
     "norm": {"cpu": ("xla",), "gpu": ("xla",), "tpu": ("xla",)},
@@ -209,6 +218,8 @@ class Kernels:
   def attend(self, q_BTHK, k_BSGK, v_BSGK, mask_BTS, *, causal: bool, document_mask: bool = True):
     """Softmax attention; `mask_BTS` holds causality and document boundaries (the same function on every path)."""
     name = self.attention
+    if name == "ring":
+      return ring_attention.ring_attention(q_BTHK, k_BSGK, v_BSGK, mask_BTS.time_BT, mask_BTS.segment_ids_BT)
     if name == "xla":
       return xla_attention.dot_product_attention(q_BTHK, k_BSGK, v_BSGK, mask_BTS)
     if name in ("causal_blocks", "cpu_fused") and not causal:
@@ -294,7 +305,7 @@ def _pick(op: str, requested: str, target: Target) -> str:
   for name in AUTO[op][target.platform]:
     if not implementations[name].unfit(target):
       return name
-  raise AssertionError(f"no {op} implementation fits {target}")  # the reference always fits
+  raise AssertionError(f"no {op} implementation fits {target}")  # the reference (or ring) always fits
 
 
 def resolve(config: KernelsConfig | None = None, *, compute_dtype: str = "float32", causal: bool = True,
@@ -312,7 +323,8 @@ def resolve(config: KernelsConfig | None = None, *, compute_dtype: str = "float3
     devices = mesh.devices.size if mesh is not None else jax.device_count()
   if tensor is None:
     tensor = dict(mesh.shape).get("tensor", 1) if mesh is not None else 1
-  target = Target(platform, jnp.dtype(compute_dtype).name, causal, devices, head_dim, tensor)
+  context = dict(mesh.shape).get("context", 1) if mesh is not None else 1
+  target = Target(platform, jnp.dtype(compute_dtype).name, causal, devices, head_dim, tensor, context)
   ops = {op: _pick(op, getattr(config, op), target) for op in IMPLEMENTATIONS}
   execution = {key: getattr(config, key) for key in EXECUTION if getattr(config, key) != "auto"}
   for key, choice in EXECUTION.items():

@@ -17,20 +17,29 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxlm import kernels as kernels_lib
 from jaxlm.config import ModelConfig
 from jaxlm.kernels import Kernels
-from jaxlm.models.masks import cache_mask, causal_mask
+from jaxlm.kernels.ring_attention import balanced_order
+from jaxlm.models.masks import SequenceMask, cache_mask, causal_mask
 from jaxlm.models.moe import MoE
 from jaxlm.models.layers import (MLP, Attention, Embed, GatedMLP, KVCache, LayerKV, LayerNorm, RMSNorm, Rotary,
                                  rotary_tables, scan_blocks, stacked)
 from jaxlm.models.precision import Policy
-from jaxlm.parallel.sharding import constrain, gather_fsdp
+from jaxlm.parallel.sharding import CONTEXT_AXIS, axis_size, constrain, gather_fsdp
 
 RESIDUAL_AXES = ("act_batch", "act_residual_seq", "act_embed")
 FLAVOURS = ("gpt2", "llama")
+
+
+def context_order(length: int) -> np.ndarray | None:
+  """Under context parallelism (a traced mesh with `context` > 1), the order of a row's tokens that puts an early and
+  a late chunk on each device (jaxlm/kernels/ring_attention.py); else None."""
+  devices = axis_size(CONTEXT_AXIS)
+  return balanced_order(length, devices) if devices > 1 else None
 
 
 class Block(nnx.Module):
@@ -140,6 +149,8 @@ class GPT(nnx.Module):
     the objective) and its router statistics (moe.py; `expert_load_max_over_mean/layer_<l>` per layer), each
     multiplied by sum(w) so that dividing by the batch's total weight averages them over micro-batches too."""
     x_BTD, stats = self._forward(input_ids_BT, positions_BT, segment_ids_BT)
+    if (order := context_order(input_ids_BT.shape[1])) is not None:  # the tokens as _forward ordered them
+      targets_BT, weights_BT = targets_BT[:, order], weights_BT[:, order]
     loss_sum, correct = self.hidden_loss_sums(x_BTD, targets_BT, weights_BT)
     sums = {"correct": correct}
     if stats:
@@ -164,14 +175,19 @@ class GPT(nnx.Module):
     """The final-normed hidden states [B, T, D] in the compute dtype, before the vocabulary projection (the training
     loss, `kernels.cross_entropy_sums`, takes these and `output_table()` rather than [B, T, V] logits)."""
     x_BTD = self._forward(input_ids_BT, positions_BT, segment_ids_BT)[0]
+    if (order := context_order(input_ids_BT.shape[1])) is not None:
+      x_BTD = x_BTD[:, np.argsort(order)]
     return self.final_norm(x_BTD) if final_norm else x_BTD
 
   def _forward(self, input_ids_BT, positions_BT, segment_ids_BT) -> tuple[jax.Array, dict]:
-    """(the last block's output [B, T, D], the blocks' statistics [L] each)."""
+    """(the last block's output [B, T, D], the blocks' statistics [L] each). Under context parallelism the tokens
+    come out in `context_order`."""
     if positions_BT is None:
       positions_BT = jnp.broadcast_to(jnp.arange(input_ids_BT.shape[1]), input_ids_BT.shape)
     if segment_ids_BT is None:
       segment_ids_BT = jnp.ones_like(input_ids_BT)
+    if (order := context_order(input_ids_BT.shape[1])) is not None:
+      input_ids_BT, positions_BT, segment_ids_BT = (a[:, order] for a in (input_ids_BT, positions_BT, segment_ids_BT))
     return self.run_blocks(self._embed(input_ids_BT, positions_BT), positions_BT, segment_ids_BT)
 
   def embed(self, input_ids_BT: jax.Array, positions_BT: jax.Array) -> jax.Array:
@@ -183,7 +199,11 @@ class GPT(nnx.Module):
     """`self.blocks` applied to x [B, T, D]: all layers, or one pipeline stage's (its slice of the stacked blocks);
     with each layer's statistics stacked ([L] each; none for dense MLPs)."""
     # Without document masking every row is one causal sequence (the library kernels then get no mask at all).
-    mask_BTS = causal_mask(segment_ids_BT if self.config.document_mask else jnp.ones_like(segment_ids_BT))
+    documents_BT = segment_ids_BT if self.config.document_mask else jnp.ones_like(segment_ids_BT)
+    if (order := context_order(x_BTD.shape[1])) is not None:  # ring attention: the mask from each token's time
+      mask_BTS = SequenceMask(jnp.broadcast_to(jnp.asarray(order), documents_BT.shape), documents_BT)
+    else:
+      mask_BTS = causal_mask(documents_BT)
 
     rotary = self._rotary(positions_BT)
 

@@ -4,8 +4,18 @@ implementation in jaxlm.kernels takes one of these [B, T, S] bool masks, so docu
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
+
+
+class SequenceMask(NamedTuple):
+  """The causal mask within documents in O(T) instead of [B, T, S]: query i sees key j when time[j] <= time[i] and
+  segment[j] == segment[i]. What ring attention takes (context parallelism: the rows are in a permuted order, so
+  `time` is each token's index in its original row)."""
+  time_BT: jax.Array
+  segment_ids_BT: jax.Array
 
 
 def causal_mask(segment_ids_BT: jax.Array) -> jax.Array:

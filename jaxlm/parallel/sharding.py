@@ -11,6 +11,8 @@ Mesh axes:
   pipeline  stages that each hold consecutive layers of the stacked blocks (jaxlm/training/pipeline.py); outermost
   expert  devices that each hold a share of every mixture-of-experts layer's experts; tokens travel to their experts'
           devices and back (jaxlm/models/moe.py). For everything else they are data-parallel replicas.
+  context devices that each hold a part of every row's sequence through the whole model; attention passes the keys
+          and values round them (jaxlm/kernels/ring_attention.py)
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from jaxlm.config import MeshConfig, mesh_sizes
 MESH_AXES = ("data", "fsdp", "tensor")
 PIPELINE_AXIS = "pipeline"  # a mesh axis beside MESH_AXES, so mesh_shape keeps returning (data, fsdp, tensor)
 EXPERT_AXIS = "expert"  # likewise
+CONTEXT_AXIS = "context"  # likewise
 
 # Logical axis -> mesh axis (or tuple of mesh axes, or None = replicated). The only sharding table in jaxlm.
 RULES: dict[str, Any] = {
@@ -44,10 +47,10 @@ RULES: dict[str, Any] = {
     "layers": PIPELINE_AXIS,  # the stacked blocks' leading axis: stage s holds layers [s * L/S, (s + 1) * L/S)
     # activations
     "act_batch": ("data", "fsdp", EXPERT_AXIS),
-    "act_seq": None,
+    "act_seq": CONTEXT_AXIS,  # a no-op unless mesh.context > 1
     # The residual stream between sublayers: sharded over `tensor` with `mesh.sequence_parallel` (Megatron-SP), so
     # norms and the saved residuals cost 1/tensor of the memory; attention and MLPs still see whole sequences.
-    "act_residual_seq": None,
+    "act_residual_seq": CONTEXT_AXIS,
     "act_embed": None,
     "act_heads": "tensor",
     "act_kv_heads": "tensor",
@@ -72,9 +75,9 @@ def rule_overrides(config: MeshConfig) -> dict[str, Any]:
 
 
 def mesh_shape(config: MeshConfig, num_devices: int) -> tuple[int, int, int]:
-  """Resolves -1 entries (at most one) so that data * fsdp * tensor == num_devices / (mesh.pipeline * mesh.expert),
-  or raises a one-line error."""
-  for name, size in (("pipeline", config.pipeline), ("expert", config.expert)):
+  """Resolves -1 entries (at most one) so that data * fsdp * tensor == num_devices / (mesh.pipeline * mesh.expert *
+  mesh.context), or raises a one-line error."""
+  for name, size in (("pipeline", config.pipeline), ("expert", config.expert), ("context", config.context)):
     if size < 1 or num_devices % size:
       raise ValueError(f"mesh.{name}={size} does not divide the {num_devices} devices; choose a mesh.{name} that "
                        "divides the device count")
@@ -102,9 +105,9 @@ def mesh_shape(config: MeshConfig, num_devices: int) -> tuple[int, int, int]:
 def make_mesh(config: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
   devices = list(devices) if devices is not None else jax.devices()
   data, fsdp, tensor = mesh_shape(config, len(devices))
-  shape = (config.pipeline, data, fsdp, config.expert, tensor)
+  shape = (config.pipeline, data, fsdp, config.expert, config.context, tensor)
   auto = (jax.sharding.AxisType.Auto,) * len(shape)
-  return jax.make_mesh(shape, (PIPELINE_AXIS, "data", "fsdp", EXPERT_AXIS, "tensor"), axis_types=auto,
+  return jax.make_mesh(shape, (PIPELINE_AXIS, "data", "fsdp", EXPERT_AXIS, CONTEXT_AXIS, "tensor"), axis_types=auto,
                        devices=devices)
 
 
@@ -186,6 +189,14 @@ def traced_on(mesh: Mesh, fn, overrides: dict[str, Any] | None = None):
       _overrides.reset(token)
 
   return functools.wraps(fn)(wrapped)
+
+
+def axis_size(name: str) -> int:
+  """The size of mesh axis `name` in the mesh being traced under (1 outside one, or inside shard_map)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or jax.sharding.AxisType.Manual in mesh.axis_types:
+    return 1
+  return mesh.shape.get(name, 1)
 
 
 def batch_axes(mesh) -> tuple[str, ...]:
