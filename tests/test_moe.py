@@ -73,13 +73,19 @@ def test_router_losses_join_the_objective_and_its_gradient():
   model = GPT(config, KERNELS, rngs=nnx.Rngs(0))
   ids = jax.random.randint(jax.random.key(1), (2, 16), 0, config.vocab_size)
   weights = jnp.ones((2, 16)).at[1, 10:].set(0.0)
-  _, sums = model.loss_sums(ids, ids, weights)
+  graphdef, params = nnx.split(model)
+
+  @jax.jit
+  def sums_and_router_grad(params):
+    aux = lambda p: nnx.merge(graphdef, p).loss_sums(ids, ids, weights)[1]["aux_loss"]  # noqa: E731
+    return nnx.merge(graphdef, params).loss_sums(ids, ids, weights)[1], jax.grad(aux)(params)
+
+  sums, grads = sums_and_router_grad(params)
   total = float(weights.sum())
   balance, z = float(sums["router_balance_loss"]) / total, float(sums["router_z_loss"]) / total
   np.testing.assert_allclose(float(sums["aux_loss"]) / total, 0.5 * balance + 0.25 * z, rtol=1e-6)
   assert set(sums) >= {f"expert_load_max_over_mean/layer_{i}" for i in range(config.num_layers)}
-  router_grad = nnx.grad(lambda m: m.loss_sums(ids, ids, weights)[1]["aux_loss"])(model).blocks.mlp.w_router
-  assert float(jnp.abs(router_grad[...]).max()) > 0
+  assert float(jnp.abs(grads["blocks"]["mlp"]["w_router"][...]).max()) > 0
 
 
 def test_mixture_of_experts_counts_active_parameters_in_flops():
@@ -130,10 +136,18 @@ def test_lora_on_expert_weights_is_a_one_line_error_and_attention_adapters_train
 
 
 def test_kv_cache_decoding_equals_the_full_forward():
-  model = GPT(dataclasses.replace(MOE, flavour="llama"), KERNELS, rngs=nnx.Rngs(0))
+  graphdef, params = nnx.split(GPT(dataclasses.replace(MOE, flavour="llama"), KERNELS, rngs=nnx.Rngs(0)))
   ids = jax.random.randint(jax.random.key(1), (2, 12), 0, MOE.vocab_size)
-  cache = model.init_cache(2, 16)
-  logits = [model.decode(ids[:, :8], cache)]
-  for i in range(8, 12):
-    logits.append(model.decode(ids[:, i:i + 1], logits[-1][1]))
-  np.testing.assert_allclose(jnp.concatenate([l for l, _ in logits], axis=1), model(ids), rtol=1e-5, atol=1e-5)
+
+  @jax.jit
+  def incremental_and_full(params):
+    model = nnx.merge(graphdef, params)
+    logits, cache = model.decode(ids[:, :8], model.init_cache(2, 16))  # the prompt, then one token at a time
+    steps = [logits]
+    for i in range(8, 12):
+      logits, cache = model.decode(ids[:, i:i + 1], cache)
+      steps.append(logits)
+    return jnp.concatenate(steps, axis=1), model(ids)
+
+  incremental, full = incremental_and_full(params)
+  np.testing.assert_allclose(incremental, full, rtol=1e-5, atol=1e-5)
