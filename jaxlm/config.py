@@ -14,6 +14,7 @@ from typing import Any
 import ml_collections
 
 CLASSIFIER_POOLINGS = ("cls", "mean", "auto")
+QK_NORMS = ("", "head", "full")
 
 
 def _ranged(default, low=None, high=None, *, low_open: bool = False, high_open: bool = False, note: str = ""):
@@ -40,6 +41,10 @@ class ModelConfig:
   flavour: str = "gpt2"  # gpt2 | llama (decoders, see jaxlm/models/gpt.py) | bert (encoder, jaxlm/models/bert.py)
   num_kv_heads: int = _ranged(0, 0, note="0 = model.num_heads")  # key/value heads: 0 = num_heads;
                                                                  # fewer = grouped-query, 1 = multi-query attention
+  attention_head_dim: int = _ranged(0, 0, note="0 = d_model / num_heads")  # each head's size, when it is not
+                                                                           # d_model / num_heads (Qwen3)
+  qk_norm: str = ""  # decoders: RMSNorm of queries and keys after their projection: "" none | head (over each head,
+                     # one scale per head dimension: Qwen3) | full (over all heads together: OLMoE)
   rope_theta: float = _ranged(10000.0, 0, low_open=True)  # rotary position base of the llama flavour
   tie_embeddings: bool = True  # the output projection reuses the token embedding (GPT-2 always; Llama often not)
   type_vocab_size: int = _ranged(2, 1)  # bert: token types (sentence A/B) in the token-type embedding
@@ -67,7 +72,7 @@ class ModelConfig:
 
   @property
   def head_dim(self) -> int:
-    return self.d_model // self.num_heads
+    return self.attention_head_dim or self.d_model // self.num_heads
 
 
 @dataclasses.dataclass(frozen=True)
@@ -284,7 +289,9 @@ def validate(config: Config) -> None:
   """One-line errors for values that cannot work, raised before anything is compiled."""
   m, d, t = config.model, config.data, config.train
   validate_ranges(config)
-  if m.d_model % m.num_heads:
+  if m.qk_norm not in QK_NORMS:
+    raise ValueError(f"model.qk_norm={m.qk_norm!r} is not one of {', '.join(repr(n) for n in QK_NORMS)}")
+  if not m.attention_head_dim and m.d_model % m.num_heads:
     raise ValueError(f"model.d_model={m.d_model} is not divisible by model.num_heads={m.num_heads}")
   if d.seq_len > m.max_seq_len:
     raise ValueError(f"data.seq_len={d.seq_len} exceeds model.max_seq_len={m.max_seq_len}; raise model.max_seq_len")
@@ -300,7 +307,8 @@ def validate(config: Config) -> None:
   if m.num_experts:
     validate_experts(m)
   if m.flavour == "llama" and m.head_dim % 2:
-    raise ValueError(f"model.d_model/num_heads={m.head_dim} must be even for rotary positions (llama)")
+    raise ValueError(f"the head size {m.head_dim} (model.attention_head_dim, or d_model / num_heads) must be even "
+                     "for rotary positions (llama)")
   for name in ("param_dtype", "compute_dtype"):
     if getattr(m, name) not in ("float32", "bfloat16", "float16"):
       raise ValueError(f"model.{name}={getattr(m, name)!r} is not one of float32, bfloat16, float16")

@@ -1,4 +1,5 @@
-"""HF checkpoint folders (config.json + safetensors) <-> jaxlm models, for GPT-2, Llama, Mixtral and BERT.
+"""HF checkpoint folders (config.json + safetensors) <-> jaxlm models, for GPT-2, BERT and the Llama-shaped decoders
+(Llama, Mixtral, Qwen3, Qwen3-MoE, OLMoE).
 
   model = hf.from_pretrained("path/to/folder")             # GPT (gpt2 or llama flavour) or a BERT model
   model = hf.from_pretrained(folder, mesh=mesh)            # each tensor straight onto its NamedSharding
@@ -123,12 +124,21 @@ def _llama_rules(c: ModelConfig) -> list[Rule]:
            ("linear", "mlp.gate_proj.weight", (f, d), "mlp/w_gate"),
            ("linear", "mlp.up_proj.weight", (f, d), "mlp/w_up"),
            ("linear", "mlp.down_proj.weight", (d, f), "mlp/w_down")]
-  if c.num_experts:  # Mixtral: a router and one MLP per expert (transformers saves them one tensor each)
+  if c.num_experts:  # a router and one MLP per expert (transformers saves them one tensor each)
     f = c.expert_width
-    layer[-3:] = [("linear", "block_sparse_moe.gate.weight", (c.num_experts, d), "mlp/w_router"),
-                  ("linear", "block_sparse_moe.experts.{e}.w1.weight", (f, d), "mlp/w_gate"),
-                  ("linear", "block_sparse_moe.experts.{e}.w3.weight", (f, d), "mlp/w_up"),
-                  ("linear", "block_sparse_moe.experts.{e}.w2.weight", (d, f), "mlp/w_down")]
+    if hf_config_lib.hf_family(c) == "mixtral":
+      router, gate, up, down = ("block_sparse_moe.gate", *(f"block_sparse_moe.experts.{{e}}.{w}" for w in
+                                                           ("w1", "w3", "w2")))
+    else:  # Qwen3-MoE, OLMoE
+      router, gate, up, down = ("mlp.gate", *(f"mlp.experts.{{e}}.{w}_proj" for w in ("gate", "up", "down")))
+    layer[-3:] = [("linear", f"{router}.weight", (c.num_experts, d), "mlp/w_router"),
+                  ("linear", f"{gate}.weight", (f, d), "mlp/w_gate"),
+                  ("linear", f"{up}.weight", (f, d), "mlp/w_up"),
+                  ("linear", f"{down}.weight", (d, f), "mlp/w_down")]
+  if c.qk_norm:  # Qwen3: one scale per head dimension; OLMoE: one per element of all heads
+    q_size, k_size = (c.head_dim, c.head_dim) if c.qk_norm == "head" else (qd, kvd)
+    layer += [("copy", "self_attn.q_norm.weight", (q_size,), "attn/q_norm"),
+              ("copy", "self_attn.k_norm.weight", (k_size,), "attn/k_norm")]
   return rules + [_r(kind, f"layers.{{i}}.{name}", shape, f"blocks/{path}") for kind, name, shape, path in layer]
 
 

@@ -53,6 +53,7 @@ class Block(nnx.Module):
     self.attn_norm = norm(config.d_model, config.layer_norm_eps, policy, kernels)
     self.attn = Attention(config.d_model, config.num_heads, config.num_kv_heads or config.num_heads, policy, kernels,
                           std, out_std, use_bias=not llama, causal=True, document_mask=config.document_mask,
+                          head_dim=config.head_dim, qk_norm=config.qk_norm, norm_eps=config.layer_norm_eps,
                           rngs=rngs)
     self.mlp_norm = norm(config.d_model, config.layer_norm_eps, policy, kernels)
     if config.num_experts:

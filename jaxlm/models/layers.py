@@ -202,14 +202,14 @@ class Attention(nnx.Module):
 
   def __init__(self, d_model: int, num_heads: int, num_kv_heads: int, policy: Policy, kernels: Kernels, std: float,
                out_std: float, *, use_bias: bool = True, causal: bool = False, document_mask: bool = True,
-               rngs: nnx.Rngs):
+               head_dim: int = 0, qk_norm: str = "", norm_eps: float = 1e-6, rngs: nnx.Rngs):
     if num_heads % num_kv_heads:
       raise ValueError(f"num_heads={num_heads} is not divisible by num_kv_heads={num_kv_heads}")
     self.policy = policy
     self.kernels = kernels
     self.causal = causal  # the caller's mask hides every later key (decoders); enables causal-only kernels
     self.document_mask = document_mask  # False (decoders): the mask is plain causal, library kernels get none
-    h, g, k, dt = num_heads, num_kv_heads, d_model // num_heads, policy.param_dtype
+    h, g, k, dt = num_heads, num_kv_heads, head_dim or d_model // num_heads, policy.param_dtype
     self.w_q = nnx.Param(_normal(rngs, (d_model, h, k), std, dt), axes=("embed", "heads", "head_dim"))
     self.w_k = nnx.Param(_normal(rngs, (d_model, g, k), std, dt), axes=("embed", "kv_heads", "head_dim"))
     self.w_v = nnx.Param(_normal(rngs, (d_model, g, k), std, dt), axes=("embed", "kv_heads", "head_dim"))
@@ -221,6 +221,24 @@ class Attention(nnx.Module):
       self.b_o = nnx.Param(jnp.zeros((d_model,), dt), axes=("embed",))
     else:
       self.b_q = self.b_k = self.b_v = self.b_o = None
+    # Query/key RMSNorm after the projections: one scale per head dimension shared by the heads (`head`), or one per
+    # element of all heads together (`full`).
+    self.norm_eps = norm_eps
+    if qk_norm == "head":
+      self.q_norm = nnx.Param(jnp.ones((k,), dt), axes=("head_dim",))
+      self.k_norm = nnx.Param(jnp.ones((k,), dt), axes=("head_dim",))
+    elif qk_norm == "full":
+      self.q_norm = nnx.Param(jnp.ones((h, k), dt), axes=("heads", "head_dim"))
+      self.k_norm = nnx.Param(jnp.ones((g, k), dt), axes=("kv_heads", "head_dim"))
+    else:
+      self.q_norm = self.k_norm = None
+
+  def _normed(self, x_BTNK: jax.Array, scale: nnx.Param) -> jax.Array:
+    b, t, n, k = x_BTNK.shape
+    if scale.ndim == 1:
+      return self.policy.cast_to_compute(self.kernels.rms_norm(x_BTNK, scale[...], self.norm_eps))
+    normed = self.kernels.rms_norm(x_BTNK.reshape(b, t, n * k), scale[...].reshape(n * k), self.norm_eps)
+    return self.policy.cast_to_compute(normed.reshape(b, t, n, k))
 
   def _project(self, x_BTD: jax.Array, w: nnx.Param, b: nnx.Param | None, heads_axis: str) -> jax.Array:
     c = self.policy.cast_to_compute
@@ -240,6 +258,8 @@ class Attention(nnx.Module):
       q = self._project(x_BTD, self.w_q, self.b_q, "act_heads")
       k = self._project(x_BTD, self.w_k, self.b_k, "act_kv_heads")
       v = self._project(x_BTD, self.w_v, self.b_v, "act_kv_heads")
+    if self.q_norm is not None:
+      q, k = self._normed(q, self.q_norm), self._normed(k, self.k_norm)
     if rotary is not None:
       q, k = apply_rope(q, rotary), apply_rope(k, rotary)
     return q, k, v
