@@ -306,6 +306,9 @@ def validate(config: Config) -> None:
     raise ValueError(f"model.num_heads={m.num_heads} is not divisible by model.num_kv_heads={m.num_kv_heads}")
   if m.num_experts:
     validate_experts(m)
+    if mesh_sizes(config.mesh)[2] != 1 or config.mesh.context != 1:
+      raise ValueError(f"model.num_experts={m.num_experts} runs with mesh.data, mesh.fsdp and mesh.expert; set "
+                       "mesh.tensor=1 and mesh.context=1")
   if m.flavour == "llama" and m.head_dim % 2:
     raise ValueError(f"the head size {m.head_dim} (model.attention_head_dim, or d_model / num_heads) must be even "
                      "for rotary positions (llama)")

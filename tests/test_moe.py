@@ -117,7 +117,7 @@ def test_expert_parallel_training_matches_one_device(one_device_moe, mesh):
     ({"model": {"num_experts": 6}, "mesh": {"expert": 4}}, "model.num_experts=6 is not divisible by mesh.expert=4"),
     ({"mesh": {"expert": 2}}, "this one has none"),
     ({"model": {"num_experts": 4, "flavour": "bert"}}, "needs a decoder"),
-    ({"model": {"num_experts": 4}, "mesh": {"expert": 2, "tensor": 2}}, "combines with mesh.data and mesh.fsdp"),
+    ({"model": {"num_experts": 4}, "mesh": {"expert": 2, "tensor": 2}}, "set mesh.tensor=1 and mesh.context=1"),
 ])
 def test_bad_expert_settings_are_one_line_errors(overrides, message):
   with pytest.raises(ValueError, match=message):

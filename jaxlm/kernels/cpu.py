@@ -277,6 +277,27 @@ def _fused_cpu_bwd(block, residuals, dout_BTHK):
 _fused_cpu.defvjp(_fused_cpu_fwd, _fused_cpu_bwd)
 
 
+def _vma(x) -> frozenset:
+  """The mesh axes over which `x` varies inside shard_map (empty outside it); jax 0.10 names them
+  `manual_axis_type.varying`, earlier releases `vma`."""
+  aval = jax.typeof(x)
+  manual = getattr(aval, "manual_axis_type", None)
+  return frozenset(manual.varying if manual is not None else getattr(aval, "vma", None) or ())
+
+
+def _varying_like(out: jax.Array, *inputs: jax.Array) -> jax.Array:
+  """A custom call's output typed as varying over every axis its inputs vary over (shard_map types what it computes
+  per device; a custom call's result carries no such type of its own)."""
+  axes = tuple(sorted(frozenset().union(*map(_vma, inputs)) - _vma(out)))
+  return jax.lax.pcast(out, axes, to="varying") if axes else out
+
+
+def _summed_to(cotangent: jax.Array, primal: jax.Array) -> jax.Array:
+  """A cotangent summed over the devices along which its primal is the same (shard_map's transpose of a broadcast)."""
+  axes = tuple(sorted(_vma(cotangent) - _vma(primal)))
+  return jax.lax.psum(cotangent, axes) if axes else cotangent
+
+
 def grouped_gemm(x_MK: jax.Array, w_GKN: jax.Array, group_sizes_G: jax.Array, trans_w: bool = False) -> jax.Array:
   """Rows of x sorted by group, group g the next group_sizes[g] rows: y = x_g @ op(w[g]) per group ([M, N]; rows
   past the groups are zero). One custom call (blas_gemm.cc), not differentiable (`grouped_matmul` is)."""
@@ -284,8 +305,8 @@ def grouped_gemm(x_MK: jax.Array, w_GKN: jax.Array, group_sizes_G: jax.Array, tr
   register()
   n = w_GKN.shape[1] if trans_w else w_GKN.shape[2]
   out = jax.ShapeDtypeStruct((x_MK.shape[0], n), jnp.float32)
-  return jax.ffi.ffi_call(GROUPED_TARGETS[0], out, vmap_method="sequential")(
-      x_MK, w_GKN, group_sizes_G.astype(jnp.int32), trans_w=trans_w)
+  return _varying_like(jax.ffi.ffi_call(GROUPED_TARGETS[0], out, vmap_method="sequential")(
+      x_MK, w_GKN, group_sizes_G.astype(jnp.int32), trans_w=trans_w), x_MK, w_GKN, group_sizes_G)
 
 
 def grouped_gemm_weight_grad(x_MK: jax.Array, dy_MN: jax.Array, group_sizes_G: jax.Array) -> jax.Array:
@@ -293,8 +314,8 @@ def grouped_gemm_weight_grad(x_MK: jax.Array, dy_MN: jax.Array, group_sizes_G: j
   _check_cpu_f32("kernels.grouped_matmul=blas", "kernels.grouped_matmul=ragged_dot", x_MK, dy_MN)
   register()
   out = jax.ShapeDtypeStruct((group_sizes_G.shape[0], x_MK.shape[1], dy_MN.shape[1]), jnp.float32)
-  return jax.ffi.ffi_call(GROUPED_TARGETS[1], out, vmap_method="sequential")(x_MK, dy_MN,
-                                                                              group_sizes_G.astype(jnp.int32))
+  return _varying_like(jax.ffi.ffi_call(GROUPED_TARGETS[1], out, vmap_method="sequential")(
+      x_MK, dy_MN, group_sizes_G.astype(jnp.int32)), x_MK, dy_MN, group_sizes_G)
 
 
 def grouped_matmul(x_MK: jax.Array, w_GKN: jax.Array, group_sizes_G: jax.Array) -> jax.Array:
@@ -315,8 +336,9 @@ def _grouped_fwd(x_MK, w_GKN, group_sizes_G):
 def _grouped_bwd(residuals, dy_MN):
   x_MK, w_GKN, group_sizes_G = residuals
   # dx = dy_g @ w[g]^T (a flag, no transpose in memory), dw[g] = x_g^T @ dy_g; the sizes are integers (no cotangent).
-  return (grouped_gemm(dy_MN, w_GKN, group_sizes_G, trans_w=True), grouped_gemm_weight_grad(x_MK, dy_MN, group_sizes_G),
-          None)
+  dx = grouped_gemm(dy_MN, w_GKN, group_sizes_G, trans_w=True)
+  dw = grouped_gemm_weight_grad(x_MK, dy_MN, group_sizes_G)
+  return _summed_to(dx, x_MK), _summed_to(dw, w_GKN), None
 
 
 _grouped_matmul.defvjp(_grouped_fwd, _grouped_bwd)

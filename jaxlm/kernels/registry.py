@@ -123,8 +123,9 @@ IMPLEMENTATIONS: dict[str, tuple[Implementation, ...]] = {
     # Mixture-of-experts layers: rows sorted by expert, one matmul per expert on its own rows.
     "grouped_matmul": (
         Implementation("ragged_dot", ALL),
-        Implementation("blas", ("cpu",), ("float32",), one_device=True, missing=_compiler_missing),
-        Implementation("tokamax", ("gpu", "tpu"), one_device=True, missing=gpu.tokamax_unavailable),
+        # On a mesh the MoE layer calls these per device inside shard_map, so they need no sharding rule.
+        Implementation("blas", ("cpu",), ("float32",), missing=_compiler_missing),
+        Implementation("tokamax", ("gpu", "tpu"), missing=gpu.tokamax_unavailable),
     ),
 }
 

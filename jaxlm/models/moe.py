@@ -94,11 +94,13 @@ class MoE(nnx.Module):
     x_BTD = self.policy.cast_to_compute(x_BTD)
     args = (x_BTD, valid_BT, self.w_router[...], self.expert_weights())
     mesh = jax.sharding.get_abstract_mesh()
-    parallel = not mesh.empty and jax.sharding.AxisType.Manual not in mesh.axis_types
-    if parallel and mesh.shape.get(EXPERT_AXIS, 1) > 1:
+    if not mesh.empty and jax.sharding.AxisType.Manual not in mesh.axis_types:
+      # On a mesh the layer runs per device in shard_map (so a per-device grouped matmul such as the CPU's BLAS one
+      # serves any mesh): each device routes its own tokens; an expert axis exchanges the rows.
       batch = P(batch_axes(mesh))
-      y_BTD, sums = jax.shard_map(functools.partial(self._local, exchange=True), mesh=mesh,
-                                  in_specs=(batch, batch, P(), P(EXPERT_AXIS)), out_specs=(batch, P()))(*args)
+      y_BTD, sums = jax.shard_map(functools.partial(self._local, exchange=mesh.shape.get(EXPERT_AXIS, 1) > 1),
+                                  mesh=mesh, in_specs=(batch, batch, P(), P(EXPERT_AXIS)),
+                                  out_specs=(batch, P()))(*args)
     else:
       y_BTD, sums = self._local(*args, exchange=False)
     y_BTD = constrain(y_BTD, ("act_batch", "act_seq", "act_embed"))
@@ -107,8 +109,8 @@ class MoE(nnx.Module):
     return y_BTD, router_stats(sums)
 
   def _local(self, x_BTD, valid_BT, w_router_DE, weights, *, exchange: bool) -> tuple[jax.Array, dict]:
-    """The layer on this device's tokens (all of them, or a shard inside shard_map when `exchange`: its rows then
-    go to the devices of their experts along the expert axis and come back), with the router's sums."""
+    """The layer on this device's tokens (all of them, or its shard inside shard_map; with `exchange` its rows go
+    to the devices of their experts along the expert axis and come back), with the router's sums."""
     b, t, d = x_BTD.shape
     n, k = b * t, self.experts_per_token
     x_ND = x_BTD.reshape(n, d)
@@ -124,8 +126,9 @@ class MoE(nnx.Module):
     y_NKD = y_MD[jnp.argsort(order_M)].reshape(n, k, d)  # back to token order
     y_ND = jnp.einsum("nkd,nk->nd", y_NKD, gates_NK.astype(y_NKD.dtype))
     sums = router_sums(logits_NE, experts_NK, valid_BT.reshape(n).astype(jnp.float32))
-    if exchange:
-      sums = jax.lax.psum(sums, batch_axes(jax.sharding.get_abstract_mesh()))
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty:  # inside shard_map: the statistics of every device's tokens
+      sums = jax.lax.psum(sums, batch_axes(mesh))
     return y_ND.reshape(b, t, d), sums
 
   def _exchange(self, rows_MD: jax.Array, experts_M: jax.Array, weights: dict) -> jax.Array:
