@@ -34,7 +34,7 @@ from ml_collections import config_flags  # noqa: E402
 from jaxlm import cli  # noqa: E402
 from jaxlm import config as config_lib  # noqa: E402
 from jaxlm.kernels import runnable_on
-from jaxlm.planner import advice, check_against_runs, estimates, plan
+from jaxlm.planner import advice, check_against_runs, estimates, estimates_moe, plan
 from jaxlm.planner import hardware as hardware_lib
 from jaxlm.planner import layouts as layouts_lib
 from jaxlm.training import atomic_files  # noqa: E402
@@ -143,6 +143,29 @@ def plot(rows: list[dict], path: str) -> None:
   fig.savefig(path, dpi=110)
 
 
+def expert_parallel_section(config, hardware, counts, summary: dict) -> str:
+  """A mixture of experts' total and active parameters and, per profile and device count, its expert layouts
+  (jaxlm/planner/estimates_moe.py) into `summary`; returns them as a markdown section."""
+  params = estimates_moe.parameter_counts(config.model)
+  summary.update(total_params=params["total"], active_params=params["active"])
+  lines = [f"\n## Expert parallelism\n\n{params['total'] / 1e9:.2f}B parameters, {params['active'] / 1e9:.2f}B "
+           "active per token.\n\n| hardware | devices | mesh | fits | grad_accum | GiB per device | all-to-all GB "
+           "per step | step s |\n| --- | --- | --- | --- | --- | --- | --- | --- |"]
+  for profile in hardware:
+    for n in counts:
+      layouts = estimates_moe.expert_layouts(config, n, profile, profile.usable_bytes)
+      if not layouts:
+        continue
+      best = layouts[0]
+      summary[f"{profile.name}/{n}_devices/expert_layout"] = best["mesh"] if best["fits"] else "none fits"
+      print(f"{profile.name} x {n}: " + "; ".join(
+          f"{r['mesh']} {'fits' if r['fits'] else 'does not fit'} ({r['memory_gib']:.1f} GiB, "
+          f"{r['step_time_sec']:.2f} s/step)" for r in layouts))
+      lines += [f"| {profile.name} | {n} | {r['mesh']} | {'yes' if r['fits'] else 'no'} | {r['grad_accum']} | "
+                f"{r['memory_gib']:.1f} | {r['exchange_gb']:.1f} | {r['step_time_sec']:.3f} |" for r in layouts]
+  return "\n".join(lines) + "\n"
+
+
 def main(argv):
   del argv  # flags only: cli.run refuses positional arguments
   logging.set_verbosity(logging.WARNING)
@@ -200,6 +223,7 @@ def main(argv):
     if message:
       summary[f"{profile.name}/one_device"] = message
       print(f"{profile.name}: {message}")
+  expert_table = expert_parallel_section(config, hardware, counts, summary) if config.model.num_experts else ""
   # After the recommendations and explanations, which compare every layout on the same (analytic) footing.
   compiled_cache: dict = {}
   for profile in hardware:
@@ -241,7 +265,7 @@ def main(argv):
                    f"batch {config.train.batch_size} x {config.data.seq_len}, {assumptions.tokens:.3g} tokens\n\n"
                    f"{table}\n\nKernels of each recommended mesh (config.kernels resolved for the hardware):"
                    f"{kernels}\n\nWhich layout wins:\n"
-                   + "".join(f"\n- {text}" for text in explanations) + "\n")
+                   + "".join(f"\n- {text}" for text in explanations) + "\n" + expert_table)
   plot(rows, os.path.join(_WORKDIR.value, "plan.png"))
   print(table)
   print(f"wrote {_WORKDIR.value}/plan.json, plan.md, plan.png")

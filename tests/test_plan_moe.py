@@ -58,3 +58,9 @@ def test_context_parallel_ring_bytes_and_memory_match_the_compiled_step():
   assert ring == pytest.approx(plan.compiled_collective_bytes(compiled, 4)["collective-permute"], rel=0.02)
   predicted = estimates_moe.predict_memory(config, 4, context=4, platform="cpu")["total"]
   assert 0.65 <= predicted / plan.compiled_memory_bytes(compiled) <= 1.35
+
+
+def test_the_planner_leaves_out_tensor_parallel_layouts_of_a_mixture_of_experts():
+  config = Config(model=MOE, data=DataConfig(seq_len=256), train=TrainConfig(batch_size=16, steps=10, warmup_steps=1))
+  assert "not mesh.tensor" in plan.mesh_problem(config, (1, 1, 4), "gpu")
+  assert plan.mesh_problem(config, (1, 4, 1), "gpu") is None

@@ -1,11 +1,12 @@
 """OLMoE-1B-7B's shape (16 layers, d_model 2048, 64 experts of 1024, top-8, query/key norms over all heads): a
 mixture of experts to plan full fine-tuning for, here at 4096 tokens per sequence in bf16.
 
-Command:  python -c "from jaxlm.planner import estimates_moe" ...  (see docs/parallelism.md#planning), or load the
-          real weights with --config.init_from=<an OLMoE folder> in experiments/finetune.py
-Runtime:  planning takes about a minute on a 2-core CPU (it traces the model; nothing is allocated)
-Expected: on 4 x A100 80GB, data parallelism alone does not fit (every device holds all 6.9B parameters' f32 Adam
-          state); the expert axis of 4 does (docs/parallelism.md)
+Command:  python experiments/plan.py --config=experiments/configs/olmoe_1b_7b.py --hardware=a100_80gb,h100_80gb \
+            --devices=4 --compile=none --workdir=runs/plan_olmoe
+Runtime:  about 10 s on a 2-core CPU (the model is traced, nothing is allocated)
+Expected: 6.92B parameters, 1.28B active; on 4 x A100 80GB data parallelism alone does not fit (every device holds
+          all the f32 Adam state), FSDP does and is fastest, the expert axis of 4 fits too but sends about 100 GB
+          per step in its all-to-alls (docs/parallelism.md#planning)
 """
 
 from jaxlm.config import default_config

@@ -58,6 +58,8 @@ def mesh_problem(config: Config, sizes: "tuple[int, ...] | Layout", platform: st
     problem = _pipeline_problem(config, layout)
     if problem:
       return problem
+  if m.num_experts and tensor > 1:
+    return f"model.num_experts={m.num_experts} runs with mesh.data, mesh.fsdp and mesh.expert, not mesh.tensor"
   if m.num_heads % tensor:
     return f"model.num_heads={m.num_heads} is not divisible by mesh.tensor={tensor}"
   if m.mlp_width % tensor:
