@@ -24,11 +24,11 @@ def test_total_and_active_parameters():
   assert counts["total"] - counts["active"] == 2 * (8 - 2) * per_expert
 
 
-@pytest.mark.parametrize("expert", [1, 4])
-def test_expert_parallel_memory_is_near_the_compiled_step(expert):
+def test_expert_parallel_memory_is_near_the_compiled_step():
   """Analytic corrections on top of the traced model: within 35% of XLA's buffer assignment on the CPU (measured
-  0.90x with experts replicated, 0.75x with 4 expert devices: docs/parallelism.md)."""
-  mesh = MeshConfig(data=4 // expert, expert=expert)
+  0.75x with 4 expert devices, 0.90x with the experts replicated: docs/parallelism.md)."""
+  expert = 4
+  mesh = MeshConfig(data=1, expert=expert)
   config = Config(model=MOE, mesh=mesh, data=DataConfig(seq_len=256),
                   train=TrainConfig(batch_size=16, steps=10, warmup_steps=1))
   compiled, *_ = check_against_runs.compiled_train_step(config, jax.devices()[:4])
