@@ -52,6 +52,14 @@ def test_dropless_layer_equals_every_expert_on_every_token(gated, normalize, gro
   assert float(stats["router_balance_loss"]) >= 1.0  # k * (1 / k) at the least: E * sum f_e P_e with sum f_e = k
 
 
+def test_a_shared_expert_adds_its_dense_mlp_for_every_token():
+  shared = MoE(32, 4, 2, 48, Policy.from_model_config(MODEL), KERNELS, 0.3, 0.3, gated=True, shared_d_ff=40,
+               rngs=nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(1), (2, 16, 32))
+  y, _ = jax.jit(lambda x: shared(x))(x)
+  np.testing.assert_allclose(y, _dense_reference(shared, x) + shared.shared(x), rtol=1e-5, atol=1e-6)
+
+
 def test_blas_grouped_matmul_and_its_gradients_equal_ragged_dot():
   """Uneven groups, an empty group and rows past the groups (which both leave zero)."""
   x = jax.random.normal(jax.random.key(0), (40, 24))

@@ -54,10 +54,8 @@ class MoE(nnx.Module):
     else:
       self.w_in = nnx.Param(_normal(rngs, (e, d, f), std, dt), axes=("experts", "embed", "expert_mlp"))
       self.w_out = nnx.Param(_normal(rngs, (e, f, d), out_std, dt), axes=("experts", "expert_mlp", "embed"))
-    self.shared = None
-    if shared_d_ff:
-      mlp = GatedMLP if gated else MLP
-      self.shared = mlp(d_model, shared_d_ff, policy, kernels, std, out_std, rngs=rngs)
+    mlp = GatedMLP if gated else MLP
+    self.shared = mlp(d_model, shared_d_ff, policy, kernels, std, out_std, rngs=rngs) if shared_d_ff else None
 
   def route(self, x_ND: jax.Array, w_router_DE: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(router logits [N, E] f32, the chosen experts [N, k], their weights [N, k] f32)."""
