@@ -71,6 +71,11 @@ class ModelConfig:
     return self.expert_d_ff or self.mlp_width
 
   @property
+  def expert_params(self) -> int:
+    """One expert's MLP weights (SwiGLU's gate, up and down for llama; in and out for gpt2)."""
+    return (3 if self.flavour == "llama" else 2) * self.d_model * self.expert_width
+
+  @property
   def head_dim(self) -> int:
     return self.attention_head_dim or self.d_model // self.num_heads
 
@@ -289,6 +294,8 @@ def validate(config: Config) -> None:
   """One-line errors for values that cannot work, raised before anything is compiled."""
   m, d, t = config.model, config.data, config.train
   validate_ranges(config)
+  if m.flavour == "bert" and (m.qk_norm or m.attention_head_dim):
+    raise ValueError("model.qk_norm and model.attention_head_dim are decoder options; leave them unset for bert")
   if m.qk_norm not in QK_NORMS:
     raise ValueError(f"model.qk_norm={m.qk_norm!r} is not one of {', '.join(repr(n) for n in QK_NORMS)}")
   if not m.attention_head_dim and m.d_model % m.num_heads:
@@ -325,6 +332,9 @@ def validate(config: Config) -> None:
     raise ValueError("data.source=hf needs data.hf_name")
   if config.mesh.gradient_sync not in ("auto", "gspmd", "shard_map"):
     raise ValueError(f"mesh.gradient_sync={config.mesh.gradient_sync!r} is not one of auto, gspmd, shard_map")
+  if config.mesh.gradient_sync == "shard_map" and (config.mesh.expert != 1 or config.mesh.context != 1):
+    raise ValueError("mesh.gradient_sync=shard_map reduces data-parallel gradients by hand and holds every parameter "
+                     "whole; with mesh.expert or mesh.context > 1 use gradient_sync=auto")
   if config.mesh.expert != 1:
     validate_expert_axis(config)
   if config.mesh.context != 1:

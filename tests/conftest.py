@@ -56,7 +56,8 @@ def pytest_sessionfinish(session, exitstatus):
 # together instead of one waiting on a long file handed out last.
 LONGEST_FIRST = ("test_slurm", "test_gpu_checks", "test_multiprocess", "test_kernels", "test_parallel", "test_finetune",
                  "test_train", "test_plan", "test_lora", "test_pipeline", "test_distill", "test_optimize",
-                 "test_moe", "test_config_ranges", "test_context", "test_plan_moe", "test_generate", "test_prune", "test_reliability_soak", "test_quantization",
+                 "test_moe", "test_config_ranges", "test_context", "test_plan_moe", "test_generate", "test_prune",
+                 "test_reliability_soak", "test_quantization",
                  "test_streaming", "test_reliability_inputs", "test_loss_scale", "test_model", "test_peft_folders",
                  "test_instructions", "test_kernels_tokamax")
 

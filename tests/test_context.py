@@ -52,7 +52,14 @@ def test_each_device_holds_an_early_and_a_late_chunk():
   assert max(work) - min(work) <= 2 * 2 * 16
 
 
+def test_gradients_sync_by_gspmd_with_a_context_axis():
+  from jaxlm.training import steps
+  assert steps.resolve_gradient_sync("auto", {"data": 2, "context": 2}, grad_accum=2) == "gspmd"
+
+
 @pytest.mark.parametrize("overrides, message", [
+    ({"mesh": {"context": 2, "gradient_sync": "shard_map"}}, "with mesh.expert or mesh.context > 1 use gradient_sync"),
+    ({"model": {"flavour": "bert", "qk_norm": "head"}}, "are decoder options"),
     ({"mesh": {"context": 4}, "data": {"seq_len": 12}}, r"data.seq_len=12 is not divisible by 2 \* mesh.context=8"),
     ({"mesh": {"context": 2, "tensor": 2}}, "combines with mesh.data and mesh.fsdp only"),
     ({"mesh": {"context": 2}, "model": {"flavour": "bert"}}, "splits a decoder's sequences"),

@@ -159,3 +159,17 @@ def test_kv_cache_decoding_equals_the_full_forward():
 
   incremental, full = incremental_and_full(params)
   np.testing.assert_allclose(incremental, full, rtol=1e-5, atol=1e-5)
+
+
+def test_a_batch_the_batch_devices_do_not_divide_runs_whole():
+  """A generated sample's single row on a 4-device expert mesh: the experts gathered, the same logits."""
+  from jaxlm import kernels as kernels_lib
+  from jaxlm.config import KernelsConfig
+  from jaxlm.parallel import sharding
+  mesh = sharding.make_mesh(MeshConfig(data=1, expert=4))
+  kernels = kernels_lib.resolve(KernelsConfig(), compute_dtype="float32", mesh=mesh)
+  graphdef, state = nnx.split(GPT(MOE, kernels, rngs=nnx.Rngs(0)))
+  ids = jax.random.randint(jax.random.key(1), (1, 16), 0, MOE.vocab_size)
+  placed = jax.device_put(state, sharding.replicated(mesh))
+  logits = jax.jit(sharding.traced_on(mesh, lambda s, ids: nnx.merge(graphdef, s)(ids)))(placed, ids)
+  np.testing.assert_allclose(logits, GPT(MOE, KERNELS, rngs=nnx.Rngs(0))(ids), rtol=1e-5, atol=1e-5)

@@ -1,5 +1,6 @@
 // XLA FFI handlers: row-major C = op(A) @ op(B) in f32 through the Fortran BLAS sgemm that scipy ships
-// (OpenBLAS), and the grouped matmuls of mixture-of-experts layers (below). Built and loaded by jaxlm/kernels/cpu.py, which also hands over the BLAS function pointers.
+// (OpenBLAS), and the grouped matmuls of mixture-of-experts layers (below). Built and loaded by
+// jaxlm/kernels/cpu.py, which also hands over the BLAS function pointers.
 //
 // Threads: OpenBLAS's own thread pool fights XLA's for the same cores (and two gemms that XLA runs at once share
 // it). So OpenBLAS runs on one thread (jaxlm/kernels/cpu.py sets it) and each call

@@ -1,14 +1,15 @@
 """The kernel registry, the one list of kernels: for every op the models call (attention, the weight matmul,
-cross-entropy, norms, the gated linear unit, the experts' grouped matmul), the implementations that compute it (`IMPLEMENTATIONS`; the first of
-each is the reference every other one is tested equal to), where each runs, and which one `auto` picks (`AUTO`);
+cross-entropy, norms, the gated linear unit, the experts' grouped matmul), the implementations that compute it
+(`IMPLEMENTATIONS`; the first of each is the reference every other one is tested equal to), where each runs, and
+which one `auto` picks (`AUTO`);
 and the execution choices that are not ops (`EXECUTION`: fused q/k/v, a scan or a loop over the layers, remat).
 
 `resolve(KernelsConfig, ...)` turns the config (every key `auto` by default) into a `Kernels`: concrete names for
 this platform, compute dtype and mesh, looked up in these tables. `auto` takes the first implementation of
 `AUTO[op][platform]` that can run here; an explicit choice that cannot is a one-line error naming the key and the
 values that would work. Models hold a `Kernels` and call its methods (`einsum`, `lookup`, `attend`, `layer_norm`,
-`rms_norm`, `gated_linear_unit`, `expert_matmul`, `cross_entropy_sums`); they never import a backend module. A weight that is not a
-plain array reaches them through one protocol (jaxlm/kernels/weights.py).
+`rms_norm`, `gated_linear_unit`, `expert_matmul`, `cross_entropy_sums`); they never import a backend module. A
+weight that is not a plain array reaches them through one protocol (jaxlm/kernels/weights.py).
 
 Meshes: the CPU custom calls (`cpu_fused`, `blas`) and the tokamax Pallas calls carry no sharding rule, so XLA would
 run each call whole on every device of a mesh; `auto` leaves them out on a mesh of more than one device, and choosing
@@ -84,7 +85,7 @@ class Implementation:
     if self.sequence == "split" and target.context == 1:
       return "passes sequence chunks round mesh.context, which is 1 here"
     if self.head_dims and target.head_dim and not self.head_dims(target.head_dim):
-      return f"does not take heads of {target.head_dim} (model.d_model / model.num_heads)"
+      return f"does not take heads of {target.head_dim} (model.attention_head_dim, or d_model / num_heads)"
     # What this machine lacks matters only when the target is this machine (the planner resolves for others).
     if self.missing and target.platform == jax.default_backend():
       return self.missing()
@@ -129,9 +130,10 @@ IMPLEMENTATIONS: dict[str, tuple[Implementation, ...]] = {
     ),
 }
 
-# What `auto` tries, in order; the reference (always able to run) ends every list. Only implementations measured
-# faster on that platform are listed ahead of it (docs/performance.md has the measurements): nothing yet on TPUs,
-# and the tokamax kernels are not yet measured on a GPU, so `auto` does not pick them.
+# What `auto` tries, in order; the reference (always able to run) ends every list. `ring` leads the attention lists
+# because it is the only one that takes split sequences (and is unfit without them); other implementations ahead of
+# the reference are those measured faster on that platform (docs/performance.md has the measurements): nothing yet
+# on TPUs, and the tokamax kernels are not faster on a GPU (or do not run there), so `auto` does not pick them.
 AUTO: dict[str, dict[str, tuple[str, ...]]] = {
     "attention": {"cpu": ("ring", "cpu_fused", "causal_blocks", "xla"), "gpu": ("ring", "cudnn", "xla"),
                   "tpu": ("ring", "xla")},

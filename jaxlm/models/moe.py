@@ -7,9 +7,9 @@ Extra dimension letters: N tokens (B * T), E experts, k experts per token (in na
 F each expert's MLP width.
 
 Besides its output, the layer returns its router statistics, each a scalar over the valid tokens:
-  router_balance_loss        E * sum_e f_e * P_e, f_e the share of routed rows sent to expert e and P_e its mean
-                             router probability: k when the load is even (Switch Transformer; HF's Mixtral pools all
-                             layers before multiplying, we take it per layer and average)
+  router_balance_loss        E * sum_e f_e * P_e, f_e the share of tokens that chose expert e (summing to k) and
+                             P_e its mean router probability: k when the load is even (Switch Transformer; HF's
+                             Mixtral pools all layers before multiplying, we take it per layer and average)
   router_z_loss              the mean squared log-sum-exp of the router logits (ST-MoE), which keeps them small
   expert_load_max_over_mean  the busiest expert's rows over the mean per expert (1 = perfectly even)
 """
@@ -17,6 +17,7 @@ Besides its output, the layer returns its router statistics, each a scalar over 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +28,7 @@ from jaxlm.kernels import Kernels
 from jaxlm.models.layers import MLP, GatedMLP, _normal
 from jaxlm.models.precision import Policy
 from jaxlm.parallel.sharding import EXPERT_AXIS, batch_axes, constrain
+
 
 class MoE(nnx.Module):
   """`num_experts` MLPs of width `d_ff` (SwiGLU when `gated`, else a tanh-GELU MLP; no biases), a router, and an
@@ -92,7 +94,9 @@ class MoE(nnx.Module):
     x_BTD = self.policy.cast_to_compute(x_BTD)
     args = (x_BTD, valid_BT, self.w_router[...], self.expert_weights())
     mesh = jax.sharding.get_abstract_mesh()
-    if not mesh.empty and jax.sharding.AxisType.Manual not in mesh.axis_types:
+    batch_devices = 1 if mesh.empty else math.prod(mesh.shape[a] for a in batch_axes(mesh))
+    # A batch the batch devices do not divide (a generated sample's row) runs whole, with the experts gathered.
+    if not mesh.empty and jax.sharding.AxisType.Manual not in mesh.axis_types and not x_BTD.shape[0] % batch_devices:
       # On a mesh the layer runs per device in shard_map (so a per-device grouped matmul such as the CPU's BLAS one
       # serves any mesh): each device routes its own tokens; an expert axis exchanges the rows.
       batch = P(batch_axes(mesh))
@@ -125,7 +129,7 @@ class MoE(nnx.Module):
     y_ND = jnp.einsum("nkd,nk->nd", y_NKD, gates_NK.astype(y_NKD.dtype))
     sums = router_sums(logits_NE, experts_NK, valid_BT.reshape(n).astype(jnp.float32))
     mesh = jax.sharding.get_abstract_mesh()
-    if not mesh.empty:  # inside shard_map: the statistics of every device's tokens
+    if not mesh.empty and jax.sharding.AxisType.Manual in mesh.axis_types:  # in shard_map: every device's tokens
       sums = jax.lax.psum(sums, batch_axes(mesh))
     return y_ND.reshape(b, t, d), sums
 
@@ -174,11 +178,3 @@ def router_stats(sums: dict) -> dict:
       "router_z_loss": sums["z"] / tokens,
       "expert_load_max_over_mean": jnp.max(rows_E) / jnp.maximum(jnp.mean(rows_E), 1e-9),
   }
-
-
-def expert_params(num_experts: int, experts_per_token: int, d_model: int, d_ff: int, gated: bool) -> tuple[int, int]:
-  """(total, active per token) parameters of one MoE layer's experts and router."""
-  per_expert = (3 if gated else 2) * d_model * d_ff
-  router = d_model * num_experts
-  return num_experts * per_expert + router, experts_per_token * per_expert + router
-

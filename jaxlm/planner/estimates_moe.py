@@ -6,8 +6,9 @@ These are analytic corrections to jaxlm/planner/estimates.py's model, which plan
 data-parallel one:
   expert axis of P   the experts' parameters, gradients and Adam moments are split P ways; each device's experts run
                      on buffers of P x M rows (M = its tokens x k: the exchange is dropless with static shapes,
-                     jaxlm/models/moe.py), so the experts' saved activations grow P-fold; four all-to-alls per layer
-                     and micro-batch (two forward, two backward) each send (P - 1) x M rows of D
+                     jaxlm/models/moe.py), so the experts' saved activations grow P-fold; per layer and micro-batch
+                     rows of D go out and back in the forward pass and again in the backward pass, (P - 1) x M each
+                     time, with each row's expert id once
   context axis of C  each device holds T / C tokens of every row: its activations are those of a T / C sequence
                      (the ring's residuals are local q, k, v, output and log-sum-exp, as a flash kernel's are); per
                      layer and micro-batch the forward passes C - 1 key/value chunks round the ring and the backward
@@ -34,15 +35,13 @@ def parameter_counts(model: ModelConfig) -> dict[str, int]:
   total = sum(int(v.get_value().size) for _, v in nnx.to_flat_state(params))
   if not model.num_experts:
     return {"total": total, "active": total}
-  per_expert = (3 if model.flavour == "llama" else 2) * model.d_model * model.expert_width
-  idle = model.num_layers * (model.num_experts - model.experts_per_token) * per_expert
+  idle = model.num_layers * (model.num_experts - model.experts_per_token) * model.expert_params
   return {"total": total, "active": total - idle}
 
 
 def expert_param_bytes_f32(model: ModelConfig) -> float:
   """The experts' weights of every layer in f32 (what the expert axis splits)."""
-  per_expert = (3 if model.flavour == "llama" else 2) * model.d_model * model.expert_width
-  return 4.0 * model.num_layers * model.num_experts * per_expert
+  return 4.0 * model.num_layers * model.num_experts * model.expert_params
 
 
 def expert_exchange_bytes(config: Config, expert: int, local_batch: int, grad_accum: int) -> float:
@@ -52,7 +51,8 @@ def expert_exchange_bytes(config: Config, expert: int, local_batch: int, grad_ac
   m = config.model
   rows = local_batch * config.data.seq_len * m.experts_per_token  # M
   itemsize = jnp.dtype(m.compute_dtype).itemsize
-  per_layer = 4 * (expert - 1) * rows * (m.d_model * itemsize + 4)  # rows of D, and each row's expert id (int32)
+  # Rows of D go out and back in the forward pass and in the backward pass; each row's expert id (int32) once.
+  per_layer = (expert - 1) * rows * (4 * m.d_model * itemsize + 4)
   return float(grad_accum * m.num_layers * per_layer)
 
 
@@ -83,9 +83,9 @@ def predict_memory(config: Config, devices: int, expert: int = 1, context: int =
   parts = dict(estimates.predict_memory(as_data, (data * expert * context, 1, 1), grad_accum, platform))
   m = config.model
   if expert > 1:
-    shared = expert_param_bytes_f32(m) * (1 - 1 / expert)  # the experts a device no longer holds
-    parts["state"] -= 3 * shared  # params and two Adam moments, f32
-    parts["gradients"] -= shared * (2 if grad_accum > 1 else 1)
+    elsewhere = expert_param_bytes_f32(m) * (1 - 1 / expert)  # the experts on the other expert devices
+    parts["state"] -= 3 * elsewhere  # params and two Adam moments, f32
+    parts["gradients"] -= elsewhere * (2 if grad_accum > 1 else 1)
     local_batch = config.train.batch_size // grad_accum // (data * expert)
     rows = local_batch * config.data.seq_len * m.experts_per_token
     itemsize = jnp.dtype(m.compute_dtype).itemsize
@@ -93,7 +93,7 @@ def predict_memory(config: Config, devices: int, expert: int = 1, context: int =
     parts["activations"] += m.num_layers * (expert - 1) * rows * widths * itemsize
     # One layer's backward meets the same P-fold rows, and its four exchange buffers of P x M rows of D.
     parts["working"] += (expert - 1) * rows * widths * itemsize + 4 * expert * rows * m.d_model * itemsize
-    held = estimates.state_bytes(as_data, (devices, 1, 1), platform).params_f32 - shared
+    held = estimates.state_bytes(as_data, (devices, 1, 1), platform).params_f32 - elsewhere
     backward = parts["gradients"] + parts["activations"] + parts["working"]
     parts["optimizer_extra"] = max(0.0, estimates.OPTIMIZER_PHASE_TREES * held - backward)
   parts["total"] = sum(v for k, v in parts.items() if k != "total")
@@ -129,8 +129,11 @@ def expert_layouts(config: Config, devices: int, hardware: Hardware, usable_byte
   rows = []
   for expert in [p for p in range(1, devices + 1) if devices % p == 0 and config.model.num_experts % p == 0]:
     data = devices // expert
-    for grad_accum in [k for k in range(1, config.train.batch_size + 1) if config.train.batch_size % k == 0
-                       and (config.train.batch_size // k) % (data * expert) == 0]:
+    splits = [k for k in range(1, config.train.batch_size + 1) if config.train.batch_size % k == 0
+              and (config.train.batch_size // k) % devices == 0]
+    if not splits:  # the batch does not split over these devices
+      continue
+    for grad_accum in splits:
       memory = predict_memory(config, devices, expert, 1, grad_accum, hardware.platform or None)
       if memory["total"] <= usable_bytes:
         break

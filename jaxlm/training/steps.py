@@ -62,7 +62,8 @@ def resolve_gradient_sync(gradient_sync: str, mesh_shape: dict[str, int], grad_a
   if gradient_sync != "auto":
     return gradient_sync
   pure_data = (mesh_shape.get("fsdp", 1) == 1 and mesh_shape.get("tensor", 1) == 1
-               and mesh_shape.get(sharding.EXPERT_AXIS, 1) == 1 and mesh_shape.get("data", 1) > 1)
+               and mesh_shape.get(sharding.EXPERT_AXIS, 1) == 1 and mesh_shape.get(sharding.CONTEXT_AXIS, 1) == 1
+               and mesh_shape.get("data", 1) > 1)
   return "shard_map" if pure_data and grad_accum > 1 else "gspmd"
 
 

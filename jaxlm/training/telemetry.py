@@ -54,7 +54,7 @@ def flops_per_token(model: ModelConfig, seq_len: int, num_labels: int = 0) -> fl
   kv_width = (model.num_kv_heads or model.num_heads) * model.head_dim
   mlp_matrices = 3 if model.flavour == "llama" else 2
   if model.num_experts:  # a token meets its k experts (and the shared MLP) and the router: active parameters only
-    mlp_params = (mlp_matrices * d * (model.experts_per_token * model.expert_width + model.shared_expert_d_ff)
+    mlp_params = (model.experts_per_token * model.expert_params + mlp_matrices * d * model.shared_expert_d_ff
                   + d * model.num_experts)
   else:
     mlp_params = mlp_matrices * d * model.mlp_width
