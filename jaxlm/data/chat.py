@@ -1,0 +1,161 @@
+"""Chat templates: a checkpoint's own `chat_template`, rendered as transformers renders it (jinja2 in a sandbox), and
+conversations turned into token ids with a loss mask on the assistant turns.
+
+  ids, loss_mask = encode_conversation("path/to/checkpoint", [
+      {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+      {"role": "assistant", "content": "Hello."}])
+
+`folder` is what transformers' `save_pretrained` writes for a tokenizer: tokenizer.json, and the template in
+chat_template.jinja or in tokenizer_config.json's `chat_template` (with the special tokens the template refers to,
+`bos_token`, `eos_token`, ...). The ids are transformers' `apply_chat_template(messages, tokenize=True)`: the rendered
+text tokenized without adding special tokens (the template writes them). The mask covers each assistant turn from
+the end of its header to its end-of-turn token: the text that rendering the conversation up to that turn adds to
+rendering the one before it with `add_generation_prompt=True` (trailing whitespace dropped), so it needs no
+`{% generation %}` markers, which few templates have.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import functools
+import json
+import os
+
+import jinja2
+import numpy as np
+import tokenizers
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatTemplate:
+  """A folder's template, compiled, with the special tokens it may refer to and the folder's tokenizer."""
+  source: str  # the file the template came from (for errors)
+  template: jinja2.Template
+  special_tokens: dict
+  tokenizer: tokenizers.Tokenizer
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
+  """jinja2's sandbox with what transformers gives templates: trimmed blocks, loop controls, `raise_exception`,
+  a `tojson` that does not escape HTML, and `strftime_now`. The sandbox is why a checkpoint's template is safe to
+  run: it is code from whoever published the checkpoint."""
+  env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+
+  def raise_exception(message):
+    raise jinja2.exceptions.TemplateError(message)
+
+  env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: json.dumps(
+      x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+  env.globals.update(raise_exception=raise_exception,
+                     strftime_now=lambda fmt: datetime.datetime.now().strftime(fmt))
+  return env
+
+
+def _token_text(value) -> str | None:
+  """A special token as tokenizer_config.json stores it: a string, or an AddedToken's dict with `content`."""
+  return value.get("content") if isinstance(value, dict) else value
+
+
+@functools.lru_cache(maxsize=16)
+def load(folder: str) -> ChatTemplate | None:
+  """The folder's chat template, or None when it has none (a checkpoint without one keeps jaxlm's own format)."""
+  config_path = os.path.join(folder, TOKENIZER_CONFIG_FILE)
+  config = {}
+  if os.path.exists(config_path):
+    with open(config_path) as f:
+      config = json.load(f)
+  template_path = os.path.join(folder, CHAT_TEMPLATE_FILE)
+  if os.path.exists(template_path):
+    with open(template_path) as f:
+      source, text = template_path, f.read()
+  elif config.get("chat_template"):
+    source, text = config_path, config["chat_template"]
+    if isinstance(text, list):  # named templates: the default one
+      named = {t.get("name"): t.get("template") for t in text}
+      if "default" not in named:
+        raise ValueError(f"{config_path}: chat_template lists {sorted(named)} and no 'default' template")
+      text = named["default"]
+  else:
+    return None
+  tokenizer_path = os.path.join(folder, "tokenizer.json")
+  if not os.path.exists(tokenizer_path):
+    raise ValueError(f"{folder}: a chat template needs the folder's tokenizer.json, which is missing")
+  try:
+    template = _environment().from_string(text)
+  except jinja2.TemplateSyntaxError as e:
+    raise ValueError(f"{source}: the chat template does not compile (line {e.lineno}: {e.message})") from None
+  special = {key: _token_text(config[key]) for key in SPECIAL_TOKEN_KEYS if config.get(key) is not None}
+  return ChatTemplate(source, template, special, tokenizers.Tokenizer.from_file(tokenizer_path))
+
+
+def render(chat: ChatTemplate, messages: list[dict], add_generation_prompt: bool = False) -> str:
+  """The conversation as the template writes it. A template that fails names its file and the first message at
+  which it fails."""
+  _check_messages(messages)
+  try:
+    return _render(chat, messages, add_generation_prompt)
+  except jinja2.TemplateError as e:
+    failing = next((i for i in range(len(messages)) if not _renders(chat, messages[:i + 1])), len(messages) - 1)
+    raise ValueError(f"{chat.source}: the chat template failed at message {failing} "
+                     f"({messages[failing].get('role')!r}): {e}") from None
+
+
+def _render(chat: ChatTemplate, messages: list[dict], add_generation_prompt: bool) -> str:
+  return chat.template.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=None,
+                              documents=None, **chat.special_tokens)
+
+
+def _renders(chat: ChatTemplate, messages: list[dict]) -> bool:
+  try:
+    _render(chat, messages, False)
+    return True
+  except jinja2.TemplateError:
+    return False
+
+
+def _check_messages(messages: list[dict]) -> None:
+  if not messages:
+    raise ValueError("a conversation needs at least one message")
+  for i, message in enumerate(messages):
+    if not isinstance(message, dict) or "role" not in message or "content" not in message:
+      raise ValueError(f"message {i} is not a {{role, content}} dict: {message!r}")
+
+
+def assistant_spans(chat: ChatTemplate, messages: list[dict], text: str) -> list[tuple[int, int]]:
+  """[start, end) character ranges of `text` (the whole conversation rendered) that the assistant turns add."""
+  spans = []
+  for i, message in enumerate(messages):
+    if message["role"] != "assistant":
+      continue
+    before = render(chat, messages[:i], add_generation_prompt=True) if i else ""
+    through = render(chat, messages[:i + 1])
+    if not (text.startswith(through) and through.startswith(before)):
+      raise ValueError(f"{chat.source}: the chat template writes the conversation before message {i} differently "
+                       "once later messages follow it, so the assistant's tokens cannot be located; train on "
+                       "prompt/response pairs instead")
+    spans.append((len(before), len(before) + len(through[len(before):].rstrip())))
+  return spans
+
+
+def encode_conversation(folder: str, messages: list[dict]) -> tuple[np.ndarray, np.ndarray]:
+  """(token ids int32 [N], loss mask float32 [N]: 1 on each assistant turn's tokens and its end-of-turn token) of
+  `messages` under `folder`'s chat template (module docstring)."""
+  chat = load(folder)
+  if chat is None:
+    raise ValueError(f"{folder}: no chat template (chat_template.jinja, or chat_template in "
+                     f"{TOKENIZER_CONFIG_FILE}); conversations need one")
+  text = render(chat, messages)
+  encoding = chat.tokenizer.encode(text, add_special_tokens=False)
+  ids = np.asarray(encoding.ids, np.int32)
+  mask = np.zeros(len(ids), np.float32)
+  for start, end in assistant_spans(chat, messages, text):
+    for j, (token_start, token_end) in enumerate(encoding.offsets):
+      if token_start < end and token_end > start:
+        mask[j] = 1.0
+  return ids, mask
