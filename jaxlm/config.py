@@ -15,6 +15,7 @@ import ml_collections
 
 CLASSIFIER_POOLINGS = ("cls", "mean", "auto")
 QK_NORMS = ("", "head", "full")
+ROPE_SCALINGS = ("", "linear", "llama3")
 
 
 def _ranged(default, low=None, high=None, *, low_open: bool = False, high_open: bool = False, note: str = ""):
@@ -46,6 +47,14 @@ class ModelConfig:
   qk_norm: str = ""  # decoders: RMSNorm of queries and keys after their projection: "" none | head (over each head,
                      # one scale per head dimension: Qwen3) | full (over all heads together: OLMoE)
   rope_theta: float = _ranged(10000.0, 0, low_open=True)  # rotary position base of the llama flavour
+  rope_scaling: str = ""  # rotary frequencies stretched for longer contexts: "" none | linear (all divided by
+                          # rope_factor) | llama3 (Llama 3.1: low frequencies divided, high kept, a blend between)
+  rope_factor: float = _ranged(1.0, 1)  # how much longer a context the scaled frequencies serve
+  rope_low_freq_factor: float = _ranged(1.0, 0, low_open=True)  # llama3: wavelengths above
+                                                                # rope_original_max_positions / this are divided
+  rope_high_freq_factor: float = _ranged(4.0, 0, low_open=True)  # llama3: wavelengths below
+                                                                 # rope_original_max_positions / this are kept
+  rope_original_max_positions: int = _ranged(8192, 1)  # llama3: the context the unscaled frequencies were trained on
   tie_embeddings: bool = True  # the output projection reuses the token embedding (GPT-2 always; Llama often not)
   type_vocab_size: int = _ranged(2, 1)  # bert: token types (sentence A/B) in the token-type embedding
   classifier_pooling: str = "cls"  # bert classifiers: cls (HF's tanh pooler on [CLS]) | mean (mean of the tokens'
@@ -296,6 +305,11 @@ def validate(config: Config) -> None:
   validate_ranges(config)
   if m.flavour == "bert" and (m.qk_norm or m.attention_head_dim):
     raise ValueError("model.qk_norm and model.attention_head_dim are decoder options; leave them unset for bert")
+  if m.rope_scaling not in ROPE_SCALINGS:
+    raise ValueError(f"model.rope_scaling={m.rope_scaling!r} is not one of {', '.join(repr(r) for r in ROPE_SCALINGS)}")
+  if m.rope_scaling == "llama3" and m.rope_high_freq_factor <= m.rope_low_freq_factor:
+    raise ValueError(f"model.rope_high_freq_factor={m.rope_high_freq_factor} must exceed "
+                     f"model.rope_low_freq_factor={m.rope_low_freq_factor} (llama3 rotary scaling)")
   if m.qk_norm not in QK_NORMS:
     raise ValueError(f"model.qk_norm={m.qk_norm!r} is not one of {', '.join(repr(n) for n in QK_NORMS)}")
   if not m.attention_head_dim and m.d_model % m.num_heads:

@@ -46,6 +46,16 @@ HF_CONFIGS = {
     "llama_gqa_tied": lambda: transformers.LlamaConfig(
         hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         vocab_size=VOCAB, tie_word_embeddings=True, bos_token_id=0, eos_token_id=0),
+    # Llama 3.1's rotary scaling (low frequencies divided, high kept, one blended) and linear scaling.
+    "llama31_rope": lambda: transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=VOCAB, tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, max_position_embeddings=2048,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 8.0, "original_max_position_embeddings": 256}),
+    "llama_linear_rope": lambda: transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=VOCAB, tie_word_embeddings=False, bos_token_id=0, eos_token_id=0,
+        rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}),
     # Saved with one tensor per expert (w1 gate, w3 up, w2 down) and a router (`gate`) per layer.
     "mixtral": lambda: transformers.MixtralConfig(
         hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -184,8 +194,8 @@ def _jaxlm_llama():
   return GPT(config, rngs=nnx.Rngs(3))
 
 
-@pytest.mark.parametrize("name", ["llama_jaxlm_init", "gpt2", "mixtral", "qwen3_moe", "qwen3", "olmoe", "bert_mlm",
-                                  "bert_cls"])
+@pytest.mark.parametrize("name", ["llama_jaxlm_init", "gpt2", "llama31_rope", "mixtral", "qwen3_moe", "qwen3", "olmoe",
+                                  "bert_mlm", "bert_cls"])
 def test_jaxlm_to_hf_to_jaxlm_is_bit_identical_and_transformers_agrees(hf_folders, tmp_path, name):
   """A jaxlm model (initialised by jaxlm, or loaded earlier) saved for HF: reading it back gives the same bits,
   and transformers computes the same outputs from the saved folder."""

@@ -47,8 +47,9 @@ def model_from_hf_config(hf: dict, where: str, weight_names: set[str], c_dtype: 
     return lambda rngs: GPT(config, rngs=rngs)
   if model_type in LLAMA_FAMILIES:
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    need(rope.get("rope_type", rope.get("type", "default")) == "default",
-         "rope_parameters" if "rope_parameters" in hf else "rope_scaling", "default rotary positions, no scaling")
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    need(rope_type in ("default", "linear", "llama3"), "rope_parameters" if "rope_parameters" in hf else
+         "rope_scaling", "rope_type default, linear, llama3")
     need(get("hidden_act", "silu") == "silu", "hidden_act", "silu")
     need(not hf.get("attention_bias") and not hf.get("mlp_bias"), "attention_bias", "no biases")
     need(not hf.get("use_sliding_window") and (not hf.get("sliding_window") or hf["sliding_window"] >= get(
@@ -63,6 +64,11 @@ def model_from_hf_config(hf: dict, where: str, weight_names: set[str], c_dtype: 
                          qk_norm={"qwen3": "head", "qwen3_moe": "head", "olmoe": "full"}.get(model_type, ""),
                          max_seq_len=get("max_position_embeddings", 2048), layer_norm_eps=get("rms_norm_eps", 1e-6),
                          rope_theta=float(hf.get("rope_theta") or rope.get("rope_theta") or 10000.0),
+                         rope_scaling="" if rope_type == "default" else rope_type,
+                         rope_factor=float(rope.get("factor", 1.0)),
+                         rope_low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
+                         rope_high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
+                         rope_original_max_positions=int(rope.get("original_max_position_embeddings", 8192)),
                          tie_embeddings=get("tie_word_embeddings", False), **common)
     if model_type == "mixtral":
       need(not hf.get("router_jitter_noise"), "router_jitter_noise", "0")
@@ -119,13 +125,25 @@ def hf_family(c: ModelConfig) -> str:
   return family
 
 
+def _rope_parameters(c: ModelConfig) -> dict:
+  """config.json's `rope_parameters` of the model's rotary frequencies."""
+  if not c.rope_scaling:
+    return {"rope_type": "default", "rope_theta": c.rope_theta}
+  out = {"rope_type": c.rope_scaling, "rope_theta": c.rope_theta, "factor": c.rope_factor}
+  if c.rope_scaling == "llama3":
+    out.update(low_freq_factor=c.rope_low_freq_factor, high_freq_factor=c.rope_high_freq_factor,
+               original_max_position_embeddings=c.rope_original_max_positions)
+  return out
+
+
 def _llama_keys(c: ModelConfig, common: dict) -> dict:
   """The config.json keys of a Llama-style decoder (Llama, and Mixtral's non-expert part)."""
   return {"num_hidden_layers": c.num_layers, "hidden_size": c.d_model, "num_attention_heads": c.num_heads,
           "num_key_value_heads": c.num_kv_heads or c.num_heads, "head_dim": c.head_dim,
           "intermediate_size": c.mlp_width, "hidden_act": "silu", "max_position_embeddings": c.max_seq_len,
           "rms_norm_eps": c.layer_norm_eps, "rope_theta": c.rope_theta,  # transformers < 5 reads rope_theta
-          "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta}, "attention_bias": False,
+          "rope_parameters": _rope_parameters(c), "attention_bias": False,
+          **({"rope_scaling": _rope_parameters(c)} if c.rope_scaling else {}),  # transformers < 5's key
           "mlp_bias": False, "tie_word_embeddings": c.tie_embeddings, **common}
 
 

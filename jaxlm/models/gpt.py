@@ -27,7 +27,7 @@ from jaxlm.kernels.ring_attention import balanced_order
 from jaxlm.models.masks import SequenceMask, cache_mask, causal_mask
 from jaxlm.models.moe import MoE
 from jaxlm.models.layers import (MLP, Attention, Embed, GatedMLP, KVCache, LayerKV, LayerNorm, RMSNorm, Rotary,
-                                 rotary_tables, scan_blocks, stacked)
+                                 rotary_frequencies, rotary_tables, scan_blocks, stacked)
 from jaxlm.models.precision import Policy
 from jaxlm.parallel.sharding import CONTEXT_AXIS, axis_size, constrain, gather_fsdp
 
@@ -119,7 +119,11 @@ class GPT(nnx.Module):
   def _rotary(self, positions_BT: jax.Array) -> Rotary | None:
     """The rotary tables every layer shares (llama), or None (gpt2's positions are learned embeddings)."""
     c = self.config
-    return rotary_tables(positions_BT, c.head_dim, c.rope_theta) if c.flavour == "llama" else None
+    if c.flavour != "llama":
+      return None
+    inv_freq = rotary_frequencies(c.head_dim, c.rope_theta, c.rope_scaling, c.rope_factor, c.rope_low_freq_factor,
+                                  c.rope_high_freq_factor, c.rope_original_max_positions)
+    return rotary_tables(positions_BT, c.head_dim, c.rope_theta, inv_freq)
 
   def _head(self) -> Embed:
     return self.lm_head if self.lm_head is not None else self.token_embed

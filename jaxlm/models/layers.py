@@ -19,6 +19,7 @@ from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxlm.kernels import Kernels, weights
@@ -110,11 +111,33 @@ class Rotary(NamedTuple):
   sin_BTk: jax.Array
 
 
-def rotary_tables(positions_BT: jax.Array, head_dim: int, theta: float) -> Rotary:
-  """The Rotary tables of `positions` (each row its own, e.g. restarting at every packed document's start)."""
+def rotary_frequencies(head_dim: int, theta: float, scaling: str = "", factor: float = 1.0,
+                       low_freq_factor: float = 1.0, high_freq_factor: float = 4.0,
+                       original_max_positions: int = 8192) -> np.ndarray:
+  """The K/2 rotary frequencies (f32), stretched for longer contexts as `scaling` says: `linear` divides them all
+  by `factor`; `llama3` (Llama 3.1) divides those whose wavelength exceeds original_max_positions /
+  low_freq_factor, keeps those below original_max_positions / high_freq_factor, and blends linearly between."""
   half = head_dim // 2
-  inv_freq = 1.0 / theta ** (jnp.arange(0, 2 * half, 2, dtype=jnp.float32) / (2 * half))  # [K/2]
-  angles_BTk = positions_BT.astype(jnp.float32)[:, :, None] * _lead(inv_freq, 3)
+  inv_freq = 1.0 / theta ** (np.arange(0, 2 * half, 2, dtype=np.float64) / (2 * half))
+  if scaling == "linear":
+    inv_freq = inv_freq / factor
+  elif scaling == "llama3":
+    wavelength = 2 * np.pi / inv_freq
+    blend = (original_max_positions / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    blended = (1 - blend) * inv_freq / factor + blend * inv_freq
+    low = wavelength > original_max_positions / low_freq_factor
+    high = wavelength < original_max_positions / high_freq_factor
+    inv_freq = np.where(low, inv_freq / factor, np.where(high, inv_freq, blended))
+  return inv_freq.astype(np.float32)
+
+
+def rotary_tables(positions_BT: jax.Array, head_dim: int, theta: float, inv_freq: np.ndarray | None = None
+                  ) -> Rotary:
+  """The Rotary tables of `positions` (each row its own, e.g. restarting at every packed document's start);
+  `inv_freq` (`rotary_frequencies`) defaults to the unscaled frequencies of `theta`."""
+  if inv_freq is None:
+    inv_freq = rotary_frequencies(head_dim, theta)
+  angles_BTk = positions_BT.astype(jnp.float32)[:, :, None] * _lead(jnp.asarray(inv_freq), 3)
   return Rotary(jnp.cos(angles_BTk), jnp.sin(angles_BTk))
 
 
