@@ -6,7 +6,9 @@ Reads <workdir>/config.json (the run's config), <workdir>/tokenizer.json and the
 <workdir>/checkpoints; prints each prompt with its continuation and writes them to <workdir>/generate.json (flat:
 `checkpoint_step`, `sample_<i>_prompt`, `sample_<i>_text`, the sampling settings and the KV cache's bytes).
 --temperature=0 is greedy; --top_k / --top_p filter the distribution; a sample ends at the tokenizer's
-end-of-document token. --kv_cache=int8 keeps the cache in int8 and also generates with the float cache (same seed)
+end-of-document token. --chat wraps each prompt as a user turn (after --system) in the chat template the workdir
+holds (chat_template.jinja, or tokenizer_config.json's) and ends samples at the template's end-of-turn tokens.
+--kv_cache=int8 keeps the cache in int8 and also generates with the float cache (same seed)
 to report how many generated tokens agree (`kv_cache_token_agreement`: the shared prefix of each pair of samples,
 over all float-cache tokens; `kv_cache_teacher_forced_argmax_agreement`: on the float cache's tokens, how often the
 int8 cache's logits pick the same next token; `kv_cache_max_logit_gap_relative`) and the bytes saved.
@@ -26,6 +28,7 @@ from absl import flags, logging
 
 from jaxlm import cli
 from jaxlm import data as data_lib
+from jaxlm.data import chat
 from jaxlm.inference import generate
 from jaxlm.recipes import trained_runs
 
@@ -43,6 +46,9 @@ _WEIGHTS = flags.DEFINE_enum("weights", "float", list(trained_runs.WEIGHTS),
                              "float (as trained) or int8 weights (jaxlm.compress.quantization's weight_only or "
                              "w8a8_dynamic)")
 _OUTPUT = flags.DEFINE_string("output", "", "JSON file for the samples (default <workdir>/generate.json)")
+_CHAT = flags.DEFINE_bool("chat", False, "each prompt is a user turn under the chat template in the workdir "
+                          "(chat_template.jinja or tokenizer_config.json); samples end at its end-of-turn tokens")
+_SYSTEM = flags.DEFINE_string("system", "", "with --chat: a system turn before each prompt")
 flags.mark_flags_as_required(["workdir"])
 
 
@@ -87,13 +93,20 @@ def main(argv):
   config, graphdef, params, tokenizer, step = load_run(_WORKDIR.value, _TENSOR.value)
   graphdef, params = trained_runs.with_weights(graphdef, params, _WEIGHTS.value)
   eos = data_lib.eos_id(tokenizer)
-  prompts = [tokenizer.encode(p).ids or [eos] for p in _PROMPT.value]
+  stop_tokens = (eos,)
+  if _CHAT.value:
+    system = [{"role": "system", "content": _SYSTEM.value}] if _SYSTEM.value else []
+    prompts = [chat.prompt_ids(_WORKDIR.value, system + [{"role": "user", "content": p}]).tolist()
+               for p in _PROMPT.value]
+    stop_tokens = tuple(chat.end_of_turn_ids(_WORKDIR.value))
+  else:
+    prompts = [tokenizer.encode(p).ids or [eos] for p in _PROMPT.value]
   limit = config.model.max_seq_len if config.model.flavour == "gpt2" else None
   new_tokens = _MAX_NEW_TOKENS.value
   if limit is not None:  # the learned position table bounds prompt + continuation
     prompts = [p[-(limit - 1):] for p in prompts]
     new_tokens = min(new_tokens, limit - max(len(p) for p in prompts))
-  settings = dict(temperature=_TEMPERATURE.value, top_k=_TOP_K.value, top_p=_TOP_P.value, stop_tokens=(eos,),
+  settings = dict(temperature=_TEMPERATURE.value, top_k=_TOP_K.value, top_p=_TOP_P.value, stop_tokens=stop_tokens,
                   seed=_SEED.value, pad_id=eos)
   outputs = generate.generate(graphdef, params, prompts, new_tokens, kv_cache=_KV_CACHE.value, **settings)
   result = {"checkpoint_step": step, "temperature": _TEMPERATURE.value, "top_k": _TOP_K.value,

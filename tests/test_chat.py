@@ -71,8 +71,7 @@ def test_ids_equal_transformers_and_the_mask_selects_the_assistant_turns(tmp_pat
   messages = CONVERSATION if family != "mistral" else CONVERSATION[1:]  # this Mistral style has no system turn
   ids, mask = chat.encode_conversation(folder, messages)
   reference = transformers.AutoTokenizer.from_pretrained(folder).apply_chat_template(messages, tokenize=True)
-  expected = reference["input_ids"] if isinstance(reference, dict) or hasattr(reference, "keys") else reference
-  np.testing.assert_array_equal(ids, expected)
+  np.testing.assert_array_equal(ids, reference["input_ids"])
   decode = tokenizers.Tokenizer.from_file(f"{folder}/tokenizer.json").decode
   end_of_turn = FAMILIES[family][3]
   selected = decode(ids[mask == 1].tolist(), skip_special_tokens=False)
@@ -102,3 +101,14 @@ def test_the_sandbox_refuses_reaching_python_internals(tmp_path):
   chat.load.cache_clear()
   with pytest.raises(Exception, match="unsafe|access"):
     chat.encode_conversation(folder, CONVERSATION)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_generation_prompts_equal_transformers_and_replies_end_at_the_end_of_turn_token(tmp_path, family):
+  folder = _folder(tmp_path, family)
+  question = [{"role": "user", "content": "What does a tokenizer do?"}]
+  reference = transformers.AutoTokenizer.from_pretrained(folder).apply_chat_template(
+      question, tokenize=True, add_generation_prompt=True)
+  np.testing.assert_array_equal(chat.prompt_ids(folder, question), reference["input_ids"])
+  vocab = tokenizers.Tokenizer.from_file(f"{folder}/tokenizer.json")
+  assert chat.end_of_turn_ids(folder) == [vocab.token_to_id(FAMILIES[family][3])]

@@ -225,3 +225,20 @@ def test_experiment_script_loads_the_latest_checkpoint(tmp_path):
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(loaded), jax.device_get(params))
   assert loaded_graphdef == graphdef
   assert len(generate.generate(loaded_graphdef, loaded, [tokenizer.encode("def ").ids], 1)[0]) == 1
+
+
+def test_experiment_script_chats_under_the_workdirs_template(tmp_path):
+  """--chat: the prompt becomes a user turn under the workdir's template and the sample stops at its end of turn."""
+  from absl import flags
+  test_experiment_script_loads_the_latest_checkpoint(tmp_path)  # a workdir with a checkpoint and a tokenizer
+  template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}<|endoftext|>{% endfor %}<assistant>"
+  (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+  script = load_script("experiments/generate.py")
+  flags.FLAGS(["generate", f"--workdir={tmp_path}", "--chat", "--prompt=def", "--max_new_tokens=4",
+               "--temperature=0", f"--output={tmp_path / 'chat.json'}"])
+  try:
+    script.main([])
+  finally:
+    flags.FLAGS.unparse_flags()
+  text = json.loads((tmp_path / "chat.json").read_text())["sample_0_text"]
+  assert text.startswith("<user>def<|endoftext|><assistant>")

@@ -146,10 +146,7 @@ def assistant_spans(chat: ChatTemplate, messages: list[dict], text: str) -> list
 def encode_conversation(folder: str, messages: list[dict]) -> tuple[np.ndarray, np.ndarray]:
   """(token ids int32 [N], loss mask float32 [N]: 1 on each assistant turn's tokens and its end-of-turn token) of
   `messages` under `folder`'s chat template (module docstring)."""
-  chat = load(folder)
-  if chat is None:
-    raise ValueError(f"{folder}: no chat template (chat_template.jinja, or chat_template in "
-                     f"{TOKENIZER_CONFIG_FILE}); conversations need one")
+  chat = _chat_or_error(folder)
   text = render(chat, messages)
   encoding = chat.tokenizer.encode(text, add_special_tokens=False)
   ids = np.asarray(encoding.ids, np.int32)
@@ -159,3 +156,35 @@ def encode_conversation(folder: str, messages: list[dict]) -> tuple[np.ndarray, 
       if token_start < end and token_end > start:
         mask[j] = 1.0
   return ids, mask
+
+
+def _chat_or_error(folder: str) -> ChatTemplate:
+  chat = load(folder)
+  if chat is None:
+    raise ValueError(f"{folder}: no chat template (chat_template.jinja, or chat_template in "
+                     f"{TOKENIZER_CONFIG_FILE}); conversations need one")
+  return chat
+
+
+def prompt_ids(folder: str, messages: list[dict]) -> np.ndarray:
+  """Token ids int32 [N] of `messages` followed by the template's generation prompt (the assistant's header): what
+  a model tuned on this template continues with its reply."""
+  chat = _chat_or_error(folder)
+  return np.asarray(chat.tokenizer.encode(render(chat, messages, add_generation_prompt=True),
+                                          add_special_tokens=False).ids, np.int32)
+
+
+def end_of_turn_ids(folder: str) -> list[int]:
+  """The special tokens that close an assistant turn under the template (`<|eot_id|>`, `<|im_end|>`,
+  `<end_of_turn>`, `</s>`, ...): generation stops at any of them. Found by rendering a one-turn exchange and taking
+  the special tokens the assistant's turn ends with."""
+  chat = _chat_or_error(folder)
+  messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+  ids, mask = encode_conversation(folder, messages)
+  special = {token.content for token in chat.tokenizer.get_added_tokens_decoder().values() if token.special}
+  turn = [int(i) for i in ids[mask == 1]]
+  ends = [i for i in turn if chat.tokenizer.id_to_token(i) in special]
+  if not ends:
+    raise ValueError(f"{chat.source}: an assistant turn ends in no special token under this template, so "
+                     "generation would not know where a reply ends")
+  return sorted(set(ends))
