@@ -16,7 +16,7 @@
 #   qlora_7b/step_memory.json a QLoRA (NF4 base, rank 64) step of a random 7B Llama: the measured peak memory beside
 #                             the planner's prediction (benchmarks/step_memory.py)
 #   int8.json                 W8A8 int8 matmuls and MLP against bf16 and f32 (benchmarks/bench_int8.py)
-#   (log.txt)                 tests/test_kernels.py's cuDNN-vs-XLA attention test, skipped on the CPU
+#   (log.txt)                 tests/test_kernels.py's cuDNN-vs-XLA attention test (not in a dry run)
 #   log.txt                   everything printed
 # Usage: bash benchmarks/gpu_checks.sh [python] [OUT]
 # GPU_CHECKS_PARTS="ab_kernels int8" runs only the parts named (default: all), to split a device session's minutes.
@@ -43,7 +43,7 @@ if [ "${GPU_CHECKS_DRY_RUN:-0}" = 1 ]; then
   TORCH=""
   KERNEL_LAYERS=""
   INT8_SHAPE=(--batch=2 --seq=8 --repeats=1)
-  GPU_PLATFORM=cpu  # the cuDNN test is skipped there
+  GPU_PLATFORM=cpu
 fi
 
 gpu_only() {  # a dry run leaves out the XLA:GPU options (xla.*), which the CPU lacks
@@ -85,6 +85,7 @@ XLA_PYTHON_CLIENT_PREALLOCATE=false part 55 ab_fp16 $PY benchmarks/ab_step.py $G
     --workdir="$OUT/ab_fp16" --variants="bf16:,fp16:model.compute_dtype=float16"
 # The dropless MoE step's grouped matmuls: XLA's ragged_dot (what auto picks on a GPU) against tokamax's kernel.
 MOE="--config=benchmarks/configs/bench_moe_gpu.py $TINY"
+[ "${GPU_CHECKS_DRY_RUN:-0}" = 1 ] && MOE+=" --config.model.num_experts=4 --config.model.expert_d_ff=256"
 MOE_VARIANTS="ragged_dot:,tokamax:kernels.grouped_matmul=tokamax"
 # 2 x 2816: the same active parameters (a dense variant the dry run needs not compile again)
 [ "${GPU_CHECKS_DRY_RUN:-0}" = 1 ] || MOE_VARIANTS+=",dense_same_active:model.num_experts=0;model.d_ff=5632"
@@ -93,7 +94,9 @@ part 100 qlora_7b $PY benchmarks/step_memory.py --config=experiments/configs/lla
     --config.train.batch_size=4 --workdir="$OUT/qlora_7b"
 part 45 int8 $PY benchmarks/bench_int8.py "${INT8_SHAPE[@]}" --out="$OUT/int8.json"
 # cuDNN attention against the XLA reference (bf16, packed documents): the one test the CPU suite skips.
-JAX_PLATFORMS=$GPU_PLATFORM part 30 test_cudnn $PY -m pytest -q -p no:cacheprovider tests/test_kernels.py -k cudnn
+# (The dry run leaves it out: on a CPU the test skips, and the suite runs tests/test_kernels.py itself.)
+[ "${GPU_CHECKS_DRY_RUN:-0}" = 1 ] || \
+  JAX_PLATFORMS=$GPU_PLATFORM part 30 test_cudnn $PY -m pytest -q -p no:cacheprovider tests/test_kernels.py -k cudnn
 rm -rf "$OUT/profile_gpt2/trace"  # the raw trace is too deep and large to come back
 grep -h -B1 -A12 "ms/step (min" "$OUT/log.txt" | grep -v "^WARNING\|^I0\|^W0" >"$OUT/summary.txt"
 grep -h -A45 "ms wall; ops" "$OUT/log.txt" >>"$OUT/summary.txt"
