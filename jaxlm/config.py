@@ -44,6 +44,7 @@ class ModelConfig:
                                                                  # fewer = grouped-query, 1 = multi-query attention
   attention_head_dim: int = _ranged(0, 0, note="0 = d_model / num_heads")  # each head's size, when it is not
                                                                            # d_model / num_heads (Qwen3)
+  qkv_bias: bool = False  # llama flavour: biases on the query, key and value projections (Qwen2), none on the output
   qk_norm: str = ""  # decoders: RMSNorm of queries and keys after their projection: "" none | head (over each head,
                      # one scale per head dimension: Qwen3) | full (over all heads together: OLMoE)
   rope_theta: float = _ranged(10000.0, 0, low_open=True)  # rotary position base of the llama flavour
@@ -303,8 +304,9 @@ def validate(config: Config) -> None:
   """One-line errors for values that cannot work, raised before anything is compiled."""
   m, d, t = config.model, config.data, config.train
   validate_ranges(config)
-  if m.flavour == "bert" and (m.qk_norm or m.attention_head_dim):
-    raise ValueError("model.qk_norm and model.attention_head_dim are decoder options; leave them unset for bert")
+  if m.flavour != "llama" and (m.qk_norm or m.attention_head_dim or m.qkv_bias):
+    raise ValueError("model.qk_norm, model.attention_head_dim and model.qkv_bias are options of model.flavour=llama; "
+                     "leave them unset")
   if m.rope_scaling not in ROPE_SCALINGS:
     raise ValueError(f"model.rope_scaling={m.rope_scaling!r} is not one of {', '.join(repr(r) for r in ROPE_SCALINGS)}")
   if m.rope_scaling == "llama3" and m.rope_high_freq_factor <= m.rope_low_freq_factor:

@@ -59,7 +59,7 @@ def test_gradients_sync_by_gspmd_with_a_context_axis():
 
 @pytest.mark.parametrize("overrides, message", [
     ({"mesh": {"context": 2, "gradient_sync": "shard_map"}}, "with mesh.expert or mesh.context > 1 use gradient_sync"),
-    ({"model": {"flavour": "bert", "qk_norm": "head"}}, "are decoder options"),
+    ({"model": {"flavour": "bert", "qk_norm": "head"}}, "are options of model.flavour=llama"),
     ({"mesh": {"context": 4}, "data": {"seq_len": 12}}, r"data.seq_len=12 is not divisible by 2 \* mesh.context=8"),
     ({"mesh": {"context": 2, "tensor": 2}}, "combines with mesh.data and mesh.fsdp only"),
     ({"mesh": {"context": 2}, "model": {"flavour": "bert"}}, "splits a decoder's sequences"),

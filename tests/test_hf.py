@@ -66,6 +66,10 @@ HF_CONFIGS = {
         hidden_size=32, intermediate_size=48, moe_intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
         vocab_size=VOCAB, max_position_embeddings=32, bos_token_id=0, eos_token_id=0),
+    # Biases on q, k and v, none on the output.
+    "qwen2": lambda: transformers.Qwen2Config(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=VOCAB, max_position_embeddings=32, tie_word_embeddings=True, bos_token_id=0, eos_token_id=0),
     "qwen3": lambda: transformers.Qwen3Config(
         hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         head_dim=16, vocab_size=VOCAB, max_position_embeddings=32, tie_word_embeddings=True, bos_token_id=0,
@@ -194,8 +198,8 @@ def _jaxlm_llama():
   return GPT(config, rngs=nnx.Rngs(3))
 
 
-@pytest.mark.parametrize("name", ["llama_jaxlm_init", "gpt2", "llama31_rope", "mixtral", "qwen3_moe", "olmoe", "bert_mlm",
-                                  "bert_cls"])
+@pytest.mark.parametrize("name", ["llama_jaxlm_init", "gpt2", "llama31_rope", "qwen2", "mixtral", "qwen3_moe", "olmoe",
+                                  "bert_mlm", "bert_cls"])
 def test_jaxlm_to_hf_to_jaxlm_is_bit_identical_and_transformers_agrees(hf_folders, tmp_path, name):
   """A jaxlm model (initialised by jaxlm, or loaded earlier) saved for HF: reading it back gives the same bits,
   and transformers computes the same outputs from the saved folder."""

@@ -62,6 +62,7 @@ def model_from_hf_config(hf: dict, where: str, weight_names: set[str], c_dtype: 
                          num_kv_heads=get("num_key_value_heads", None) or h, d_ff=get("intermediate_size"),
                          attention_head_dim=0 if head_dim * h == d else head_dim,
                          qk_norm={"qwen3": "head", "qwen3_moe": "head", "olmoe": "full"}.get(model_type, ""),
+                         qkv_bias=model_type == "qwen2",
                          max_seq_len=get("max_position_embeddings", 2048), layer_norm_eps=get("rms_norm_eps", 1e-6),
                          rope_theta=float(hf.get("rope_theta") or rope.get("rope_theta") or 10000.0),
                          rope_scaling="" if rope_type == "default" else rope_type,
@@ -112,16 +113,19 @@ def model_from_hf_config(hf: dict, where: str, weight_names: set[str], c_dtype: 
 
 
 # The Llama-shaped decoders jaxlm reads and writes: model_type -> architecture.
-LLAMA_FAMILIES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3": "Qwen3ForCausalLM",
+LLAMA_FAMILIES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                  "qwen3": "Qwen3ForCausalLM",
                   "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM"}
 
 
 def hf_family(c: ModelConfig) -> str:
   """The HF model_type of a llama-flavoured jaxlm decoder, from its query/key norm and experts."""
-  family = {("", False): "llama", ("", True): "mixtral", ("head", False): "qwen3", ("head", True): "qwen3_moe",
-            ("full", True): "olmoe"}.get((c.qk_norm, bool(c.num_experts)))
+  family = {("", False, False): "llama", ("", True, False): "mixtral", ("", False, True): "qwen2",
+            ("head", False, False): "qwen3", ("head", True, False): "qwen3_moe",
+            ("full", True, False): "olmoe"}.get((c.qk_norm, bool(c.num_experts), c.qkv_bias))
   if family is None:
-    raise ValueError(f"model.qk_norm={c.qk_norm} without experts has no HF counterpart jaxlm writes")
+    raise ValueError(f"model.qk_norm={c.qk_norm!r} with model.num_experts={c.num_experts} and "
+                     f"model.qkv_bias={c.qkv_bias} has no HF counterpart jaxlm writes")
   return family
 
 

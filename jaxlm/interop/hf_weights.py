@@ -135,6 +135,10 @@ def _llama_rules(c: ModelConfig) -> list[Rule]:
                   ("linear", f"{gate}.weight", (f, d), "mlp/w_gate"),
                   ("linear", f"{up}.weight", (f, d), "mlp/w_up"),
                   ("linear", f"{down}.weight", (d, f), "mlp/w_down")]
+  if c.qkv_bias:  # Qwen2
+    layer += [("copy", "self_attn.q_proj.bias", (qd,), "attn/b_q"),
+              ("copy", "self_attn.k_proj.bias", (kvd,), "attn/b_k"),
+              ("copy", "self_attn.v_proj.bias", (kvd,), "attn/b_v")]
   if c.qk_norm:  # Qwen3: one scale per head dimension; OLMoE: one per element of all heads
     q_size, k_size = (c.head_dim, c.head_dim) if c.qk_norm == "head" else (qd, kvd)
     layer += [("copy", "self_attn.q_norm.weight", (q_size,), "attn/q_norm"),

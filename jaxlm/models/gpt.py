@@ -54,7 +54,7 @@ class Block(nnx.Module):
     self.attn = Attention(config.d_model, config.num_heads, config.num_kv_heads or config.num_heads, policy, kernels,
                           std, out_std, use_bias=not llama, causal=True, document_mask=config.document_mask,
                           head_dim=config.head_dim, qk_norm=config.qk_norm, norm_eps=config.layer_norm_eps,
-                          rngs=rngs)
+                          qkv_bias=config.qkv_bias if llama else None, rngs=rngs)
     self.mlp_norm = norm(config.d_model, config.layer_norm_eps, policy, kernels)
     if config.num_experts:
       self.mlp = MoE(config.d_model, config.num_experts, config.experts_per_token, config.expert_width, policy,

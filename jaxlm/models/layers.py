@@ -225,7 +225,8 @@ class Attention(nnx.Module):
 
   def __init__(self, d_model: int, num_heads: int, num_kv_heads: int, policy: Policy, kernels: Kernels, std: float,
                out_std: float, *, use_bias: bool = True, causal: bool = False, document_mask: bool = True,
-               head_dim: int = 0, qk_norm: str = "", norm_eps: float = 1e-6, rngs: nnx.Rngs):
+               head_dim: int = 0, qk_norm: str = "", norm_eps: float = 1e-6, qkv_bias: bool | None = None,
+               rngs: nnx.Rngs):
     if num_heads % num_kv_heads:
       raise ValueError(f"num_heads={num_heads} is not divisible by num_kv_heads={num_kv_heads}")
     self.policy = policy
@@ -237,13 +238,14 @@ class Attention(nnx.Module):
     self.w_k = nnx.Param(_normal(rngs, (d_model, g, k), std, dt), axes=("embed", "kv_heads", "head_dim"))
     self.w_v = nnx.Param(_normal(rngs, (d_model, g, k), std, dt), axes=("embed", "kv_heads", "head_dim"))
     self.w_o = nnx.Param(_normal(rngs, (h, k, d_model), out_std, dt), axes=("heads", "head_dim", "embed"))
-    if use_bias:
+    # Biases on q, k and v follow `use_bias` unless `qkv_bias` says otherwise (Qwen2: on q, k, v, none on the output).
+    if use_bias if qkv_bias is None else qkv_bias:
       self.b_q = nnx.Param(jnp.zeros((h, k), dt), axes=("heads", "head_dim"))
       self.b_k = nnx.Param(jnp.zeros((g, k), dt), axes=("kv_heads", "head_dim"))
       self.b_v = nnx.Param(jnp.zeros((g, k), dt), axes=("kv_heads", "head_dim"))
-      self.b_o = nnx.Param(jnp.zeros((d_model,), dt), axes=("embed",))
     else:
-      self.b_q = self.b_k = self.b_v = self.b_o = None
+      self.b_q = self.b_k = self.b_v = None
+    self.b_o = nnx.Param(jnp.zeros((d_model,), dt), axes=("embed",)) if use_bias else None
     # Query/key RMSNorm after the projections: one scale per head dimension shared by the heads (`head`), or one per
     # element of all heads together (`full`).
     self.norm_eps = norm_eps
