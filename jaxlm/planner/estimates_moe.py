@@ -70,16 +70,19 @@ def ring_bytes(config: Config, context: int, local_batch: int, grad_accum: int) 
   return float(grad_accum * m.num_layers * (forward + backward))
 
 
+def _context_as_data(config: Config, context: int) -> Config:
+  """Context devices each hold a T / C slice of every row: planned as data replicas of C times as many rows of
+  T / C tokens."""
+  return dataclasses.replace(config, data=dataclasses.replace(config.data, seq_len=config.data.seq_len // context),
+                             train=dataclasses.replace(config.train, batch_size=config.train.batch_size * context))
+
+
 def predict_memory(config: Config, devices: int, expert: int = 1, context: int = 1, grad_accum: int = 1,
                    platform: str | None = None) -> dict[str, float]:
   """Peak bytes per device, by part, of `devices` = data x expert x context devices (no FSDP or tensor axis):
   estimates.predict_memory with the expert and context devices planned as data replicas, then corrected."""
   data = devices // (expert * context)
-  seq = config.data.seq_len // context
-  as_data = dataclasses.replace(config, data=dataclasses.replace(config.data, seq_len=seq),
-                                train=dataclasses.replace(config.train, batch_size=config.train.batch_size
-                                                          * context))
-  # Context devices each hold a T / C slice of every row: as many (shorter) rows as data replicas would.
+  as_data = _context_as_data(config, context)
   parts = dict(estimates.predict_memory(as_data, (data * expert * context, 1, 1), grad_accum, platform))
   m = config.model
   if expert > 1:
@@ -106,9 +109,7 @@ def predict_step_time(config: Config, devices: int, expert: int, context: int, g
   parameters each device holds whole, and the exchange or ring bytes added to the network time."""
   data = devices // (expert * context)
   local_batch = config.train.batch_size // grad_accum // (data * expert)
-  seq = config.data.seq_len // context
-  as_data = dataclasses.replace(config, data=dataclasses.replace(config.data, seq_len=seq),
-                                train=dataclasses.replace(config.train, batch_size=config.train.batch_size * context))
+  as_data = _context_as_data(config, context)
   sizes = (devices, 1, 1)
   platform = hardware.platform or None
   static = estimates.state_bytes(as_data, sizes, platform)
