@@ -106,7 +106,7 @@ def process_cpu_seconds() -> float:
 def resolved_kernels(config, mesh=None) -> kernels_lib.Kernels:
   """What the config's `kernels` section (`auto` by default) resolves to for this model on this machine."""
   return kernels_lib.resolve(config.kernels, compute_dtype=config.model.compute_dtype,
-                             causal=config.model.flavour != "bert", head_dim=config.model.head_dim, mesh=mesh)
+                             causal=config.model.flavour != "bert", mesh=mesh, **config.model.kernel_needs)
 
 
 def random_batch(config, seed: int = 0) -> tuple[np.ndarray, dict]:

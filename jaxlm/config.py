@@ -14,8 +14,13 @@ from typing import Any
 import ml_collections
 
 CLASSIFIER_POOLINGS = ("cls", "mean", "auto")
+CLASSIFIER_HEADS = ("pooler", "dense_tanh", "dense_relu", "transform")
+ENCODER_OPTIONS = ("position_start", "rotary_positions", "pre_norm", "gated_mlp", "linear_bias", "norm_bias",
+                   "encoder_window", "encoder_global_every", "classifier_head")
 QK_NORMS = ("", "head", "full")
-ROPE_SCALINGS = ("", "linear", "llama3")
+ROPE_SCALINGS = ("", "linear", "llama3", "dynamic", "yarn")
+BLOCK_NORMS = ("pre", "sandwich", "post")
+GLU_ACTIVATIONS = ("silu", "gelu_tanh")
 
 
 def _ranged(default, low=None, high=None, *, low_open: bool = False, high_open: bool = False, note: str = ""):
@@ -55,12 +60,55 @@ class ModelConfig:
                                                                 # rope_original_max_positions / this are divided
   rope_high_freq_factor: float = _ranged(4.0, 0, low_open=True)  # llama3: wavelengths below
                                                                  # rope_original_max_positions / this are kept
-  rope_original_max_positions: int = _ranged(8192, 1)  # llama3: the context the unscaled frequencies were trained on
+  rope_original_max_positions: int = _ranged(8192, 1)  # llama3, yarn: the context the unscaled frequencies were
+                                                       # trained on
+  rope_beta_fast: float = _ranged(32.0, 0, low_open=True)  # yarn: rotations above which frequencies are kept
+  rope_beta_slow: float = _ranged(1.0, 0, low_open=True)  # yarn: rotations below which frequencies are divided
+  rope_attention_factor: float = _ranged(0.0, 0, note="0 = 0.1 ln(rope_factor) + 1")  # yarn: cos and sin scale
+  rope_local_theta: float = _ranged(0.0, 0, note="0 = model.rope_theta")  # rotary base of the sliding-window layers
+                                                                          # (Gemma 3); 0 = rope_theta
+  sliding_window: int = _ranged(0, 0, note="0 = none")  # decoders: each query sees itself and the window - 1 keys
+                                                        # before it (Mistral, Gemma 2/3 local layers); 0 = every key
+  global_attention_every: int = _ranged(0, 0, note="0 = every layer windowed")  # with a sliding window: every Nth
+                            # layer (N-1, 2N-1, ...) attends to every key (Gemma 2: 2, Gemma 3: 6); 0 = none does
+  attention_softcap: float = _ranged(0.0, 0, note="0 = none")  # attention scores s -> c tanh(s / c) (Gemma 2)
+  logit_softcap: float = _ranged(0.0, 0, note="0 = none")  # output logits z -> c tanh(z / c) (Gemma 2)
+  query_pre_attn_scalar: float = _ranged(0.0, 0, note="0 = the head dim")  # scores scaled by its -1/2 power
+                                                                           # instead of the head dim's (Gemma)
+  block_norms: str = "pre"  # llama flavour: pre (norm before attention and MLP) | sandwich (also after each, before
+                            # the residual add: Gemma 2/3) | post (only after each: OLMo 2)
+  glu_activation: str = "silu"  # llama flavour's gated MLP: silu (SwiGLU) | gelu_tanh (GeGLU: Gemma)
+  norm_plus_one: bool = False  # llama flavour: RMSNorm scales by (1 + w), its weights stored as w (Gemma)
+  scale_embeddings: bool = False  # llama flavour: token embeddings times sqrt(d_model) (Gemma)
+  hf_model_type: str = ""  # the HF family to export as when the options alone do not say: "" (from the options) |
+                          # phi3 (Llama's weights, stored fused)
   tie_embeddings: bool = True  # the output projection reuses the token embedding (GPT-2 always; Llama often not)
-  type_vocab_size: int = _ranged(2, 1)  # bert: token types (sentence A/B) in the token-type embedding
+  type_vocab_size: int = _ranged(2, 0, note="0 = none")  # bert: token types (sentence A/B) in the token-type
+                                                         # embedding; 0 = none, token_type_ids are not taken
+                                                         # (DistilBERT, ModernBERT)
+  position_start: int = _ranged(0, 0)  # bert learned positions: 0 numbers the positions 0, 1, ... (BERT); > 0 counts
+                                       # the attended tokens from it, padding at position_start - 1 (RoBERTa:
+                                       # pad_token_id + 1); the table holds max_seq_len + position_start rows
+  rotary_positions: bool = False  # bert: rotary positions (model.rope_theta; model.rope_local_theta on local layers)
+                                  # instead of a learned table (ModernBERT)
+  pre_norm: bool = False  # bert: pre-LayerNorm blocks x + f(norm(x)) and a final norm (ModernBERT; the first block's
+                          # attention reads the normed embeddings as they are); False: x = norm(x + f(x)) (BERT)
+  gated_mlp: bool = False  # bert: a GELU-gated MLP without biases (GeGLU: ModernBERT) instead of GELU between two
+                           # biased layers
+  linear_bias: bool = True  # bert: biases on the attention projections and the heads' dense layers (ModernBERT: none)
+  norm_bias: bool = True  # bert: biases in the LayerNorms (ModernBERT: none)
+  encoder_window: int = _ranged(0, 0, note="0 = none")  # bert: local layers' queries see the keys at most
+                                                        # encoder_window // 2 positions away (ModernBERT's
+                                                        # local_attention); 0 = every layer sees every key
+  encoder_global_every: int = _ranged(1, 1)  # bert with an encoder_window: layers 0, N, 2N, ... see every key, the
+                                             # others are local (ModernBERT's global_attn_every_n_layers)
   classifier_pooling: str = "cls"  # bert classifiers: cls (HF's tanh pooler on [CLS]) | mean (mean of the tokens'
                                    # last hidden states, as sentence-transformers models are trained) | auto (fine-
                                    # tuning: what init_from was trained for: mean with a mean-pooling 1_Pooling/)
+  classifier_head: str = "pooler"  # bert classifiers, between the pooled state and the last linear layer: pooler
+                                   # (BERT: the encoder's tanh pooler on [CLS]; none with mean pooling) | dense_tanh
+                                   # (RoBERTa) | dense_relu (DistilBERT): a dense layer of the head and its activation |
+                                   # transform (ModernBERT: the masked-LM head's dense layer, GELU and LayerNorm)
   # Mixture of experts (decoders; jaxlm/models/moe.py): every block's MLP becomes num_experts MLPs and a router.
   num_experts: int = _ranged(0, 0, note="0 = dense MLPs")  # experts per MoE layer; 0 = a dense MLP
   experts_per_token: int = _ranged(2, 1)  # experts each token is routed to (top-k)
@@ -88,6 +136,13 @@ class ModelConfig:
   @property
   def head_dim(self) -> int:
     return self.attention_head_dim or self.d_model // self.num_heads
+
+  @property
+  def kernel_needs(self) -> dict:
+    """What the model asks of its kernels (`jaxlm.kernels.resolve`'s head_dim, window and softcaps)."""
+    caps = (("attention", self.attention_softcap), ("cross_entropy", self.logit_softcap))
+    return {"head_dim": self.head_dim, "window": bool(self.sliding_window),
+            "softcaps": tuple(op for op, cap in caps if cap)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,6 +207,11 @@ class DataConfig:
   # Fine-tuning (experiments/finetune.py; data.seq_len is then the longest tokenized example, longer ones are cut).
   prompt_column: str = "prompt"  # instruction tuning (a decoder's init_from): the column of the prompts
   response_column: str = "response"  # instruction tuning: the column of the responses (the only tokens with a loss)
+  messages_column: str = ""  # instruction tuning on conversations: the column holding each record's list of
+                             # {role, content} turns (optional system turn), written with init_from's chat template
+                             # and the loss on the assistant turns only (jaxlm/data/conversations.py); "" = pairs.
+                             # A conversation longer than data.seq_len is cut there (its later turns dropped), not
+                             # dropped; without a template it is an error
   label_column: str = "label"  # column holding the class: an integer id or a string name
   text_pair_column: str = ""  # second text of a pair (sentence B, e.g. the hypothesis of NLI); empty = single texts
   labels: tuple[str, ...] = ()  # class names in id order; empty = sorted training labels (int labels: 0..max)
@@ -314,6 +374,8 @@ def validate(config: Config) -> None:
                      f"model.rope_low_freq_factor={m.rope_low_freq_factor} (llama3 rotary scaling)")
   if m.qk_norm not in QK_NORMS:
     raise ValueError(f"model.qk_norm={m.qk_norm!r} is not one of {', '.join(repr(n) for n in QK_NORMS)}")
+  validate_decoder_options(m)
+  validate_encoder_options(m)
   if not m.attention_head_dim and m.d_model % m.num_heads:
     raise ValueError(f"model.d_model={m.d_model} is not divisible by model.num_heads={m.num_heads}")
   if d.seq_len > m.max_seq_len:
@@ -370,6 +432,22 @@ def validate(config: Config) -> None:
   validate_loss_scale(config.loss_scale)
 
 
+def validate_encoder_options(m: ModelConfig) -> None:
+  """The options of the bert flavour that the other encoder families carry (RoBERTa, DistilBERT, ModernBERT)."""
+  changed = {f.name: getattr(m, f.name) for f in dataclasses.fields(ModelConfig) if f.name in ENCODER_OPTIONS
+             and getattr(m, f.name) != f.default}
+  if m.flavour != "bert" and changed:
+    raise ValueError(f"model.{next(iter(changed))} is an option of model.flavour=bert; leave it unset for {m.flavour}")
+  if m.classifier_head not in CLASSIFIER_HEADS:
+    raise ValueError(f"model.classifier_head={m.classifier_head!r} is not one of {', '.join(CLASSIFIER_HEADS)}")
+  if m.rotary_positions and (m.position_start or m.head_dim % 2):
+    raise ValueError(f"model.rotary_positions needs model.position_start=0 (it has no position table; here "
+                     f"{m.position_start}) and an even head size (here {m.head_dim})")
+  if m.encoder_window and m.encoder_global_every < 2:
+    raise ValueError(f"model.encoder_window={m.encoder_window} needs model.encoder_global_every >= 2 (with 1 every "
+                     "layer sees every key); or set model.encoder_window=0")
+
+
 def validate_experts(m: ModelConfig) -> None:
   if m.flavour not in ("gpt2", "llama"):
     raise ValueError(f"model.num_experts={m.num_experts} needs a decoder (model.flavour gpt2 or llama), not "
@@ -394,6 +472,33 @@ def validate_expert_axis(config: Config) -> None:
                      "mesh.pipeline=1")
 
 
+def validate_decoder_options(m: ModelConfig) -> None:
+  """The options of the llama flavour that other model families carry (Gemma, Mistral, OLMo 2)."""
+  if m.block_norms not in BLOCK_NORMS:
+    raise ValueError(f"model.block_norms={m.block_norms!r} is not one of {', '.join(BLOCK_NORMS)}")
+  if m.hf_model_type not in ("", "phi3"):
+    raise ValueError(f"model.hf_model_type={m.hf_model_type!r} is not one of '', 'phi3'")
+  if m.glu_activation not in GLU_ACTIVATIONS:
+    raise ValueError(f"model.glu_activation={m.glu_activation!r} is not one of {', '.join(GLU_ACTIVATIONS)}")
+  llama_only = {"block_norms": m.block_norms != "pre", "glu_activation": m.glu_activation != "silu",
+                "norm_plus_one": m.norm_plus_one, "scale_embeddings": m.scale_embeddings,
+                "rope_local_theta": bool(m.rope_local_theta) and m.flavour != "bert"}
+  if m.flavour != "llama" and any(llama_only.values()):
+    key = next(k for k, v in llama_only.items() if v)
+    raise ValueError(f"model.{key} is an option of model.flavour=llama; leave it unset for {m.flavour}")
+  windowed = {"sliding_window": m.sliding_window, "attention_softcap": m.attention_softcap,
+              "logit_softcap": m.logit_softcap, "query_pre_attn_scalar": m.query_pre_attn_scalar}
+  if m.flavour == "bert" and any(windowed.values()):
+    key = next(k for k, v in windowed.items() if v)
+    raise ValueError(f"model.{key} is an option of the decoders; leave it unset for bert")
+  if m.global_attention_every and not m.sliding_window:
+    raise ValueError(f"model.global_attention_every={m.global_attention_every} alternates windowed and global "
+                     "layers: set model.sliding_window too")
+  if m.rope_local_theta and not m.global_attention_every and not m.encoder_window:
+    raise ValueError("model.rope_local_theta is the rotary base of windowed layers between global ones: set "
+                     "model.sliding_window and model.global_attention_every too (bert: model.encoder_window)")
+
+
 def validate_context_axis(config: Config) -> None:
   mesh = config.mesh
   if mesh.context < 1:
@@ -407,6 +512,9 @@ def validate_context_axis(config: Config) -> None:
   if mesh_sizes(mesh)[2] != 1 or mesh.pipeline != 1 or mesh.expert != 1 or mesh.sequence_parallel:
     raise ValueError(f"mesh.context={mesh.context} combines with mesh.data and mesh.fsdp only; set mesh.tensor=1, "
                      "mesh.pipeline=1, mesh.expert=1 and mesh.sequence_parallel=False")
+  if config.model.sliding_window or config.model.attention_softcap:
+    raise ValueError(f"mesh.context={mesh.context}: ring attention has no sliding window or score soft-capping "
+                     "(model.sliding_window, model.attention_softcap); set mesh.context=1")
 
 
 def _range_error(key: str, value: Any, low, high, low_open: bool, high_open: bool, note: str) -> str | None:
@@ -511,6 +619,9 @@ def validate_pipeline(config: Config) -> None:
                      "with mesh.data and mesh.fsdp only")
   if mesh.sequence_parallel:
     raise ValueError("mesh.sequence_parallel needs mesh.tensor > 1, which mesh.pipeline > 1 does not support")
+  if config.model.global_attention_every:
+    raise ValueError(f"model.global_attention_every={config.model.global_attention_every} (windowed and global "
+                     f"layers) with mesh.pipeline={mesh.pipeline} is not supported; use mesh.pipeline=1")
   if mesh.gradient_sync != "auto":
     raise ValueError(f"mesh.gradient_sync={mesh.gradient_sync} does not apply with mesh.pipeline={mesh.pipeline} "
                      "(the pipeline reduces its own gradients); leave it auto")

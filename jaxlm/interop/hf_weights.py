@@ -33,6 +33,7 @@ from jax.sharding import Mesh
 from safetensors import safe_open
 
 from jaxlm.interop import hf_config as hf_config_lib
+from jaxlm.interop import hf_decoders
 from jaxlm.adapters import lora
 from jaxlm.parallel import sharding
 from jaxlm.config import ModelConfig
@@ -58,11 +59,14 @@ IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq", "e
 class Rule:
   """HF tensors (name, shape) <-> jaxlm parameters. `{i}` in a name is the layer; those rules fill the stacked
   `blocks/...` parameters one layer at a time. `kind`: copy (reshape only, incl. GPT-2's Conv1D [in, out]),
-  linear (nn.Linear [out, in]: transpose, then reshape), fused (GPT-2's c_attn: split/join q, k, v on the last axis)."""
+  linear (nn.Linear [out, in]: transpose, then reshape), fused (GPT-2's c_attn: split/join q, k, v on the last axis),
+  fused_linear (an nn.Linear holding several: Phi-3's qkv_proj and gate_up_proj, split/joined on the out axis)."""
   kind: str
   hf: str  # HF tensor name
   shape: tuple[int, ...]  # its shape, as config.json implies
   jax: tuple[str, ...]  # jaxlm parameter paths ("a/b/c")
+  first_layer_fill: float | None = None  # a number: layer 0 has no HF tensor and holds this value (ModernBERT's
+                                         # first attention norm, an Identity in HF)
 
   @property
   def per_layer(self) -> bool:
@@ -83,7 +87,11 @@ def _to_jax(rule: Rule, hf: np.ndarray, shapes: list[tuple]) -> list[np.ndarray]
     return [hf.reshape(shapes[0])]
   if rule.kind == "linear":
     return [hf.T.reshape(shapes[0])]
-  return [part.reshape(s) for part, s in zip(np.split(hf, len(shapes), axis=-1), shapes)]
+  joined = hf.T if rule.kind == "fused_linear" else hf
+  # Each part's width on the joined last axis: its size over the size of the other (leading) axes.
+  widths = [math.prod(s) // math.prod(joined.shape[:-1]) for s in shapes]
+  parts = np.split(joined, np.cumsum(widths)[:-1], axis=-1)
+  return [part.reshape(s) for part, s in zip(parts, shapes)]
 
 
 def _to_hf(rule: Rule, arrays: list[np.ndarray]) -> np.ndarray:
@@ -91,6 +99,8 @@ def _to_hf(rule: Rule, arrays: list[np.ndarray]) -> np.ndarray:
     return arrays[0].reshape(rule.shape)
   if rule.kind == "linear":
     return arrays[0].reshape(rule.shape[::-1]).T
+  if rule.kind == "fused_linear":
+    return np.concatenate([a.reshape(rule.shape[1:] + (-1,)) for a in arrays], axis=-1).T
   return np.concatenate([a.reshape(rule.shape[:-1] + (-1,)) for a in arrays], axis=-1)
 
 
@@ -115,18 +125,22 @@ def _llama_rules(c: ModelConfig) -> list[Rule]:
   qd, kvd = c.num_heads * c.head_dim, (c.num_kv_heads or c.num_heads) * c.head_dim
   rules = [_r("copy", "embed_tokens.weight", (v, d), "token_embed/embedding"),
            _r("copy", "norm.weight", (d,), "final_norm/scale")]
-  layer = [("copy", "input_layernorm.weight", (d,), "attn_norm/scale"),
-           ("linear", "self_attn.q_proj.weight", (qd, d), "attn/w_q"),
-           ("linear", "self_attn.k_proj.weight", (kvd, d), "attn/w_k"),
-           ("linear", "self_attn.v_proj.weight", (kvd, d), "attn/w_v"),
-           ("linear", "self_attn.o_proj.weight", (d, qd), "attn/w_o"),
-           ("copy", "post_attention_layernorm.weight", (d,), "mlp_norm/scale"),
-           ("linear", "mlp.gate_proj.weight", (f, d), "mlp/w_gate"),
-           ("linear", "mlp.up_proj.weight", (f, d), "mlp/w_up"),
-           ("linear", "mlp.down_proj.weight", (d, f), "mlp/w_down")]
+  norms = {"pre": [("input_layernorm", "attn_norm"), ("post_attention_layernorm", "mlp_norm")],
+           "sandwich": [("input_layernorm", "attn_norm"), ("post_attention_layernorm", "attn_post_norm"),
+                        ("pre_feedforward_layernorm", "mlp_norm"), ("post_feedforward_layernorm", "mlp_post_norm")],
+           "post": [("post_attention_layernorm", "attn_post_norm"),
+                    ("post_feedforward_layernorm", "mlp_post_norm")]}[c.block_norms]
+  layer = [("copy", f"{hf_name}.weight", (d,), f"{path}/scale") for hf_name, path in norms]
+  layer += [("linear", "self_attn.q_proj.weight", (qd, d), "attn/w_q"),
+            ("linear", "self_attn.k_proj.weight", (kvd, d), "attn/w_k"),
+            ("linear", "self_attn.v_proj.weight", (kvd, d), "attn/w_v"),
+            ("linear", "self_attn.o_proj.weight", (d, qd), "attn/w_o"),
+            ("linear", "mlp.gate_proj.weight", (f, d), "mlp/w_gate"),
+            ("linear", "mlp.up_proj.weight", (f, d), "mlp/w_up"),
+            ("linear", "mlp.down_proj.weight", (d, f), "mlp/w_down")]
   if c.num_experts:  # a router and one MLP per expert (transformers saves them one tensor each)
     f = c.expert_width
-    if hf_config_lib.hf_family(c) == "mixtral":
+    if hf_decoders.hf_family(c) == "mixtral":
       router, gate, up, down = ("block_sparse_moe.gate", *(f"block_sparse_moe.experts.{{e}}.{w}" for w in
                                                            ("w1", "w3", "w2")))
     else:  # Qwen3-MoE, OLMoE
@@ -143,7 +157,15 @@ def _llama_rules(c: ModelConfig) -> list[Rule]:
     q_size, k_size = (c.head_dim, c.head_dim) if c.qk_norm == "head" else (qd, kvd)
     layer += [("copy", "self_attn.q_norm.weight", (q_size,), "attn/q_norm"),
               ("copy", "self_attn.k_norm.weight", (k_size,), "attn/k_norm")]
-  return rules + [_r(kind, f"layers.{{i}}.{name}", shape, f"blocks/{path}") for kind, name, shape, path in layer]
+  rules += [_r(kind, f"layers.{{i}}.{name}", shape, f"blocks/{path}") for kind, name, shape, path in layer]
+  if hf_decoders.hf_family(c) == "phi3":  # q, k, v and gate, up each one nn.Linear
+    fused = {"attn/w_q": ("self_attn.qkv_proj.weight", (qd + 2 * kvd, d), ("attn/w_q", "attn/w_k", "attn/w_v")),
+             "mlp/w_gate": ("mlp.gate_up_proj.weight", (2 * f, d), ("mlp/w_gate", "mlp/w_up"))}
+    parts = {p for _, _, paths in fused.values() for p in paths}
+    rules = [r for r in rules if r.jax[0].removeprefix("blocks/") not in parts]
+    rules += [Rule("fused_linear", f"layers.{{i}}.{name}", shape, tuple(f"blocks/{p}" for p in paths))
+              for name, shape, paths in fused.values()]
+  return rules
 
 
 def _bert_rules(c: ModelConfig, with_pooler: bool) -> list[Rule]:
@@ -295,8 +317,11 @@ def lazy_pretrained(folder: str, compute_dtype: str = "float32", param_dtype: st
       lead = 2 if rule.per_expert else 1  # the stacked axes each HF tensor fills one entry of: layer (and expert)
       for i in [layer] if layer is not None else range(abstract.config.num_layers):
         for e in range(abstract.config.num_experts) if rule.per_expert else [None]:
-          hf = weights.read(hf_prefix + rule.hf.format(i=i, e=e), rule.shape)
           at = (() if layer is not None else (i,)) + (() if e is None else (e,))
+          if i == 0 and rule.first_layer_fill is not None:
+            out[at or ...] = rule.first_layer_fill
+            continue
+          hf = weights.read(hf_prefix + rule.hf.format(i=i, e=e), rule.shape)
           out[at or ...] = _to_jax(rule, hf, [shapes[p][lead:] for p in paths])[j]  # as astype
       return out
     finally:
@@ -335,7 +360,7 @@ def _hf_tensors(model: nnx.Module) -> tuple[list[tuple[str, tuple, np.dtype]], C
   used = {jax_prefix + p for _, jax_prefix, rule in rules for p in rule.jax}
   if set(flat) - used:
     raise ValueError(f"parameter {sorted(set(flat) - used)[0]} has no HF counterpart; cannot save this model")
-  layers = lambda rule: range(model.config.num_layers) if rule.per_layer else [None]
+  layers = lambda rule: range(rule.first_layer_fill is not None, model.config.num_layers) if rule.per_layer else [None]
   merged_dtype = lambda v: jnp.float32 if isinstance(v, lora.LoRAWeight) else v.dtype  # lora.merge's
   experts = lambda rule: range(model.config.num_experts) if rule.per_expert else [None]
   entries = [(hf_prefix + rule.hf.format(i=i, e=e), rule.shape,

@@ -19,14 +19,19 @@ import jax.numpy as jnp
 MASK_VALUE = -1e30
 
 
-def dot_product_attention(q_BTHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, mask_BTS: jax.Array) -> jax.Array:
+def dot_product_attention(q_BTHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, mask_BTS: jax.Array,
+                          softcap: float = 0.0) -> jax.Array:
   """Softmax attention in f32 where R = H / G query heads share each key/value head (G = H: multi-head,
-  G = 1: multi-query). Query head h uses key/value head h // R, as HF's repeat_kv does."""
+  G = 1: multi-query). Query head h uses key/value head h // R, as HF's repeat_kv does. `softcap` > 0 squashes the
+  scaled scores to softcap * tanh(s / softcap) before the mask (Gemma 2)."""
   b, t, h, k = q_BTHK.shape
   g = k_BSGK.shape[2]
   q_BTGRK = q_BTHK.reshape(b, t, g, h // g, k)
   scores_BGRTS = jnp.einsum("btgrk,bsgk->bgrts", q_BTGRK, k_BSGK, preferred_element_type=jnp.float32)
-  scores_BGRTS = jnp.where(mask_BTS[:, None, None], scores_BGRTS / math.sqrt(k), MASK_VALUE)
+  scores_BGRTS = scores_BGRTS / math.sqrt(k)
+  if softcap:
+    scores_BGRTS = softcap * jnp.tanh(scores_BGRTS / softcap)
+  scores_BGRTS = jnp.where(mask_BTS[:, None, None], scores_BGRTS, MASK_VALUE)
   probs_BGRTS = jax.nn.softmax(scores_BGRTS, axis=-1).astype(v_BSGK.dtype)  # softmax in f32
   return jnp.einsum("bgrts,bsgk->btgrk", probs_BGRTS, v_BSGK).reshape(b, t, h, k)
 

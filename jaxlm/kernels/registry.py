@@ -57,6 +57,8 @@ class Target(NamedTuple):
   head_dim: int = 0
   tensor: int = 1
   context: int = 1
+  window: bool = False  # some attention layers see only a sliding window of keys (the mask holds it)
+  softcaps: tuple[str, ...] = ()  # the ops whose scores or logits are soft-capped: attention, cross_entropy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,10 +70,12 @@ class Implementation:
   one_device: bool = False  # a custom call (or Pallas call) that carries no sharding rule: XLA cannot partition it
   head_dims: Callable[[int], bool] | None = None  # the attention head sizes it takes
   sequence: str = ""  # attention: "whole" (one device holds every row's whole sequence) or "split" (mesh.context)
+  window: bool = True  # attention: honours a sliding window (it reads the whole mask)
+  softcap: bool = False  # attention, cross-entropy: soft-caps scores or logits (c tanh(x / c))
   missing: Callable[[], str | None] | None = None  # why it cannot run on this machine, or None
 
-  def unfit(self, target: Target) -> str | None:
-    """Why this implementation cannot serve `target`, or None."""
+  def unfit(self, target: Target, op: str = "") -> str | None:
+    """Why this implementation cannot serve `target` for `op`, or None."""
     if target.platform not in self.platforms:
       return f"runs on {'/'.join(self.platforms)}, not {target.platform}"
     if target.dtype not in self.dtypes:
@@ -84,6 +88,10 @@ class Implementation:
       return f"needs whole sequences, and mesh.context={target.context} splits them (ring takes split ones)"
     if self.sequence == "split" and target.context == 1:
       return "passes sequence chunks round mesh.context, which is 1 here"
+    if op == "attention" and target.window and not self.window:
+      return "has no sliding window (model.sliding_window)"
+    if op in target.softcaps and not self.softcap:
+      return "does not soft-cap (model.attention_softcap / model.logit_softcap)"
     if self.head_dims and target.head_dim and not self.head_dims(target.head_dim):
       return f"does not take heads of {target.head_dim} (model.attention_head_dim, or d_model / num_heads)"
     # What this machine lacks matters only when the target is this machine (the planner resolves for others).
@@ -94,7 +102,7 @@ class Implementation:
 
 IMPLEMENTATIONS: dict[str, tuple[Implementation, ...]] = {
     "attention": (
-        Implementation("xla", ALL, sequence="whole"),
+        Implementation("xla", ALL, sequence="whole", softcap=True),
         Implementation("causal_blocks", ALL, causal_only=True, sequence="whole"),
         Implementation("cpu_fused", ("cpu",), ("float32",), causal_only=True, one_device=True,
                        missing=_compiler_missing, sequence="whole"),
@@ -105,14 +113,14 @@ IMPLEMENTATIONS: dict[str, tuple[Implementation, ...]] = {
                        missing=_cudnn_missing, sequence="whole"),
         Implementation("tokamax", ("gpu", "tpu"), one_device=True, missing=gpu.tokamax_unavailable,
                        sequence="whole"),
-        Implementation("ring", ALL, causal_only=True, sequence="split"),  # context parallelism
+        Implementation("ring", ALL, causal_only=True, sequence="split", window=False),  # context parallelism
     ),
     "matmul": (
         Implementation("xla", ALL),
         Implementation("blas", ("cpu",), ("float32",), one_device=True, missing=_compiler_missing),
     ),
     "cross_entropy": (
-        Implementation("logits", ALL),
+        Implementation("logits", ALL, softcap=True),
         Implementation("chunked", ALL),
         # tokamax has a fused kernel for TPUs only; on GPUs its cross-entropy is XLA's full-logits path.
         Implementation("tokamax", ("tpu",), one_device=True, missing=gpu.tokamax_unavailable),
@@ -218,9 +226,16 @@ class Kernels:
     """Rows `ids` of a table [N, ...] (embeddings)."""
     return table_ND.lookup(ids) if weights.is_stand_in(table_ND) else jnp.take(table_ND, ids, axis=0)
 
-  def attend(self, q_BTHK, k_BSGK, v_BSGK, mask_BTS, *, causal: bool, document_mask: bool = True):
-    """Softmax attention; `mask_BTS` holds causality and document boundaries (the same function on every path)."""
+  def attend(self, q_BTHK, k_BSGK, v_BSGK, mask_BTS, *, causal: bool, document_mask: bool = True,
+             softcap: float = 0.0):
+    """Softmax attention; `mask_BTS` holds causality, document boundaries and any sliding window (the same function
+    on every path). `softcap` > 0: scores soft-capped, which only the reference does (`resolve` picks it then)."""
     name = self.attention
+    if softcap and name != "xla":
+      raise ValueError(f"kernels.attention={name} does not soft-cap scores (model.attention_softcap): use "
+                       "kernels.attention=auto or xla")
+    if softcap:
+      return xla_attention.dot_product_attention(q_BTHK, k_BSGK, v_BSGK, mask_BTS, softcap)
     if name == "ring":
       return ring_attention.ring_attention(q_BTHK, k_BSGK, v_BSGK, mask_BTS.time_BT, mask_BTS.segment_ids_BT)
     if name == "xla":
@@ -243,9 +258,9 @@ class Kernels:
       return gpu.cudnn_attention(q_BTHK, k_BSGK, v_BSGK, mask, causal)
     return gpu.tokamax_attention(q_BTHK, k_BSGK, v_BSGK, mask, causal)
 
-  def attend_reference(self, q_BTHK, k_BSGK, v_BSGK, mask_BTS) -> jax.Array:
+  def attend_reference(self, q_BTHK, k_BSGK, v_BSGK, mask_BTS, softcap: float = 0.0) -> jax.Array:
     """The reference attention, for shapes the faster kernels do not take (decoding against a longer KV cache)."""
-    return xla_attention.dot_product_attention(q_BTHK, k_BSGK, v_BSGK, mask_BTS)
+    return xla_attention.dot_product_attention(q_BTHK, k_BSGK, v_BSGK, mask_BTS, softcap)
 
   def layer_norm(self, x, scale, bias, eps: float) -> jax.Array:
     """LayerNorm over the last axis, in f32."""
@@ -259,11 +274,12 @@ class Kernels:
       return gpu.tokamax_rms_norm(x, scale, eps)
     return xla.rms_norm(x, scale, eps)
 
-  def gated_linear_unit(self, x_BTD, w_gate_DF, w_up_DF) -> jax.Array:
-    """silu(x @ w_gate) * (x @ w_up): the gated half of Llama's MLP."""
-    if self.glu == "tokamax" and isinstance(w_gate_DF, jax.Array) and isinstance(w_up_DF, jax.Array):
+  def gated_linear_unit(self, x_BTD, w_gate_DF, w_up_DF, activation: str = "silu") -> jax.Array:
+    """act(x @ w_gate) * (x @ w_up): the gated half of Llama's MLP (silu) or Gemma's (gelu_tanh)."""
+    if (self.glu == "tokamax" and activation == "silu" and isinstance(w_gate_DF, jax.Array)
+        and isinstance(w_up_DF, jax.Array)):
       return gpu.tokamax_glu(x_BTD, w_gate_DF, w_up_DF)
-    return xla.glu(x_BTD, w_gate_DF, w_up_DF, self.einsum)
+    return xla.glu(x_BTD, w_gate_DF, w_up_DF, self.einsum, activation)
 
   def expert_matmul(self, x_MK, w_GKN, group_sizes_G) -> jax.Array:
     """Rows of x sorted by expert (expert g owns the next group_sizes[g] rows): x_g @ w[g] for each, [M, N]; rows past
@@ -274,10 +290,12 @@ class Kernels:
       return gpu.tokamax_ragged_dot(x_MK, w_GKN, group_sizes_G)
     return jax.lax.ragged_dot(x_MK, w_GKN, group_sizes_G)
 
-  def cross_entropy_sums(self, x_ND, table_VD, targets_N, weights_N) -> tuple[jax.Array, jax.Array]:
-    """(sum_n w_n * CE(x_n @ table^T, target_n), sum_n w_n * [argmax == target]) with f32 logits."""
-    if weights.is_stand_in(table_VD):  # e.g. an int8 table: contracted by itself, with full logits
-      return xla.cross_entropy_sums(x_ND, table_VD, targets_N, weights_N, self.einsum)
+  def cross_entropy_sums(self, x_ND, table_VD, targets_N, weights_N,
+                         logit_softcap: float = 0.0) -> tuple[jax.Array, jax.Array]:
+    """(sum_n w_n * CE(x_n @ table^T, target_n), sum_n w_n * [argmax == target]) with f32 logits, soft-capped if
+    `logit_softcap` (full logits then: `resolve` picks `logits` for such a model)."""
+    if weights.is_stand_in(table_VD) or logit_softcap:  # e.g. an int8 table: contracted by itself, full logits
+      return xla.cross_entropy_sums(x_ND, table_VD, targets_N, weights_N, self.einsum, logit_softcap)
     if self.cross_entropy == "chunked":
       return chunked_ce.fused_cross_entropy(x_ND, table_VD, targets_N, weights_N, self.cross_entropy_chunk,
                                             self.einsum)
@@ -300,24 +318,26 @@ def validate_kernels(config: KernelsConfig) -> None:
 def _pick(op: str, requested: str, target: Target) -> str:
   implementations = {impl.name: impl for impl in IMPLEMENTATIONS[op]}
   if requested != "auto":
-    reason = implementations[requested].unfit(target)
+    reason = implementations[requested].unfit(target, op)
     if reason:
-      fits = [n for n, impl in implementations.items() if not impl.unfit(target)]
+      fits = [n for n, impl in implementations.items() if not impl.unfit(target, op)]
       raise ValueError(f"kernels.{op}={requested} {reason}; here use one of: auto, {', '.join(fits)}")
     return requested
   for name in AUTO[op][target.platform]:
-    if not implementations[name].unfit(target):
+    if not implementations[name].unfit(target, op):
       return name
   raise AssertionError(f"no {op} implementation fits {target}")  # the reference (or ring) always fits
 
 
 def resolve(config: KernelsConfig | None = None, *, compute_dtype: str = "float32", causal: bool = True,
             head_dim: int = 0, mesh: jax.sharding.Mesh | None = None, platform: str | None = None,
-            devices: int | None = None, tensor: int | None = None) -> Kernels:
+            devices: int | None = None, tensor: int | None = None, window: bool = False,
+            softcaps: tuple[str, ...] = ()) -> Kernels:
   """The Kernels for a model computing in `compute_dtype` on `mesh` (default: every device of the default backend,
   which is what `auto` must assume for a model built outside a training run). `causal`: a decoder's attention;
   `head_dim`: its head size (0: not checked). `platform`, `devices` and `tensor` (the mesh's tensor-parallel size)
-  override what the mesh says, for planning a run on other hardware."""
+  override what the mesh says, for planning a run on other hardware. `window` and `softcaps`: what the model's
+  attention and logits need (`ModelConfig.kernel_needs`)."""
   config = config or KernelsConfig()
   validate_kernels(config)
   if platform is None:
@@ -327,7 +347,8 @@ def resolve(config: KernelsConfig | None = None, *, compute_dtype: str = "float3
   if tensor is None:
     tensor = dict(mesh.shape).get("tensor", 1) if mesh is not None else 1
   context = dict(mesh.shape).get("context", 1) if mesh is not None else 1
-  target = Target(platform, jnp.dtype(compute_dtype).name, causal, devices, head_dim, tensor, context)
+  target = Target(platform, jnp.dtype(compute_dtype).name, causal, devices, head_dim, tensor, context, window,
+                  softcaps)
   ops = {op: _pick(op, getattr(config, op), target) for op in IMPLEMENTATIONS}
   execution = {key: getattr(config, key) for key in EXECUTION if getattr(config, key) != "auto"}
   for key, choice in EXECUTION.items():

@@ -24,10 +24,12 @@ from jaxlm import kernels as kernels_lib
 from jaxlm.config import ModelConfig
 from jaxlm.kernels import Kernels
 from jaxlm.kernels.ring_attention import balanced_order
-from jaxlm.models.masks import SequenceMask, cache_mask, causal_mask
+from jaxlm.models.masks import SequenceMask, cache_mask, causal_mask, rolling_cache_mask
 from jaxlm.models.moe import MoE
 from jaxlm.models.layers import (MLP, Attention, Embed, GatedMLP, KVCache, LayerKV, LayerNorm, RMSNorm, Rotary,
-                                 rotary_frequencies, rotary_tables, scan_blocks, stacked)
+                                 dynamic_frequencies, rolling_slots, rotary_frequencies, rotary_tables, scan_blocks,
+                                 stacked, yarn_attention_factor)
+from jaxlm.kernels.xla import softcap
 from jaxlm.models.precision import Policy
 from jaxlm.parallel.sharding import CONTEXT_AXIS, axis_size, constrain, gather_fsdp
 
@@ -42,27 +44,43 @@ def context_order(length: int) -> np.ndarray | None:
   return balanced_order(length, devices) if devices > 1 else None
 
 
+def _apply(norm: nnx.Module | None, x_BTD: jax.Array) -> jax.Array:
+  return x_BTD if norm is None else norm(x_BTD)
+
+
 class Block(nnx.Module):
-  """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+  """Transformer block: x + attn(norm(x)), then x + mlp(norm(x)) (model.block_norms=pre); `sandwich` also norms each
+  sublayer's output before the residual add (Gemma 2/3), `post` norms only the output (OLMo 2)."""
 
   def __init__(self, config: ModelConfig, policy: Policy, kernels: Kernels, *, rngs: nnx.Rngs):
     std = config.init_std
     out_std = std / math.sqrt(2 * config.num_layers)  # GPT-2: scale residual projections by depth
     llama = config.flavour == "llama"
-    norm = RMSNorm if llama else LayerNorm
-    self.attn_norm = norm(config.d_model, config.layer_norm_eps, policy, kernels)
-    self.attn = Attention(config.d_model, config.num_heads, config.num_kv_heads or config.num_heads, policy, kernels,
-                          std, out_std, use_bias=not llama, causal=True, document_mask=config.document_mask,
-                          head_dim=config.head_dim, qk_norm=config.qk_norm, norm_eps=config.layer_norm_eps,
-                          qkv_bias=config.qkv_bias if llama else None, rngs=rngs)
-    self.mlp_norm = norm(config.d_model, config.layer_norm_eps, policy, kernels)
+    d, eps = config.d_model, config.layer_norm_eps
+    norm = (lambda: RMSNorm(d, eps, policy, kernels, config.norm_plus_one)) if llama else (
+        lambda: LayerNorm(d, eps, policy, kernels))
+    pre, post = config.block_norms in ("pre", "sandwich"), config.block_norms in ("sandwich", "post")
+    self.attn_norm = norm() if pre else None
+    # A sliding window lives in the mask, so the library kernels must be given it (document_mask=True).
+    self.attn = Attention(d, config.num_heads, config.num_kv_heads or config.num_heads, policy, kernels,
+                          std, out_std, use_bias=not llama, causal=True,
+                          document_mask=config.document_mask or bool(config.sliding_window),
+                          head_dim=config.head_dim, qk_norm=config.qk_norm, norm_eps=eps,
+                          qkv_bias=config.qkv_bias if llama else None, norm_plus_one=config.norm_plus_one,
+                          softcap=config.attention_softcap, query_pre_attn_scalar=config.query_pre_attn_scalar,
+                          rngs=rngs)
+    self.attn_post_norm = norm() if post else None
+    self.mlp_norm = norm() if pre else None
     if config.num_experts:
-      self.mlp = MoE(config.d_model, config.num_experts, config.experts_per_token, config.expert_width, policy,
+      self.mlp = MoE(d, config.num_experts, config.experts_per_token, config.expert_width, policy,
                      kernels, std, out_std, gated=llama, normalize_topk=config.router_normalize_topk,
                      shared_d_ff=config.shared_expert_d_ff, rngs=rngs)
+    elif llama:
+      self.mlp = GatedMLP(d, config.mlp_width, policy, kernels, std, out_std, activation=config.glu_activation,
+                          rngs=rngs)
     else:
-      self.mlp = (GatedMLP if llama else MLP)(config.d_model, config.mlp_width, policy, kernels, std, out_std,
-                                              rngs=rngs)
+      self.mlp = MLP(d, config.mlp_width, policy, kernels, std, out_std, rngs=rngs)
+    self.mlp_post_norm = norm() if post else None
 
   def _mlp(self, x_BTD: jax.Array, valid_BT: jax.Array | None) -> tuple[jax.Array, dict]:
     """The MLP sublayer's output and its statistics (a mixture of experts' router statistics; none for a dense MLP)."""
@@ -75,14 +93,16 @@ class Block(nnx.Module):
     """(output, the MLP's statistics over the tokens where `valid_BT`)."""
     # Constraining after each residual add makes a row-parallel output's all-reduce a reduce-scatter under
     # sequence parallelism (and pins the layout otherwise).
-    x_BTD = constrain(x_BTD + self.attn(self.attn_norm(x_BTD), mask_BTS, rotary), RESIDUAL_AXES)
-    mlp_BTD, stats = self._mlp(self.mlp_norm(x_BTD), valid_BT)
-    return constrain(x_BTD + mlp_BTD, RESIDUAL_AXES), stats
+    attn_BTD = _apply(self.attn_post_norm, self.attn(_apply(self.attn_norm, x_BTD), mask_BTS, rotary))
+    x_BTD = constrain(x_BTD + attn_BTD, RESIDUAL_AXES)
+    mlp_BTD, stats = self._mlp(_apply(self.mlp_norm, x_BTD), valid_BT)
+    return constrain(x_BTD + _apply(self.mlp_post_norm, mlp_BTD), RESIDUAL_AXES), stats
 
-  def decode(self, x_BTD, mask_BTS, rotary, kv: LayerKV, end):
-    attn_BTD, kv = self.attn.decode(self.attn_norm(x_BTD), mask_BTS, rotary, kv, end)
-    x_BTD = x_BTD + attn_BTD
-    x_BTD = x_BTD + self._mlp(self.mlp_norm(x_BTD), None)[0]
+  def decode(self, x_BTD, mask_BTS, rotary, kv: LayerKV, end, rolling: bool = False):
+    attend = self.attn.decode_rolling if rolling else self.attn.decode
+    attn_BTD, kv = attend(_apply(self.attn_norm, x_BTD), mask_BTS, rotary, kv, end)
+    x_BTD = x_BTD + _apply(self.attn_post_norm, attn_BTD)
+    x_BTD = x_BTD + _apply(self.mlp_post_norm, self._mlp(_apply(self.mlp_norm, x_BTD), None)[0])
     return constrain(x_BTD, RESIDUAL_AXES), kv
 
 
@@ -95,7 +115,7 @@ class GPT(nnx.Module):
     self.config = config
     policy = Policy.from_model_config(config)
     kernels = kernels or kernels_lib.resolve(compute_dtype=config.compute_dtype, causal=True,
-                                             head_dim=config.head_dim)
+                                             **config.kernel_needs)
     self.policy = policy
     self.kernels = kernels
     self.token_embed = Embed(config.vocab_size, config.d_model, ("vocab", "embed"), policy, kernels,
@@ -103,8 +123,9 @@ class GPT(nnx.Module):
     self.position_embed = (Embed(config.max_seq_len, config.d_model, ("positions", "embed"), policy, kernels,
                                  config.init_std / 2, rngs=rngs) if config.flavour == "gpt2" else None)
     self.blocks = stacked(config.num_layers, lambda r: Block(config, policy, kernels, rngs=r), rngs)
-    norm = RMSNorm if config.flavour == "llama" else LayerNorm
-    self.final_norm = norm(config.d_model, config.layer_norm_eps, policy, kernels)
+    self.final_norm = (RMSNorm(config.d_model, config.layer_norm_eps, policy, kernels, config.norm_plus_one)
+                       if config.flavour == "llama" else LayerNorm(config.d_model, config.layer_norm_eps, policy,
+                                                                   kernels))
     # Untied embeddings: a separate [V, D] output table.
     self.lm_head = (None if config.tie_embeddings else
                     Embed(config.vocab_size, config.d_model, ("vocab", "embed"), policy, kernels, config.init_std,
@@ -112,6 +133,8 @@ class GPT(nnx.Module):
 
   def _embed(self, input_ids_BT: jax.Array, positions_BT: jax.Array) -> jax.Array:
     x_BTD = self.token_embed(input_ids_BT)
+    if self.config.scale_embeddings:  # Gemma: sqrt(d) in the compute dtype, as HF rounds it
+      x_BTD = x_BTD * jnp.asarray(math.sqrt(self.config.d_model), x_BTD.dtype)
     if self.position_embed is not None:
       x_BTD = x_BTD + self.position_embed(positions_BT)
     return constrain(x_BTD, RESIDUAL_AXES)
@@ -121,9 +144,35 @@ class GPT(nnx.Module):
     c = self.config
     if c.flavour != "llama":
       return None
-    inv_freq = rotary_frequencies(c.head_dim, c.rope_theta, c.rope_scaling, c.rope_factor, c.rope_low_freq_factor,
-                                  c.rope_high_freq_factor, c.rope_original_max_positions)
-    return rotary_tables(positions_BT, c.head_dim, c.rope_theta, inv_freq)
+    if c.rope_scaling == "dynamic":
+      inv_freq = dynamic_frequencies(positions_BT, c.head_dim, c.rope_theta, c.rope_factor, c.max_seq_len)
+    else:
+      inv_freq = rotary_frequencies(c.head_dim, c.rope_theta, c.rope_scaling, c.rope_factor, c.rope_low_freq_factor,
+                                    c.rope_high_freq_factor, c.rope_original_max_positions, c.rope_beta_fast,
+                                    c.rope_beta_slow)
+    scale = yarn_attention_factor(c.rope_factor, c.rope_attention_factor) if c.rope_scaling == "yarn" else 1.0
+    return rotary_tables(positions_BT, c.head_dim, c.rope_theta, inv_freq, scale)
+
+  def _local_layers(self) -> np.ndarray | None:
+    """[L] bool: which layers attend within the sliding window, when windowed and global layers alternate
+    (model.global_attention_every); None when every layer is alike."""
+    c = self.config
+    if not (c.sliding_window and c.global_attention_every):
+      return None
+    return (np.arange(c.num_layers) + 1) % c.global_attention_every != 0
+
+  def _per_layer(self, global_mask, local_mask, positions_BT):
+    """The (mask, rotary) of each layer kind, and a `select(local)` that picks one inside the layer scan."""
+    c = self.config
+    rotary = self._rotary(positions_BT)
+    local_rotary = (rotary_tables(positions_BT, c.head_dim, c.rope_local_theta) if c.rope_local_theta else rotary)
+
+    def select(local):
+      pick = lambda a, b: jnp.where(local, a, b)
+      rot = None if rotary is None else Rotary(*jax.tree.map(pick, tuple(local_rotary), tuple(rotary)))
+      return pick(local_mask, global_mask), rot
+
+    return select
 
   def _head(self) -> Embed:
     return self.lm_head if self.lm_head is not None else self.token_embed
@@ -132,7 +181,8 @@ class GPT(nnx.Module):
     return self._vocab_logits(self.final_norm(x_BTD))
 
   def _vocab_logits(self, features_BTD: jax.Array) -> jax.Array:
-    return constrain(self._head().attend(features_BTD), ("act_batch", "act_seq", "act_vocab"))
+    logits_BTV = softcap(self._head().attend(features_BTD), self.config.logit_softcap)
+    return constrain(logits_BTV, ("act_batch", "act_seq", "act_vocab"))
 
   def output_table(self) -> jax.Array:
     """The output projection [V, D] in the compute dtype: logits = features @ output_table().T (in f32)."""
@@ -173,7 +223,8 @@ class GPT(nnx.Module):
     features_BTD = self.final_norm(x_BTD)
     b, t, d = features_BTD.shape
     return self.kernels.cross_entropy_sums(features_BTD.reshape(b * t, d), self.output_table(),
-                                           targets_BT.reshape(b * t), weights_BT.reshape(b * t))
+                                           targets_BT.reshape(b * t), weights_BT.reshape(b * t),
+                                           self.config.logit_softcap)
 
   def features(self, input_ids_BT: jax.Array, positions_BT: jax.Array | None = None,
                segment_ids_BT: jax.Array | None = None, final_norm: bool = True) -> jax.Array:
@@ -205,23 +256,38 @@ class GPT(nnx.Module):
     with each layer's statistics stacked ([L] each; none for dense MLPs)."""
     # Without document masking every row is one causal sequence (the library kernels then get no mask at all).
     documents_BT = segment_ids_BT if self.config.document_mask else jnp.ones_like(segment_ids_BT)
+    valid_BT = segment_ids_BT > 0
+    window = self.config.sliding_window
+    if (local_L := self._local_layers()) is not None:  # windowed and global layers alternate
+      select = self._per_layer(causal_mask(documents_BT), causal_mask(documents_BT, window), positions_BT)
+
+      def body_per_layer(block, x_BTD, local):
+        return block(x_BTD, *select(local), valid_BT)
+
+      return scan_blocks(self.blocks, body_per_layer, x_BTD, self.kernels, jnp.asarray(local_L))
+
     if (order := context_order(x_BTD.shape[1])) is not None:  # ring attention: the mask from each token's time
       mask_BTS = SequenceMask(jnp.broadcast_to(jnp.asarray(order), documents_BT.shape), documents_BT)
     else:
-      mask_BTS = causal_mask(documents_BT)
+      mask_BTS = causal_mask(documents_BT, window)
 
     rotary = self._rotary(positions_BT)
-
-    valid_BT = segment_ids_BT > 0
 
     def body(block, x_BTD, _):
       return block(x_BTD, mask_BTS, rotary, valid_BT)
 
     return scan_blocks(self.blocks, body, x_BTD, self.kernels)
 
+  def _rolling(self) -> bool:
+    """Every layer windowed: the KV cache keeps only the window's slots, overwritten in turn."""
+    return bool(self.config.sliding_window) and self._local_layers() is None
+
   def init_cache(self, batch: int, slots: int, quantized: bool = False) -> KVCache:
-    """An empty KV cache of `slots` positions per row, in the compute dtype (or int8 with per-token scales)."""
+    """An empty KV cache of `slots` positions per row, in the compute dtype (or int8 with per-token scales). When
+    every layer attends within a sliding window, at most the window's slots: a rolling cache."""
     c = self.config
+    if self._rolling():
+      slots = min(slots, c.sliding_window)
     return KVCache.zeros(c.num_layers, batch, slots, c.num_kv_heads or c.num_heads, c.head_dim,
                          self.policy.compute_dtype, quantized)
 
@@ -235,17 +301,40 @@ class GPT(nnx.Module):
       positions_BT = jnp.broadcast_to(cache.end + jnp.arange(t), input_ids_BT.shape)
     if segment_ids_BT is None:
       segment_ids_BT = jnp.ones_like(input_ids_BT)
+    segment_ids_BT = segment_ids_BT.astype(jnp.int32)
+    x_BTD, window = self._embed(input_ids_BT, positions_BT), self.config.sliding_window
+    if self._rolling():
+      mask_BTU = rolling_cache_mask(segment_ids_BT, cache.segment_ids_BS, cache.end, window)
+      kept, slots = rolling_slots(cache.end, t, cache.segment_ids_BS.shape[1])
+      cache_segments_BS = cache.segment_ids_BS.at[:, slots].set(segment_ids_BT[:, -kept:])
+      rotary = self._rotary(positions_BT)
+
+      def body_rolling(block, x_BTD, kv):
+        return block.decode(x_BTD, mask_BTU, rotary, kv, cache.end, rolling=True)
+
+      x_BTD, kv = scan_blocks(self.blocks, body_rolling, x_BTD, self.kernels, cache.layers(), remat=False)
+      return self._logits(x_BTD), KVCache(kv.k_BSGK, kv.v_BSGK, cache_segments_BS, cache.end + t, kv.k_scale_BSG,
+                                          kv.v_scale_BSG)
+
     zero = jnp.zeros((), jnp.int32)
-    cache_segments_BS = jax.lax.dynamic_update_slice(cache.segment_ids_BS, segment_ids_BT.astype(jnp.int32),
-                                                     (zero, cache.end))
-    mask_BTS = cache_mask(segment_ids_BT, cache_segments_BS, cache.end)
+    cache_segments_BS = jax.lax.dynamic_update_slice(cache.segment_ids_BS, segment_ids_BT, (zero, cache.end))
+    if (local_L := self._local_layers()) is not None:
+      select = self._per_layer(cache_mask(segment_ids_BT, cache_segments_BS, cache.end),
+                               cache_mask(segment_ids_BT, cache_segments_BS, cache.end, window), positions_BT)
 
-    rotary = self._rotary(positions_BT)
+      def body_per_layer(block, x_BTD, kv_and_local):
+        kv, local = kv_and_local
+        return block.decode(x_BTD, *select(local), kv, cache.end)
 
-    def body(block, x_BTD, kv):
-      return block.decode(x_BTD, mask_BTS, rotary, kv, cache.end)
+      x_BTD, kv = scan_blocks(self.blocks, body_per_layer, x_BTD, self.kernels,
+                              (cache.layers(), jnp.asarray(local_L)), remat=False)
+    else:
+      mask_BTS = cache_mask(segment_ids_BT, cache_segments_BS, cache.end, window)
+      rotary = self._rotary(positions_BT)
 
-    x_BTD, kv = scan_blocks(self.blocks, body, self._embed(input_ids_BT, positions_BT), self.kernels,
-                            cache.layers(), remat=False)
+      def body(block, x_BTD, kv):
+        return block.decode(x_BTD, mask_BTS, rotary, kv, cache.end)
+
+      x_BTD, kv = scan_blocks(self.blocks, body, x_BTD, self.kernels, cache.layers(), remat=False)
     return self._logits(x_BTD), KVCache(kv.k_BSGK, kv.v_BSGK, cache_segments_BS, cache.end + t, kv.k_scale_BSG,
                                         kv.v_scale_BSG)

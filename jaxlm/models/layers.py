@@ -60,45 +60,55 @@ class Embed(nnx.Module):
 
 
 class Dense(nnx.Module):
-  """y = x @ w + b over the last axis; `axes` names [in, out] (heads and poolers of BERT)."""
+  """y = x @ w (+ b) over the last axis; `axes` names [in, out] (heads and poolers of BERT)."""
 
   def __init__(self, d_in: int, d_out: int, axes: tuple[str | None, str | None], policy: Policy, kernels: Kernels,
-               std: float, *, rngs: nnx.Rngs):
+               std: float, *, use_bias: bool = True, rngs: nnx.Rngs):
     self.policy = policy
     self.kernels = kernels
     self.w = nnx.Param(_normal(rngs, (d_in, d_out), std, policy.param_dtype), axes=axes)
-    self.b = nnx.Param(jnp.zeros((d_out,), policy.param_dtype), axes=axes[1:])
+    self.b = nnx.Param(jnp.zeros((d_out,), policy.param_dtype), axes=axes[1:]) if use_bias else None
 
   def __call__(self, x: jax.Array) -> jax.Array:
     c = self.policy.cast_to_compute
-    return self.kernels.einsum("...i,io->...o", c(x), c(self.w[...])) + _lead(c(self.b[...]), x.ndim)
+    y = self.kernels.einsum("...i,io->...o", c(x), c(self.w[...]))
+    return y if self.b is None else y + _lead(c(self.b[...]), x.ndim)
 
 
 class LayerNorm(nnx.Module):
-  """LayerNorm with statistics in f32, output in the compute dtype."""
+  """LayerNorm with statistics in f32, output in the compute dtype; `use_bias=False`: no bias (ModernBERT)."""
 
-  def __init__(self, dim: int, eps: float, policy: Policy, kernels: Kernels):
+  def __init__(self, dim: int, eps: float, policy: Policy, kernels: Kernels, *, use_bias: bool = True):
     self.policy = policy
     self.kernels = kernels
     self.eps = eps
     self.scale = nnx.Param(jnp.ones((dim,), policy.param_dtype), axes=("embed",))
-    self.bias = nnx.Param(jnp.zeros((dim,), policy.param_dtype), axes=("embed",))
+    self.bias = nnx.Param(jnp.zeros((dim,), policy.param_dtype), axes=("embed",)) if use_bias else None
 
   def __call__(self, x_BTD: jax.Array) -> jax.Array:
-    return self.policy.cast_to_compute(self.kernels.layer_norm(x_BTD, self.scale[...], self.bias[...], self.eps))
+    bias = jnp.zeros_like(self.scale[...]) if self.bias is None else self.bias[...]
+    return self.policy.cast_to_compute(self.kernels.layer_norm(x_BTD, self.scale[...], bias, self.eps))
 
 
 class RMSNorm(nnx.Module):
-  """RMSNorm (Llama): no mean subtraction and no bias; statistics in f32."""
+  """RMSNorm (Llama): no mean subtraction and no bias; statistics in f32. `plus_one` (Gemma): the weight w is
+  stored as HF stores it and scales by (1 + w), so it starts at zero."""
 
-  def __init__(self, dim: int, eps: float, policy: Policy, kernels: Kernels):
+  def __init__(self, dim: int, eps: float, policy: Policy, kernels: Kernels, plus_one: bool = False):
     self.policy = policy
     self.kernels = kernels
     self.eps = eps
-    self.scale = nnx.Param(jnp.ones((dim,), policy.param_dtype), axes=("embed",))
+    self.plus_one = plus_one
+    self.scale = nnx.Param((jnp.zeros if plus_one else jnp.ones)((dim,), policy.param_dtype), axes=("embed",))
 
   def __call__(self, x_BTD: jax.Array) -> jax.Array:
-    return self.policy.cast_to_compute(self.kernels.rms_norm(x_BTD, self.scale[...], self.eps))
+    return self.policy.cast_to_compute(self.kernels.rms_norm(x_BTD, norm_scale(self.scale[...], self.plus_one),
+                                                             self.eps))
+
+
+def norm_scale(w: jax.Array, plus_one: bool) -> jax.Array:
+  """What an RMSNorm multiplies by: its weight, or (1 + weight) in f32 for Gemma's norms."""
+  return 1.0 + w.astype(jnp.float32) if plus_one else w
 
 
 # ----------------------------------------------------------------------------------------------- positions
@@ -113,10 +123,14 @@ class Rotary(NamedTuple):
 
 def rotary_frequencies(head_dim: int, theta: float, scaling: str = "", factor: float = 1.0,
                        low_freq_factor: float = 1.0, high_freq_factor: float = 4.0,
-                       original_max_positions: int = 8192) -> np.ndarray:
+                       original_max_positions: int = 8192, beta_fast: float = 32.0,
+                       beta_slow: float = 1.0) -> np.ndarray:
   """The K/2 rotary frequencies (f32), stretched for longer contexts as `scaling` says: `linear` divides them all
   by `factor`; `llama3` (Llama 3.1) divides those whose wavelength exceeds original_max_positions /
-  low_freq_factor, keeps those below original_max_positions / high_freq_factor, and blends linearly between."""
+  low_freq_factor, keeps those below original_max_positions / high_freq_factor, and blends linearly between; `yarn`
+  keeps the dimensions that turn more than beta_fast times over original_max_positions, divides those that turn
+  fewer than beta_slow times, and ramps linearly between (HF's truncated correction range). `dynamic` depends on
+  the positions (`dynamic_frequencies`): here it gives the unscaled ones."""
   half = head_dim // 2
   inv_freq = 1.0 / theta ** (np.arange(0, 2 * half, 2, dtype=np.float64) / (2 * half))
   if scaling == "linear":
@@ -128,16 +142,40 @@ def rotary_frequencies(head_dim: int, theta: float, scaling: str = "", factor: f
     low = wavelength > original_max_positions / low_freq_factor
     high = wavelength < original_max_positions / high_freq_factor
     inv_freq = np.where(low, inv_freq / factor, np.where(high, inv_freq, blended))
+  elif scaling == "yarn":
+    def dimension(rotations):  # the dimension that turns `rotations` times over the original context
+      return head_dim * math.log(original_max_positions / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+    low, high = max(math.floor(dimension(beta_fast)), 0), min(math.ceil(dimension(beta_slow)), head_dim - 1)
+    ramp = np.clip((np.arange(half) - low) / ((high - low) or 0.001), 0, 1)
+    inv_freq = inv_freq / factor * ramp + inv_freq * (1 - ramp)
   return inv_freq.astype(np.float32)
 
 
-def rotary_tables(positions_BT: jax.Array, head_dim: int, theta: float, inv_freq: np.ndarray | None = None
-                  ) -> Rotary:
+def yarn_attention_factor(factor: float, attention_factor: float = 0.0) -> float:
+  """YaRN's scale of cos and sin: the given one, else 0.1 ln(factor) + 1 (1 when factor <= 1)."""
+  return attention_factor or (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)
+
+
+def dynamic_frequencies(positions_BT: jax.Array, head_dim: int, theta: float, factor: float,
+                        max_positions: int) -> jax.Array:
+  """Dynamic NTK scaling (HF's `dynamic`): past max_positions, the base grows with the longest position seen,
+  theta * (factor * n / max_positions - (factor - 1)) ** (K / (K - 2)) for n = max(positions) + 1; below it the
+  frequencies are the unscaled ones."""
+  n = jnp.maximum(jnp.max(positions_BT) + 1, max_positions).astype(jnp.float32)
+  base = theta * (factor * n / max_positions - (factor - 1)) ** (head_dim / (head_dim - 2))
+  return 1.0 / base ** (jnp.arange(0, head_dim - 1, 2, dtype=jnp.float32) / head_dim)
+
+
+def rotary_tables(positions_BT: jax.Array, head_dim: int, theta: float, inv_freq=None,
+                  scale: float = 1.0) -> Rotary:
   """The Rotary tables of `positions` (each row its own, e.g. restarting at every packed document's start);
-  `inv_freq` (`rotary_frequencies`) defaults to the unscaled frequencies of `theta`."""
+  `inv_freq` (`rotary_frequencies`) defaults to the unscaled frequencies of `theta`; `scale` multiplies cos and sin
+  (YaRN)."""
   if inv_freq is None:
     inv_freq = rotary_frequencies(head_dim, theta)
   angles_BTk = positions_BT.astype(jnp.float32)[:, :, None] * _lead(jnp.asarray(inv_freq), 3)
+  if scale != 1.0:
+    return Rotary(jnp.cos(angles_BTk) * scale, jnp.sin(angles_BTk) * scale)
   return Rotary(jnp.cos(angles_BTk), jnp.sin(angles_BTk))
 
 
@@ -211,6 +249,23 @@ def _write_kv(kv: LayerKV, k_BTGK: jax.Array, v_BTGK: jax.Array, end: jax.Array)
                  put(kv.v_scale_BSG, v_scale))
 
 
+def rolling_slots(end: jax.Array, t: int, s: int) -> tuple[int, jax.Array]:
+  """For T tokens written from time `end` into a rolling cache of S slots: (how many of the last ones are kept,
+  their slots)."""
+  kept = min(t, s)
+  return kept, (end + t - kept + jnp.arange(kept)) % s
+
+
+def _write_rolling(kv: LayerKV, k_BTGK: jax.Array, v_BTGK: jax.Array, end: jax.Array) -> LayerKV:
+  kept, slots = rolling_slots(end, k_BTGK.shape[1], kv.k_BSGK.shape[1])
+  put = lambda cache, new: cache.at[:, slots].set(new[:, -kept:].astype(cache.dtype))
+  if kv.k_scale_BSG is None:
+    return LayerKV(put(kv.k_BSGK, k_BTGK), put(kv.v_BSGK, v_BTGK))
+  (k_q, k_scale), (v_q, v_scale) = quantize_kv(k_BTGK), quantize_kv(v_BTGK)
+  return LayerKV(put(kv.k_BSGK, k_q), put(kv.v_BSGK, v_q), put(kv.k_scale_BSG, k_scale),
+                 put(kv.v_scale_BSG, v_scale))
+
+
 def _read_kv(kv: LayerKV, dtype) -> tuple[jax.Array, jax.Array]:
   if kv.k_scale_BSG is None:
     return kv.k_BSGK, kv.v_BSGK
@@ -226,6 +281,7 @@ class Attention(nnx.Module):
   def __init__(self, d_model: int, num_heads: int, num_kv_heads: int, policy: Policy, kernels: Kernels, std: float,
                out_std: float, *, use_bias: bool = True, causal: bool = False, document_mask: bool = True,
                head_dim: int = 0, qk_norm: str = "", norm_eps: float = 1e-6, qkv_bias: bool | None = None,
+               norm_plus_one: bool = False, softcap: float = 0.0, query_pre_attn_scalar: float = 0.0,
                rngs: nnx.Rngs):
     if num_heads % num_kv_heads:
       raise ValueError(f"num_heads={num_heads} is not divisible by num_kv_heads={num_kv_heads}")
@@ -234,6 +290,9 @@ class Attention(nnx.Module):
     self.causal = causal  # the caller's mask hides every later key (decoders); enables causal-only kernels
     self.document_mask = document_mask  # False (decoders): the mask is plain causal, library kernels get none
     h, g, k, dt = num_heads, num_kv_heads, head_dim or d_model // num_heads, policy.param_dtype
+    self.softcap = softcap  # scores squashed to softcap * tanh(s / softcap) (Gemma 2)
+    # The kernels scale scores by K^-1/2; Gemma scales by query_pre_attn_scalar^-1/2: q takes the ratio.
+    self.query_scale = math.sqrt(k / query_pre_attn_scalar) if query_pre_attn_scalar else 1.0
     self.w_q = nnx.Param(_normal(rngs, (d_model, h, k), std, dt), axes=("embed", "heads", "head_dim"))
     self.w_k = nnx.Param(_normal(rngs, (d_model, g, k), std, dt), axes=("embed", "kv_heads", "head_dim"))
     self.w_v = nnx.Param(_normal(rngs, (d_model, g, k), std, dt), axes=("embed", "kv_heads", "head_dim"))
@@ -249,20 +308,23 @@ class Attention(nnx.Module):
     # Query/key RMSNorm after the projections: one scale per head dimension shared by the heads (`head`), or one per
     # element of all heads together (`full`).
     self.norm_eps = norm_eps
+    self.norm_plus_one = norm_plus_one
+    init = jnp.zeros if norm_plus_one else jnp.ones
     if qk_norm == "head":
-      self.q_norm = nnx.Param(jnp.ones((k,), dt), axes=("head_dim",))
-      self.k_norm = nnx.Param(jnp.ones((k,), dt), axes=("head_dim",))
+      self.q_norm = nnx.Param(init((k,), dt), axes=("head_dim",))
+      self.k_norm = nnx.Param(init((k,), dt), axes=("head_dim",))
     elif qk_norm == "full":
-      self.q_norm = nnx.Param(jnp.ones((h, k), dt), axes=("heads", "head_dim"))
-      self.k_norm = nnx.Param(jnp.ones((g, k), dt), axes=("kv_heads", "head_dim"))
+      self.q_norm = nnx.Param(init((h, k), dt), axes=("heads", "head_dim"))
+      self.k_norm = nnx.Param(init((g, k), dt), axes=("kv_heads", "head_dim"))
     else:
       self.q_norm = self.k_norm = None
 
   def _normed(self, x_BTNK: jax.Array, scale: nnx.Param) -> jax.Array:
     b, t, n, k = x_BTNK.shape
+    w = norm_scale(scale[...], self.norm_plus_one)
     if scale.ndim == 1:
-      return self.policy.cast_to_compute(self.kernels.rms_norm(x_BTNK, scale[...], self.norm_eps))
-    normed = self.kernels.rms_norm(x_BTNK.reshape(b, t, n * k), scale[...].reshape(n * k), self.norm_eps)
+      return self.policy.cast_to_compute(self.kernels.rms_norm(x_BTNK, w, self.norm_eps))
+    normed = self.kernels.rms_norm(x_BTNK.reshape(b, t, n * k), w.reshape(n * k), self.norm_eps)
     return self.policy.cast_to_compute(normed.reshape(b, t, n, k))
 
   def _project(self, x_BTD: jax.Array, w: nnx.Param, b: nnx.Param | None, heads_axis: str) -> jax.Array:
@@ -287,6 +349,8 @@ class Attention(nnx.Module):
       q, k = self._normed(q, self.q_norm), self._normed(k, self.k_norm)
     if rotary is not None:
       q, k = apply_rope(q, rotary), apply_rope(k, rotary)
+    if self.query_scale != 1.0:
+      q = q * jnp.asarray(self.query_scale, q.dtype)
     return q, k, v
 
   def _fused_project(self, x_BTD: jax.Array, w_DNK) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -310,7 +374,8 @@ class Attention(nnx.Module):
 
   def __call__(self, x_BTD: jax.Array, mask_BTS: jax.Array, rotary: Rotary | None = None) -> jax.Array:
     q, k, v = self._qkv(x_BTD, rotary)
-    return self._out(self.kernels.attend(q, k, v, mask_BTS, causal=self.causal, document_mask=self.document_mask))
+    return self._out(self.kernels.attend(q, k, v, mask_BTS, causal=self.causal, document_mask=self.document_mask,
+                                         softcap=self.softcap))
 
   def decode(self, x_BTD: jax.Array, mask_BTS: jax.Array, rotary: Rotary | None, kv: LayerKV,
              end: jax.Array) -> tuple[jax.Array, LayerKV]:
@@ -320,7 +385,18 @@ class Attention(nnx.Module):
     kv = _write_kv(kv, k, v, end)
     k_BSGK, v_BSGK = _read_kv(kv, q.dtype)
     # The reference kernel: the cache has more slots than queries, which the causal-block kernels do not take.
-    return self._out(self.kernels.attend_reference(q, k_BSGK, v_BSGK, mask_BTS)), kv
+    return self._out(self.kernels.attend_reference(q, k_BSGK, v_BSGK, mask_BTS, self.softcap)), kv
+
+  def decode_rolling(self, x_BTD: jax.Array, mask_BTU: jax.Array, rotary: Rotary | None, kv: LayerKV,
+                     end: jax.Array) -> tuple[jax.Array, LayerKV]:
+    """`decode` against a rolling cache of S slots (a sliding window): the T new tokens attend over the S cached
+    ones and themselves (U = S + T keys; the mask keeps the window), then the last min(T, S) of them overwrite the
+    slots of the oldest, slot (time mod S)."""
+    q, k, v = self._qkv(x_BTD, rotary)
+    cached_k, cached_v = _read_kv(kv, q.dtype)
+    out = self.kernels.attend_reference(q, jnp.concatenate([cached_k, k.astype(q.dtype)], axis=1),
+                                        jnp.concatenate([cached_v, v.astype(q.dtype)], axis=1), mask_BTU, self.softcap)
+    return self._out(out), _write_rolling(kv, k, v, end)
 
 
 # ----------------------------------------------------------------------------------------------- MLPs
@@ -348,12 +424,14 @@ class MLP(nnx.Module):
 
 
 class GatedMLP(nnx.Module):
-  """SwiGLU MLP (Llama): down(silu(gate(x)) * up(x)), no biases; F is tensor-parallel."""
+  """Gated MLP: down(act(gate(x)) * up(x)), no biases; act is silu (SwiGLU: Llama) or tanh-GELU (GeGLU: Gemma); F
+  is tensor-parallel."""
 
   def __init__(self, d_model: int, d_ff: int, policy: Policy, kernels: Kernels, std: float, out_std: float, *,
-               rngs: nnx.Rngs):
+               activation: str = "silu", rngs: nnx.Rngs):
     self.policy = policy
     self.kernels = kernels
+    self.activation = activation
     dt = policy.param_dtype
     self.w_gate = nnx.Param(_normal(rngs, (d_model, d_ff), std, dt), axes=("embed", "mlp"))
     self.w_up = nnx.Param(_normal(rngs, (d_model, d_ff), std, dt), axes=("embed", "mlp"))
@@ -361,7 +439,7 @@ class GatedMLP(nnx.Module):
 
   def __call__(self, x_BTD: jax.Array) -> jax.Array:
     c = self.policy.cast_to_compute
-    h_BTF = self.kernels.gated_linear_unit(x_BTD, c(self.w_gate[...]), c(self.w_up[...]))
+    h_BTF = self.kernels.gated_linear_unit(x_BTD, c(self.w_gate[...]), c(self.w_up[...]), self.activation)
     h_BTF = constrain(h_BTF, ("act_batch", "act_seq", "act_mlp"))
     return self.kernels.einsum("btf,fd->btd", h_BTF, c(self.w_down[...]))
 

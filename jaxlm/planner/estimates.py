@@ -70,15 +70,16 @@ def planned_kernels(config: Config, sizes: tuple[int, int, int], platform: str |
   """The kernels a run of `config` on mesh `sizes` (data, fsdp, tensor) of `platform` devices ("gpu", "tpu", "cpu";
   None: this host's) uses: `auto` resolved for that platform, the model's compute dtype and the mesh. An explicit
   choice that cannot run there is the registry's one-line error."""
-  return _resolve(config.kernels, config.model.compute_dtype, config.model.head_dim, platform or jax.default_backend(),
-                  math.prod(sizes), sizes[2])
+  needs = config.model.kernel_needs
+  return _resolve(config.kernels, config.model.compute_dtype, needs["head_dim"], platform or jax.default_backend(),
+                  math.prod(sizes), sizes[2], needs["window"], needs["softcaps"])
 
 
 @functools.lru_cache(maxsize=None)
 def _resolve(kernels: KernelsConfig, compute_dtype: str, head_dim: int, platform: str, devices: int,
-             tensor: int) -> Kernels:
+             tensor: int, window: bool, softcaps: tuple[str, ...]) -> Kernels:
   return kernels_lib.resolve(kernels, compute_dtype=compute_dtype, causal=True, head_dim=head_dim, platform=platform,
-                             devices=devices, tensor=tensor)
+                             devices=devices, tensor=tensor, window=window, softcaps=softcaps)
 
 
 def abstract_model(model: ModelConfig, kernels: Kernels) -> tuple[nnx.GraphDef, nnx.State]:

@@ -23,7 +23,7 @@ def decoder_factory(config: Config, mesh: Mesh, kernels: Kernels | None = None) 
   """The config's GPT with `kernels` (None: config.kernels resolved for `mesh`): what pretraining trains."""
   if kernels is None:
     kernels = kernels_lib.resolve(config.kernels, compute_dtype=config.model.compute_dtype, causal=True,
-                                  head_dim=config.model.head_dim, mesh=mesh)
+                                  mesh=mesh, **config.model.kernel_needs)
   return lambda rngs: GPT(config.model, kernels=kernels, rngs=rngs)
 
 

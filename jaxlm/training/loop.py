@@ -90,7 +90,7 @@ def prepare_run(config: Config, workdir: str, causal: bool = True) -> tuple[Conf
   if t.batch_size % jax.process_count():
     raise ValueError(f"train.batch_size={t.batch_size} is not divisible by the {jax.process_count()} processes")
   kernels = kernels_lib.resolve(config.kernels, compute_dtype=config.model.compute_dtype, causal=causal,
-                                head_dim=config.model.head_dim, mesh=mesh)
+                                mesh=mesh, **config.model.kernel_needs)
   if jax.process_index() == 0:
     print(f"kernels: {kernels.describe()}", flush=True)
   return dataclasses.replace(config, kernels=kernels.as_config()), mesh, kernels
