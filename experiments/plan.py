@@ -15,11 +15,18 @@ profile's recommended layout and the one-device mesh (kernels that cannot run on
 pipelines through jaxlm/training/pipeline.py's step), and reports the compiled memory and the collective bytes read from
 the HLO beside the prediction. Writes <workdir>/plan.json, plan.md (the table) and plan.png. Needs no accelerator.
 
+--hf_config=<config.json or a folder holding one> plans the model that file describes (its shape from the file alone,
+no weights), with --config's training settings (batch, seq_len, LoRA/QLoRA, optimizer, kernels, dtypes):
+
+  python experiments/plan.py --config=experiments/configs/llama_7b_qlora.py \
+      --hf_config=experiments/configs/hf/llama-3.1-8b.json --hardware=l4_24gb --devices=1 --workdir=runs/plan_8b
+
 --measure also runs the train step here (as configured, on this machine's devices) and compares the predicted step
 time and memory with the measured ones: with a CPU "hardware profile" measured in the same run, or on a GPU with
 --measure_hardware=<profile> (e.g. h200_141gb).
 """
 
+import dataclasses
 import os
 
 # The planner compiles meshes of up to 8 devices on simulated CPU devices; XLA reads this flag once, when jax is
@@ -41,6 +48,8 @@ from jaxlm.training import atomic_files  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "where plan.json, plan.md and plan.png go")
+_HF_CONFIG = flags.DEFINE_string("hf_config", "", "an HF config.json, or a folder holding one: its model replaces "
+                                  "the config's model.* (the shape from that file alone; the dtypes stay --config's)")
 _HARDWARE = flags.DEFINE_list("hardware", ["h100_80gb"], "hardware profiles (names in --hardware_file)")
 _HARDWARE_FILE = flags.DEFINE_string("hardware_file", hardware_lib.PROFILES_PATH, "JSON file of hardware profiles")
 _DEVICES = flags.DEFINE_list("devices", ["1", "2", "4", "8"], "device counts to plan for (powers of two)")
@@ -143,11 +152,9 @@ def plot(rows: list[dict], path: str) -> None:
   fig.savefig(path, dpi=110)
 
 
-def expert_parallel_section(config, hardware, counts, summary: dict) -> str:
-  """A mixture of experts' total and active parameters and, per profile and device count, its expert layouts
-  (jaxlm/planner/estimates_moe.py) into `summary`; returns them as a markdown section."""
-  params = estimates_moe.parameter_counts(config.model)
-  summary.update(total_params=params["total"], active_params=params["active"])
+def expert_parallel_section(config, hardware, counts, params: dict, summary: dict) -> str:
+  """A mixture of experts' total and active parameters (`params`) and, per profile and device count, its expert
+  layouts (jaxlm/planner/estimates_moe.py) into `summary`; returns them as a markdown section."""
   lines = [f"\n## Expert parallelism\n\n{params['total'] / 1e9:.2f}B parameters, {params['active'] / 1e9:.2f}B "
            "active per token.\n\n| hardware | devices | mesh | fits | grad_accum | GiB per device | all-to-all GB "
            "per step | step s |\n| --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -170,6 +177,8 @@ def main(argv):
   del argv  # flags only: cli.run refuses positional arguments
   logging.set_verbosity(logging.WARNING)
   config = config_lib.from_config_dict(_CONFIG.value)
+  if _HF_CONFIG.value:
+    config = plan.with_hf_model(config, _HF_CONFIG.value)
   if config.model.flavour == "bert":
     raise ValueError("model.flavour=bert: the planner plans the decoder train step (jaxlm.training.loop); plan a "
                      "gpt2 or llama config")
@@ -191,8 +200,13 @@ def main(argv):
     raise ValueError("no mesh can run this config on the given devices (heads or batch not divisible, or a kernel "
                      "in config.kernels the devices cannot run); try other --devices, train.batch_size or kernels")
 
-  summary = {"config": _CONFIG.value.to_json(), "tokens": assumptions.tokens,
+  params = estimates_moe.parameter_counts(config.model)
+  summary = {"config": _CONFIG.value.to_json(), "hf_config": _HF_CONFIG.value,
+             "model": dataclasses.asdict(config.model), "total_params": params["total"],
+             "active_params": params["active"], "tokens": assumptions.tokens,
              "cpu_devices_simulated": jax.device_count()}
+  model_source = f" from {_HF_CONFIG.value}" if _HF_CONFIG.value else ""
+  print(f"model{model_source}: {params['total'] / 1e9:.2f}B parameters ({params['total']:,})")
   explanations = []
   for profile in hardware:
     best = advice.recommend(rows, profile.name)
@@ -223,7 +237,8 @@ def main(argv):
     if message:
       summary[f"{profile.name}/one_device"] = message
       print(f"{profile.name}: {message}")
-  expert_table = expert_parallel_section(config, hardware, counts, summary) if config.model.num_experts else ""
+  expert_table = (expert_parallel_section(config, hardware, counts, params, summary) if config.model.num_experts
+                  else "")
   # After the recommendations and explanations, which compare every layout on the same (analytic) footing.
   compiled_cache: dict = {}
   for profile in hardware:
@@ -261,8 +276,9 @@ def main(argv):
   kernels = "".join(f"\n- {name}: {summary[f'{name}/kernels']}" for name in (p.name for p in hardware)
                     if f"{name}/kernels" in summary)
   atomic_files.write_text(os.path.join(_WORKDIR.value, "plan.md"),
-                   f"# Plan for {config.model.flavour} d{config.model.d_model} x {config.model.num_layers} layers, "
-                   f"batch {config.train.batch_size} x {config.data.seq_len}, {assumptions.tokens:.3g} tokens\n\n"
+                   f"# Plan for {config.model.flavour} d{config.model.d_model} x {config.model.num_layers} layers "
+                   f"({params['total'] / 1e9:.2f}B parameters{model_source}), batch {config.train.batch_size} x "
+                   f"{config.data.seq_len}, {assumptions.tokens:.3g} tokens\n\n"
                    f"{table}\n\nKernels of each recommended mesh (config.kernels resolved for the hardware):"
                    f"{kernels}\n\nWhich layout wins:\n"
                    + "".join(f"\n- {text}" for text in explanations) + "\n" + expert_table)

@@ -79,7 +79,46 @@ HF_CONFIGS = {
         hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         num_experts=4, num_experts_per_tok=2, vocab_size=VOCAB, max_position_embeddings=32, bos_token_id=0,
         eos_token_id=0, pad_token_id=0),
+    # Every layer within a sliding window of 5 (shorter than the 12 tokens).
+    "mistral": lambda: transformers.MistralConfig(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=VOCAB, sliding_window=5, max_position_embeddings=32, bos_token_id=0, eos_token_id=0),
+    # Windowed and global layers, scores and logits soft-capped, query_pre_attn_scalar, (1 + w) norms before and after.
+    "gemma2": lambda: transformers.Gemma2Config(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=8, vocab_size=VOCAB, sliding_window=5, query_pre_attn_scalar=12, attn_logit_softcapping=5.0,
+        final_logit_softcapping=3.0, max_position_embeddings=32, bos_token_id=0, eos_token_id=0, pad_token_id=0),
+    # Query/key (1 + w) norms, its own rotary base for windowed layers, linear scaling for global ones.
+    "gemma3": lambda: transformers.Gemma3TextConfig(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, vocab_size=VOCAB, sliding_window=5, layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                         "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}},
+        max_position_embeddings=32, bos_token_id=0, eos_token_id=0, pad_token_id=0),
+    # q, k, v in one qkv_proj and gate, up in one gate_up_proj; Phi-3-mini's sliding window.
+    "phi3": lambda: transformers.Phi3Config(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=VOCAB, sliding_window=7, max_position_embeddings=32, bos_token_id=0, eos_token_id=0,
+        pad_token_id=0),
+    # Norms after attention and MLP only; query/key norms over all heads.
+    "olmo2": lambda: transformers.Olmo2Config(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=VOCAB, max_position_embeddings=32, bos_token_id=0, eos_token_id=0, pad_token_id=0),
+    "llama_yarn": lambda: transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=VOCAB, max_position_embeddings=64, bos_token_id=0, eos_token_id=0,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 16}),
+    # 12 tokens past max_position_embeddings=8: the base grows with the sequence.
+    "llama_dynamic": lambda: transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=VOCAB, max_position_embeddings=8, bos_token_id=0, eos_token_id=0,
+        rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}),
 }
+# The families whose attention or norms differ from Llama's: KV-cache generation and PEFT adapters per family.
+NEW_FAMILIES = ["mistral", "gemma2", "gemma3", "phi3", "olmo2", "qwen2"]
+PEFT_TARGETS = {"phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]}
+LLAMA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 BERT_CONFIG = lambda **kw: transformers.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                                    intermediate_size=48, vocab_size=VOCAB, max_position_embeddings=32,
                                                    **kw)
@@ -199,7 +238,8 @@ def _jaxlm_llama():
 
 
 @pytest.mark.parametrize("name", ["llama_jaxlm_init", "gpt2", "llama31_rope", "qwen2", "mixtral", "qwen3_moe", "olmoe",
-                                  "bert_mlm", "bert_cls"])
+                                  "mistral", "gemma2", "gemma3", "phi3", "olmo2", "llama_yarn", "bert_mlm",
+                                  "bert_cls"])
 def test_jaxlm_to_hf_to_jaxlm_is_bit_identical_and_transformers_agrees(hf_folders, tmp_path, name):
   """A jaxlm model (initialised by jaxlm, or loaded earlier) saved for HF: reading it back gives the same bits,
   and transformers computes the same outputs from the saved folder."""
@@ -223,6 +263,49 @@ def test_jaxlm_to_hf_to_jaxlm_is_bit_identical_and_transformers_agrees(hf_folder
   rel = _rel(got, expected)
   print(f"PARITY export {name} logits {rel:.2e}")
   assert rel <= TOL
+
+
+@pytest.mark.parametrize("name", NEW_FAMILIES)
+def test_kv_cache_generation_equals_the_full_forward(hf_folders, name):
+  """Prefill 7 tokens, then decode 5 one at a time (past the sliding window: Mistral's cache rolls over its 5 slots)."""
+  model = hf_weights.from_pretrained(hf_folders[name][0])
+  ids = jnp.asarray(IDS)
+  cache = model.init_cache(2, 12)
+  logits, cache = model.decode(ids[:, :7], cache)
+  steps = [logits]
+  for i in range(7, 12):
+    logits, cache = model.decode(ids[:, i:i + 1], cache)
+    steps.append(logits)
+  rel = _rel(jnp.concatenate(steps, axis=1), model(ids))
+  print(f"PARITY kv-cache {name} {rel:.2e} ({cache.k_LBSGK.shape[2]} slots)")
+  assert rel <= TOL
+  if name == "mistral":
+    assert cache.k_LBSGK.shape[2] == 5
+
+
+@pytest.mark.parametrize("name", NEW_FAMILIES)
+def test_peft_adapter_on_attention_and_mlp_reads_in_and_writes_back_equal(hf_folders, tmp_path, name):
+  """peft's own LoRA on every attention and MLP weight (non-zero B): jaxlm reads it onto the base with peft's
+  outputs and writes back the same tensors."""
+  peft = pytest.importorskip("peft")
+  from jaxlm.interop import peft_folders
+  folder, reference = hf_folders[name]
+  torch.manual_seed(1)
+  adapted = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(folder),
+                                peft.LoraConfig(r=4, lora_alpha=8, target_modules=PEFT_TARGETS.get(name, LLAMA_TARGETS),
+                                                init_lora_weights=False))
+  adapted.save_pretrained(str(tmp_path / "adapter"))
+  with torch.no_grad():
+    expected = adapted.eval()(torch.tensor(IDS)).logits.numpy()
+  model = peft_folders.from_pretrained(folder, str(tmp_path / "adapter"))
+  rel = _rel(model(jnp.asarray(IDS)), expected)
+  print(f"PARITY peft {name} logits {rel:.2e}")
+  assert rel <= TOL
+  peft_folders.save_adapters(model, str(tmp_path / "again"))
+  before, after = (load_file(str(tmp_path / d / "adapter_model.safetensors")) for d in ("adapter", "again"))
+  assert sorted(before) == sorted(after)
+  for key in before:
+    np.testing.assert_array_equal(after[key], before[key], err_msg=key)
 
 
 def test_mean_pooling_classifier_matches_hf_encoder_mean_and_round_trips(hf_folders, tmp_path):

@@ -13,10 +13,12 @@ import sys
 import jax
 import pytest
 from conftest import xla_flags_without_device_count
+from flax import nnx
 
 from jaxlm import config as config_lib
 from jaxlm.kernels import Kernels
-from jaxlm.planner import advice, estimates, estimates_lora, estimates_pipeline, layouts, plan
+from jaxlm.models.gpt import GPT
+from jaxlm.planner import advice, estimates, estimates_lora, estimates_moe, estimates_pipeline, layouts, plan
 from jaxlm.planner import hardware as hardware_lib
 from jaxlm.training import telemetry
 
@@ -383,3 +385,56 @@ def test_lora_and_qlora_byte_accounting():
   assert row["fits"] and row["lora"] == "rank 8, base nf4" and set(row["memory_parts_gib"]) >= {
       "frozen_base", "adapters", "optimizer", "activations"}
   assert plan.mesh_problem(config, layouts.Layout(1, 1, 1, 2, "gpipe"), "gpu").startswith("lora.rank=8")
+
+
+HF_QWEN2 = {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "vocab_size": 96, "hidden_size": 32,
+            "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "max_position_embeddings": 64, "rms_norm_eps": 1e-6, "rope_theta": 1e6, "tie_word_embeddings": False,
+            "sliding_window": 131072, "use_sliding_window": False, "hidden_act": "silu"}
+HF_LLAMA31 = {**{k: v for k, v in HF_QWEN2.items() if "sliding" not in k}, "model_type": "llama",
+              "architectures": ["LlamaForCausalLM"], "max_position_embeddings": 128, "rope_theta": 5e5,
+              "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                               "original_max_position_embeddings": 32}}
+
+
+def hf_parameter_count(hf: dict) -> int:
+  """transformers' count of a Llama/Qwen2 config.json: embeddings, untied head, per layer q/k/v/o (Qwen2: q/k/v
+  biases), SwiGLU and two norms, and the final norm."""
+  d, f, v = hf["hidden_size"], hf["intermediate_size"], hf["vocab_size"]
+  q, kv = d, d // hf["num_attention_heads"] * hf["num_key_value_heads"]
+  layer = d * (2 * q + 2 * kv) + 3 * d * f + 2 * d + (q + 2 * kv if hf["model_type"] == "qwen2" else 0)
+  return 2 * v * d + hf["num_hidden_layers"] * layer + d
+
+
+@pytest.mark.parametrize("hf", [HF_QWEN2, HF_LLAMA31], ids=["qwen2", "llama3.1"])
+def test_the_planner_sizes_a_model_from_its_hf_config_json_alone(tmp_path, hf):
+  (tmp_path / "config.json").write_text(json.dumps(hf))
+  config = plan.with_hf_model(TINY, str(tmp_path))  # a folder holding config.json, as experiments/plan.py takes it
+  m = config.model
+  assert (m.flavour, m.num_kv_heads, m.qkv_bias, m.tie_embeddings) == ("llama", 2, hf is HF_QWEN2, False)
+  assert m.rope_scaling == ("llama3" if hf is HF_LLAMA31 else "") and m.compute_dtype == TINY.model.compute_dtype
+  predicted = estimates_moe.parameter_counts(m)["total"]
+  actual = sum(x.size for x in jax.tree.leaves(nnx.state(GPT(m, rngs=nnx.Rngs(0)), nnx.Param)))
+  assert predicted == actual == hf_parameter_count(hf)
+
+
+def test_an_hf_config_json_the_planner_cannot_read_is_a_one_line_error_naming_the_key(tmp_path):
+  path = tmp_path / "config.json"
+  for keys, error in [({"hidden_act": "relu"}, r"config.json: hidden_act='relu' is not supported \(jaxlm supports silu"),
+                      ({"hidden_size": None}, r"config.json: missing key 'hidden_size'$")]:
+    path.write_text(json.dumps({k: v for k, v in {**HF_LLAMA31, **keys}.items() if v is not None}))
+    with pytest.raises(ValueError, match=error) as e:
+      plan.with_hf_model(TINY, str(path))
+    assert "\n" not in str(e.value)
+  with pytest.raises(ValueError, match=r"missing\.json: not found; give an HF config.json or a folder holding one"):
+    plan.with_hf_model(TINY, str(tmp_path / "missing.json"))
+
+
+@pytest.mark.parametrize("name, params", [("qwen2.5-7b", 7_615_616_512), ("llama-3.1-8b", 8_030_261_248)])
+def test_the_shipped_hf_config_jsons_plan_the_published_parameter_counts(name, params):
+  path = os.path.join(ROOT, "experiments", "configs", "hf", f"{name}.json")
+  with open(path) as f:
+    hf = json.load(f)
+  seq_2048 = dataclasses.replace(TINY, data=config_lib.DataConfig(seq_len=2048))
+  m = plan.with_hf_model(seq_2048, path).model  # shapes traced abstractly: nothing of 7-8B parameters is allocated
+  assert estimates_moe.parameter_counts(m)["total"] == hf_parameter_count(hf) == params

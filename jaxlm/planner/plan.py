@@ -7,7 +7,7 @@ predict_pipeline.py and predict_lora.py for pipelines and LoRA; no compiling), t
 the kernels the run would use there (`planned_kernels`: config.kernels with `auto` resolved for the profile's platform,
 the compute dtype and the mesh), and the run's wall time and cost on on-demand and spot devices, or hours and energy on
 owned ones (`run_cost`, with checkpoint writes and the work lost to preemptions). jaxlm/planner/advice.py says in words
-which layout wins and why.
+which layout wins and why. The model is the config's, or an HF config.json's (`with_hf_model`, no weights needed).
 `compile_train_step` + `compiled_memory_bytes` check a prediction against the real train step compiled by XLA for
 simulated CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=N): its buffer assignment from
 `memory_analysis()`, its collective bytes from the HLO (jaxlm/planner/hlo_traffic.py). Tens of seconds per program on a
@@ -17,12 +17,16 @@ CPU, so experiments/plan.py compiles the chosen candidates only and reports both
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import os
 from typing import Any, Iterable, Sequence
 
 import jax
+from flax import nnx
 
-from jaxlm.config import Config, validate_pipeline
+from jaxlm.config import Config, validate, validate_pipeline
+from jaxlm.interop import hf_config as hf_config_lib
 from jaxlm.kernels import runnable_on
 from jaxlm.models.gpt import GPT
 from jaxlm.parallel import sharding
@@ -44,6 +48,29 @@ from jaxlm.planner.layouts import Layout, accumulation_splits, as_layout, layout
 from jaxlm.recipes import features as features_lib
 from jaxlm.training import optim
 from jaxlm.training import steps as steps_lib
+
+# ----------------------------------------------------------------------------------------------- the model
+
+
+def with_hf_model(config: Config, path: str) -> Config:
+  """`config` with the model an HF config.json describes (`path`: the file, or a folder holding it), from that file
+  alone: the model is built abstractly (no weights), as `jaxlm.interop.hf_weights` builds it, and its shape replaces
+  `config.model`; the precision (model.compute_dtype, model.param_dtype) stays the config's. A key jaxlm cannot read
+  is a one-line error naming it."""
+  where = os.path.join(path, "config.json") if os.path.isdir(path) else path
+  if not os.path.isfile(where):
+    raise ValueError(f"{where}: not found; give an HF config.json or a folder holding one")
+  with open(where) as f:
+    try:
+      hf = json.load(f)
+    except json.JSONDecodeError as e:
+      raise ValueError(f"{where}: not JSON ({e})") from None
+  m = config.model
+  make = hf_config_lib.model_from_hf_config(hf, where, set(), m.compute_dtype, m.param_dtype)
+  config = dataclasses.replace(config, model=nnx.eval_shape(lambda: make(nnx.Rngs(0))).config)
+  validate(config)
+  return config
+
 
 # ----------------------------------------------------------------------------------------------- candidates
 
