@@ -385,6 +385,23 @@ def test_unsupported_architecture_is_a_one_line_error(gpt2_folder):
   assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("name, changes, message", [
+    ("phi3", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 4,
+                                  "long_factor": [2.0] * 4}},
+     r"rope_parameters=.*longrope.*not supported \(jaxlm supports rope_type default, linear, llama3, dynamic, yarn\)"),
+    ("gemma3", {"layer_types": ["full_attention", "sliding_attention"]},
+     r"layer_types=.*not supported \(jaxlm supports every Nth layer full_attention"),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 4}, r"use_sliding_window=True is not supported"),
+])
+def test_unbuilt_variants_of_a_family_are_one_line_errors(hf_folders, tmp_path, name, changes, message):
+  folder = tmp_path / name
+  shutil.copytree(hf_folders[name][0], folder)
+  _edit_config(folder, **changes)
+  with pytest.raises(ValueError, match=message) as e:
+    hf_weights.from_pretrained(str(folder))
+  assert "\n" not in str(e.value)
+
+
 def test_remote_code_is_refused(gpt2_folder):
   _edit_config(gpt2_folder, auto_map={"AutoModel": "modeling_x.X"})
   with pytest.raises(ValueError, match="never runs remote code"):
