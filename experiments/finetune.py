@@ -1,5 +1,5 @@
 """Fine-tune a pretrained model and evaluate it: a BERT encoder as a classifier (model.flavour=bert), or a GPT-2 /
-Llama decoder on prompt/response pairs (model.flavour=gpt2 or llama: instruction tuning).
+Llama decoder on prompt/response pairs or conversations (model.flavour=gpt2 or llama: instruction tuning).
 
   python experiments/finetune.py --config=experiments/configs/finetune_bert.py --workdir=runs/ft \
       --config.data.train_files=train.csv --config.data.eval_files=test.csv --config.data.label_column=label
@@ -39,8 +39,10 @@ def main(argv):
           f"re-run the same command to resume")
     return
   if config.model.flavour != "bert":
+    examples = "conversations" if config.data.messages_column else "pairs"
     print(f"done: eval_loss {result['eval_loss']:.4f} (perplexity {result['eval_perplexity']:.2f}) on the response "
-          f"tokens of {result['eval_pairs']} held-out pairs; eval.json, report.md and hf_model/ in {_WORKDIR.value}")
+          f"tokens of {result['eval_pairs']} held-out {examples}; eval.json, report.md and hf_model/ in "
+          f"{_WORKDIR.value}")
     return
   print(f"done: accuracy {result['accuracy']:.4f}, f1_macro {result['f1_macro']:.4f} on {result['eval_examples']} "
         f"held-out examples; eval.json and report.md in {_WORKDIR.value}")

@@ -10,6 +10,9 @@ the KV cache, batched, on this host's devices) and runs `--tasks` (lm-eval task,
 folders of task YAMLs come first). Writes <workdir>/lm_eval.json (flat `<task>/<metric>` numbers with the settings)
 and prints lm-eval's table. `--weights` evaluates the int8 model (jaxlm.compress.quantization) instead of the float one;
 pruned or int8 checkpoints saved by experiments/optimize.py are scored from optimize.py itself (`--lm_eval_tasks`).
+A run whose workdir holds a chat template (an instruction-tuning run of a checkpoint with one) ends generations at the
+template's end-of-turn tokens; `--apply_chat_template` also writes each request as a conversation under it (lm-eval's
+option of that name: few-shot examples as earlier turns, `--system_instruction` as a system turn).
 
 Without a network, use tasks defined from local files (dataset_path: json with dataset_kwargs.data_files); a task
 whose data is on the Hugging Face hub stops with a one-line error naming it. `--make_demo_tasks=DIR` writes three
@@ -48,6 +51,9 @@ _TENSOR = flags.DEFINE_integer("mesh_tensor", 1, "devices that split heads (the 
 _BOOTSTRAP = flags.DEFINE_integer("bootstrap_iters", 1000, "lm-eval's bootstrap resamples for the standard errors "
                                   "of non-mean metrics (perplexities); 0 = none")
 _OUTPUT = flags.DEFINE_string("output", "", "JSON file for the metrics (default <workdir>/lm_eval.json)")
+_APPLY_CHAT = flags.DEFINE_bool("apply_chat_template", False, "write each request as a conversation under the chat "
+                                "template in the workdir (chat_template.jinja or tokenizer_config.json's)")
+_SYSTEM = flags.DEFINE_string("system_instruction", "", "with --apply_chat_template: a system turn before each request")
 _MAKE_DEMO = flags.DEFINE_string("make_demo_tasks", "", "write the stdlib demo tasks (YAMLs + data) to this folder "
                                  "and exit")
 flags.mark_flags_as_required(["workdir"])
@@ -131,19 +137,28 @@ def main(argv):
     raise ValueError("--tasks is empty; name lm-eval tasks (e.g. --tasks=stdlib_next_line with --include_path)")
   from jaxlm.interop import lm_eval_model  # noqa: PLC0415 (needs the optional lm-eval)
 
+  from jaxlm.data import chat  # noqa: PLC0415
+
+  chat_folder = _WORKDIR.value if chat.load(_WORKDIR.value) is not None else None
+  if _APPLY_CHAT.value and chat_folder is None:
+    raise ValueError(f"--apply_chat_template needs a chat template in {_WORKDIR.value} (chat_template.jinja or "
+                     "tokenizer_config.json's chat_template); instruction-tuning runs copy their checkpoint's")
   manager = lm_eval_model.task_manager(_TASKS.value, _INCLUDE.value)  # bad task names fail before the model loads
   lm_eval_model.check_offline(manager, _TASKS.value)
   _, graphdef, params, tokenizer, step = trained_runs.load_decoder_run(_WORKDIR.value, _TENSOR.value)
   graphdef, params = trained_runs.with_weights(graphdef, params, _WEIGHTS.value)
-  lm = lm_eval_model.JaxlmLM(graphdef, params, tokenizer, batch_size=_BATCH.value, kv_cache=_KV_CACHE.value)
+  lm = lm_eval_model.JaxlmLM(graphdef, params, tokenizer, batch_size=_BATCH.value, kv_cache=_KV_CACHE.value,
+                             chat_folder=chat_folder)
   results = lm_eval_model.evaluate(lm, _TASKS.value, include_path=_INCLUDE.value, limit=_LIMIT.value or None,
                              num_fewshot=None if _FEWSHOT.value < 0 else _FEWSHOT.value,
-                             bootstrap_iters=_BOOTSTRAP.value, manager=manager)
+                             bootstrap_iters=_BOOTSTRAP.value, manager=manager,
+                             apply_chat_template=_APPLY_CHAT.value, system_instruction=_SYSTEM.value or None)
   from lm_eval.utils import make_table  # noqa: PLC0415
 
   print(make_table(results))
   flat = {"checkpoint_step": step, "tasks": ",".join(_TASKS.value), "weights": _WEIGHTS.value,
           "kv_cache": _KV_CACHE.value, "limit": _LIMIT.value, "num_fewshot": _FEWSHOT.value,
+          "apply_chat_template": _APPLY_CHAT.value,
           "command": "python experiments/lm_eval.py " + " ".join(sys.argv[1:]),
           "device_kind": jax.devices()[0].device_kind, "devices": jax.device_count()}
   flat.update(lm_eval_model.flat_metrics(results))

@@ -1,6 +1,7 @@
 """jaxlm decoders as an lm-eval model (jaxlm.interop.lm_eval_model): loglikelihoods equal jaxlm's own scoring (the
 training loss kernel) for float and int8 weights, on one device and a mesh; rolling loglikelihoods are summed token
-log-probs; tasks defined from local files run offline end to end; a task that needs a download is a one-line error."""
+log-probs; tasks defined from local files run offline end to end; a task that needs a download is a one-line error;
+under a chat template generation stops at the end-of-turn token and lm-eval's apply_chat_template writes the turns."""
 
 import json
 import re
@@ -190,3 +191,56 @@ def test_a_task_that_needs_a_download_is_a_one_line_error_and_nothing_is_deleted
   with pytest.raises(ValueError, match="'missing_file': data file .*absent.jsonl' does not exist"):
     harness.evaluate(setup["lm"], ["missing_file"], include_path=str(tasks))
   assert sorted(p.name for p in tasks.iterdir()) == before
+
+
+def _bigram_chat_model(chain):
+  """A Qwen2-style decoder whose greedy next token depends only on the current one, following `chain` (token ids,
+  each followed by the next; the last by `chain[-2]`): attention and MLP outputs zeroed, so the residual stream is
+  the token's embedding, and each output row aligned with the embedding of the token it follows."""
+  config = ModelConfig(vocab_size=300, num_layers=1, d_model=32, num_heads=4, num_kv_heads=2, flavour="llama",
+                       qkv_bias=True, d_ff=48, max_seq_len=64, tie_embeddings=False, compute_dtype="float32")
+  graphdef, state = nnx.split(GPT(config, rngs=nnx.Rngs(0)))
+  params = jax.tree.map(np.asarray, state.to_pure_dict())
+  params["blocks"]["attn"]["w_o"] = np.zeros_like(params["blocks"]["attn"]["w_o"])
+  params["blocks"]["mlp"]["w_down"] = np.zeros_like(params["blocks"]["mlp"]["w_down"])
+  embedding, head = params["token_embed"]["embedding"], np.zeros_like(params["lm_head"]["embedding"])
+  for current, following in zip(chain, [*chain[1:], chain[-2]]):
+    head[following] += 10 * embedding[current] / np.linalg.norm(embedding[current])
+  params["lm_head"]["embedding"] = head
+  return graphdef, params
+
+
+def test_generate_until_stops_at_the_chat_templates_end_of_turn_and_lm_eval_applies_the_template(tmp_path):
+  from experiments import conversations as conversation_data
+  from jaxlm.data import chat
+
+  folder = str(tmp_path / "chat")  # a ChatML template and a tokenizer
+  conversation_data.write_chat_tokenizer(folder, conversation_data.conversation_rows(40, seed=0), 300, 64)
+  tokenizer = data_lib.load_tokenizer(folder)
+  question = [{"role": "user", "content": "Reverse the words: river stone"}]
+  newline, im_end = chat.prompt_ids(folder, question)[-1], tokenizer.token_to_id("<|im_end|>")
+  reply, after = tokenizer.encode("stone river").ids, tokenizer.encode(" tiger lemon").ids
+  # After the assistant's header (its last token a newline): the reply, <|im_end|>, then more words, in a loop.
+  graphdef, params = _bigram_chat_model([int(newline), *reply, im_end, *after])
+  lm = harness.JaxlmLM(graphdef, params, tokenizer, batch_size=2, chat_folder=folder)
+  context = lm.apply_chat_template(question)
+  assert context == chat.render(chat.load(folder), question, add_generation_prompt=True)
+  assert context.endswith("<|im_start|>assistant\n") and lm.chat_template(True) == chat.load(folder).text
+  request = _requests("generate_until", [(context, {"until": ["Q:"], "max_gen_toks": 12})])
+  assert lm.generate_until(request) == ["stone river"]
+  plain = harness.JaxlmLM(graphdef, params, tokenizer, batch_size=2)  # no template: no end-of-turn stop
+  (free,) = plain.generate_until(request)
+  assert free.startswith("stone river ti") and lm.tokenizer_name != plain.tokenizer_name
+
+  # lm-eval's apply_chat_template: each question becomes a user turn under the template, answered up to <|im_end|>.
+  tasks = tmp_path / "tasks"
+  tasks.mkdir()
+  (tmp_path / "gen.jsonl").write_text(json.dumps({"question": question[0]["content"], "answer": "stone river"}))
+  (tasks / "gen.yaml").write_text(_yaml("chat_gen", tmp_path / "gen.jsonl", (
+      "output_type: generate_until\ndoc_to_text: '{{question}}'\ndoc_to_target: '{{answer}}'\n"
+      "generation_kwargs:\n  until: ['Q:']\n  max_gen_toks: 8\nmetric_list:\n  - metric: exact_match\n")))
+  metrics = harness.flat_metrics(harness.evaluate(lm, ["chat_gen"], include_path=str(tasks),
+                                                  apply_chat_template=True))
+  assert metrics == {"chat_gen/exact_match": 1.0}
+  with pytest.raises(ValueError, match=r"^apply_chat_template needs a chat template: give JaxlmLM a chat_folder"):
+    harness.evaluate(plain, ["chat_gen"], include_path=str(tasks), apply_chat_template=True)

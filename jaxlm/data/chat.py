@@ -21,6 +21,7 @@ import datetime
 import functools
 import json
 import os
+import shutil
 
 import jinja2
 import numpy as np
@@ -36,6 +37,7 @@ SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_t
 class ChatTemplate:
   """A folder's template, compiled, with the special tokens it may refer to and the folder's tokenizer."""
   source: str  # the file the template came from (for errors)
+  text: str  # the template's jinja source (lm-eval logs it with the results)
   template: jinja2.Template
   special_tokens: dict
   tokenizer: tokenizers.Tokenizer
@@ -91,7 +93,18 @@ def load(folder: str) -> ChatTemplate | None:
   except jinja2.TemplateSyntaxError as e:
     raise ValueError(f"{source}: the chat template does not compile (line {e.lineno}: {e.message})") from None
   special = {key: _token_text(config[key]) for key in SPECIAL_TOKEN_KEYS if config.get(key) is not None}
-  return ChatTemplate(source, template, special, tokenizers.Tokenizer.from_file(tokenizer_path))
+  return ChatTemplate(source, text, template, special, tokenizers.Tokenizer.from_file(tokenizer_path))
+
+
+def copy_template(folder: str, destination: str) -> None:
+  """Copies the folder's template files (chat_template.jinja, tokenizer_config.json) that exist into `destination`,
+  so a tuned model's folder answers chats with the template it was tuned on."""
+  os.makedirs(destination, exist_ok=True)
+  for name in (CHAT_TEMPLATE_FILE, TOKENIZER_CONFIG_FILE):
+    source, target = os.path.join(folder, name), os.path.join(destination, name)
+    if os.path.isfile(source) and os.path.abspath(source) != os.path.abspath(target):
+      shutil.copyfile(source, target + ".tmp")
+      os.replace(target + ".tmp", target)  # readers never see half a file
 
 
 def render(chat: ChatTemplate, messages: list[dict], add_generation_prompt: bool = False) -> str:

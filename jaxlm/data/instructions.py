@@ -1,6 +1,7 @@
-"""Prompt/response pairs for decoder instruction tuning: rows -> token ids -> rows of whole pairs, packed apart.
+"""Prompt/response pairs and conversations for decoder instruction tuning: rows -> token ids with a loss weight per
+token -> rows of whole examples, packed apart.
 
-  data = build_instruction_data(config.data, tokenizer, seed, cache_dir, max_positions)
+  data = build_instruction_data(config.data, tokenizer, seed, cache_dir, max_positions, chat_folder)
   loader = make_train_iterator(data.train, batch_size_per_process, seed, shuffle)   # jaxlm.data's grain loader
   batch = next(loader)  # inputs, targets, segment_ids, positions: int32 [B, T]; loss_mask: float32 [B, T]
 
@@ -11,13 +12,17 @@ steps are pretraining's:
   * loss_mask is 1 exactly on the targets that are response tokens or the closing EOS: no loss on a prompt token;
   * pairs are packed whole into rows of data.seq_len (first fit, longest first), each with its own segment id and
     positions from 0, so no token attends to another pair (models/masks.py) and each pair is computed as if alone.
+With a chat template in `chat_folder` (the checkpoint's tokenizer folder), every example is a conversation under the
+template (jaxlm/data/conversations.py): a pair becomes one user and one assistant turn, and `data.messages_column`
+reads whole conversations; the loss is then on each assistant turn's content and its end-of-turn token. Without a
+template pairs keep the layout above, and `data.messages_column` is a one-line error.
 Sources: `.csv`/`.tsv`/`.jsonl`/`.parquet` files or an HF dataset, read as for classification (data.train_files,
 data.eval_files or a seeded data.eval_fraction held out), columns `data.prompt_column` and `data.response_column`.
 Bad input: a missing column or a prompt that fills data.seq_len by itself is a one-line error naming the key or the
 row; a row with an empty prompt or response is skipped and counted; a pair longer than data.seq_len keeps its prompt
-and the start of its response (counted, and warned about above `jaxlm.data.seq_lengths.TRUNCATION_WARNING_RATE`).
-data.seq_len=0 chooses the length from the training pairs (`jaxlm.data.seq_lengths.choose_seq_len`), long enough for
-every prompt.
+and the start of its response (counted, and warned about above `jaxlm.data.seq_lengths.TRUNCATION_WARNING_RATE`); a
+longer conversation keeps its first data.seq_len + 1 tokens, the same way. data.seq_len=0 chooses the length from the
+training examples (`jaxlm.data.seq_lengths.choose_seq_len`), long enough for every prompt.
 """
 
 from __future__ import annotations
@@ -29,25 +34,23 @@ import numpy as np
 import tokenizers
 
 from jaxlm.config import DataConfig
+from jaxlm.data import chat
 from jaxlm.data import classification as cls_data
-from jaxlm.data import seq_lengths
+from jaxlm.data import conversations, seq_lengths
 from jaxlm.data.tokenizer import eos_id as tokenizer_eos_id
 
 
 @dataclasses.dataclass
-class Pairs:
-  """Tokenized pairs of one split, in reading order."""
-  prompts: list[list[int]]
-  responses: list[list[int]]  # cut so that prompt + response fits data.seq_len; EOS not included
-  closed: np.ndarray  # bool [N]: the response is whole, so EOS follows it
-  texts: list[tuple[str, str]]  # (prompt, response) as read, for the report's generated examples
-
-  def __len__(self) -> int:
-    return len(self.prompts)
+class Example:
+  """One tokenized example (a pair or a conversation), cut to data.seq_len + 1 tokens."""
+  tokens: np.ndarray  # int32 [N]
+  weights: np.ndarray  # float32 [N]: 1 on the tokens the model learns to write (responses and what closes them)
+  prompt: list[int]  # what the model continues in report.md: the example before its (last) reply
+  text: tuple[str, str]  # (prompt, reference reply) as text, for report.md
 
 
 class PackedPairs:
-  """Rows of whole pairs; `batch(indices)` is a dict of [B, T] arrays in pretraining's example layout."""
+  """Rows of whole examples; `batch(indices)` is a dict of [B, T] arrays in pretraining's example layout."""
 
   def __init__(self, rows: dict[str, np.ndarray]):
     self.rows = rows
@@ -68,27 +71,29 @@ class PackedPairs:
 class InstructionData:
   train: PackedPairs
   eval: PackedPairs
-  eval_pairs: Pairs  # the held-out pairs, unpacked (generation in the report)
+  eval_examples: list[Example]  # the held-out examples, unpacked (generation in the report)
   seq_len: int  # data.seq_len, or the one chosen from the data
   eos_id: int
+  stop_ids: tuple[int, ...]  # the tokens that end a reply: EOS, or the chat template's end-of-turn tokens
   stats: dict[str, Any]  # flat numbers for the report
 
 
-def pair_tokens(prompt: list[int], response: list[int], closed: bool, eos_id: int
-                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-  """(inputs, targets, loss weights) of one pair: targets are the next tokens; weights 1 on response targets."""
-  tokens = np.array([*prompt, *response, *([eos_id] if closed else [])], np.int32)
-  weights = np.zeros(len(tokens) - 1, np.float32)
-  weights[len(prompt) - 1:] = 1.0  # target j is tokens[j + 1]: a response token (or EOS) from j = len(prompt) - 1
-  return tokens[:-1], tokens[1:], weights
+def pair_example(prompt: list[int], response: list[int], eos_id: int, text: tuple[str, str]) -> Example:
+  """A pair without a chat template: the prompt, the response and EOS; weights 1 on the response and EOS."""
+  tokens = np.array([*prompt, *response, eos_id], np.int32)
+  weights = np.zeros(len(tokens), np.float32)
+  weights[len(prompt):] = 1.0
+  return Example(tokens, weights, list(prompt), text)
 
 
-def pack_pairs(pairs: Pairs, seq_len: int, eos_id: int) -> PackedPairs:
-  """First-fit decreasing: each pair (whole) goes into the first row with room, longest pairs first."""
-  lengths = [len(p) + len(r) + int(c) - 1 for p, r, c in zip(pairs.prompts, pairs.responses, pairs.closed)]
-  order = sorted(range(len(pairs)), key=lambda i: (-lengths[i], i))
-  room = np.zeros(len(pairs), np.int64)  # free slots per row (at most one row per pair)
-  placed: list[list[int]] = []  # pair indices per row
+def pack_examples(examples: list[Example], seq_len: int, eos_id: int) -> PackedPairs:
+  """First-fit decreasing: each example (whole) goes into the first row with room, longest first. An example's
+  inputs are its tokens without the last, its targets without the first, and each target weighs what its token
+  does, so the loss of an example is on the tokens it writes."""
+  lengths = [len(e.tokens) - 1 for e in examples]
+  order = sorted(range(len(examples)), key=lambda i: (-lengths[i], i))
+  room = np.zeros(len(examples), np.int64)  # free slots per row (at most one row per example)
+  placed: list[list[int]] = []  # example indices per row
   for i in order:
     fits = np.flatnonzero(room[:len(placed)] >= lengths[i])
     row = int(fits[0]) if len(fits) else len(placed)
@@ -104,11 +109,11 @@ def pack_pairs(pairs: Pairs, seq_len: int, eos_id: int) -> PackedPairs:
   for row, members in enumerate(placed):
     start = 0
     for segment, i in enumerate(sorted(members), start=1):
-      inputs, targets, weights = pair_tokens(pairs.prompts[i], pairs.responses[i], bool(pairs.closed[i]), eos_id)
-      end = start + len(inputs)
-      rows["inputs"][row, start:end], rows["targets"][row, start:end] = inputs, targets
-      rows["segment_ids"][row, start:end], rows["positions"][row, start:end] = segment, np.arange(len(inputs))
-      rows["loss_mask"][row, start:end] = weights
+      tokens, weights = examples[i].tokens, examples[i].weights
+      end = start + lengths[i]
+      rows["inputs"][row, start:end], rows["targets"][row, start:end] = tokens[:-1], tokens[1:]
+      rows["segment_ids"][row, start:end], rows["positions"][row, start:end] = segment, np.arange(lengths[i])
+      rows["loss_mask"][row, start:end] = weights[1:]
       start = end
   return PackedPairs(rows)
 
@@ -148,15 +153,24 @@ def read_pairs(config: DataConfig, split: str, cache_dir: str | None) -> tuple[l
 
 
 def build_instruction_data(config: DataConfig, tokenizer: tokenizers.Tokenizer, seed: int, cache_dir: str | None,
-                           max_positions: int) -> InstructionData:
-  """Reads, splits, tokenizes and packs the pairs described by `config` (module docstring)."""
+                           max_positions: int, chat_folder: str | None = None) -> InstructionData:
+  """Reads, splits, tokenizes and packs the pairs or conversations described by `config` (module docstring);
+  `chat_folder` is the checkpoint's tokenizer folder, whose chat template (if any) formats every example."""
   eos = tokenizer_eos_id(tokenizer)
-  train_rows, skipped = read_pairs(config, "train", cache_dir)
-  eval_rows, eval_skipped = read_pairs(config, "eval", cache_dir)
+  templated = chat_folder is not None and chat.load(chat_folder) is not None
+  if config.messages_column and not templated:
+    raise ValueError(f"data.messages_column={config.messages_column!r} needs a chat template, and "
+                     f"{chat_folder or 'the tokenizer'!r} has none (chat_template.jinja or tokenizer_config.json's "
+                     "chat_template); use a checkpoint with one, or prompt/response pairs (data.messages_column='')")
+  read = conversations.read_conversations if config.messages_column else read_pairs
+  train_rows, skipped = read(config, "train", cache_dir)
+  eval_rows, eval_skipped = read(config, "eval", cache_dir)
   skipped += eval_skipped
   if not train_rows:
-    raise ValueError(f"the training data holds no pair with a non-empty {config.prompt_column!r} and "
-                     f"{config.response_column!r} ({skipped} rows skipped); check the files and data.*_column")
+    columns = (repr(config.messages_column) + " with an assistant turn" if config.messages_column else
+               f"{config.prompt_column!r} and {config.response_column!r}")
+    raise ValueError(f"the training data holds no example with a non-empty {columns} ({skipped} rows skipped); "
+                     "check the files and data.*_column")
   if not eval_rows:  # hold out a seeded random fraction
     if len(train_rows) < 2:
       raise ValueError("holding out eval pairs needs >= 2 training pairs; add data or give data.eval_files")
@@ -165,39 +179,45 @@ def build_instruction_data(config: DataConfig, tokenizer: tokenizers.Tokenizer, 
     eval_rows = [train_rows[i] for i in sorted(order[:held_out])]
     train_rows = [train_rows[i] for i in sorted(order[held_out:])]
 
-  def encode(rows):
+  def encode(rows) -> list[Example]:
+    if templated:  # a pair is one user turn and one assistant turn under the template
+      return [Example(*conversations.encode(chat_folder, r[2] if config.messages_column else
+                                            conversations.pair_messages(r[2], r[3]))) for r in rows]
     # The prompt carries the tokenizer's special tokens (a BOS where the model expects one); the response none.
     prompts = [e.ids for e in tokenizer.encode_batch([r[2] for r in rows])]
     responses = [e.ids for e in tokenizer.encode_batch([r[3] for r in rows], add_special_tokens=False)]
-    return prompts, responses
+    return [pair_example(p, r, eos, (row[2], row[3])) for p, r, row in zip(prompts, responses, rows)]
 
   encoded = {"train": encode(train_rows), "eval": encode(eval_rows)}
+  # The tokens before the first one with a loss: the prompt, or the turns before the first reply.
+  reading = {split: [int(np.argmax(e.weights > 0)) for e in examples] for split, examples in encoded.items()}
   seq_len = config.seq_len
   if seq_len == 0:
-    prompts, responses = encoded["train"]
-    lengths = np.array([len(p) + len(r) for p, r in zip(prompts, responses)])  # inputs: the pair + EOS - 1
-    seq_len = seq_lengths.choose_seq_len(lengths, max_positions, at_least=max(len(p) for p in prompts) + 1)
-  pairs, full_lengths = {}, []
+    lengths = np.array([len(e.tokens) - 1 for e in encoded["train"]])  # an example's inputs
+    seq_len = seq_lengths.choose_seq_len(lengths, max_positions, at_least=max(reading["train"]) + 1)
+  examples, full_lengths = {}, []
   for split, rows in (("train", train_rows), ("eval", eval_rows)):
-    prompts, responses = encoded[split]
-    for (where, row, _, _), prompt in zip(rows, prompts):
-      if len(prompt) >= seq_len:
-        raise ValueError(f"the prompt of row {row} of {where!r} is {len(prompt)} tokens, which leaves no room for "
-                         f"its response in data.seq_len={seq_len}; raise data.seq_len (the model has "
-                         f"{max_positions} positions) or shorten the prompt")
-    full_lengths.extend(len(p) + len(r) for p, r in zip(prompts, responses))
-    # A pair fits when its inputs (prompt + response + EOS - 1) do; a longer one keeps what fills seq_len, no EOS.
-    closed = np.array([len(p) + len(r) <= seq_len for p, r in zip(prompts, responses)], bool)
-    kept = [r if c else r[:seq_len + 1 - len(p)] for p, r, c in zip(prompts, responses, closed)]
-    pairs[split] = Pairs(prompts, kept, closed, [(r[2], r[3]) for r in rows])
-  train, eval_ = pack_pairs(pairs["train"], seq_len, eos), pack_pairs(pairs["eval"], seq_len, eos)
+    for (where, row, *_), prompt_length in zip(rows, reading[split]):
+      if prompt_length >= seq_len:
+        prompt, reply = (("the turns before the first assistant reply", "a reply") if config.messages_column else
+                         ("the prompt", "its response"))
+        raise ValueError(f"{prompt} of row {row} of {where!r} is {prompt_length} tokens, which leaves no room for "
+                         f"{reply} in data.seq_len={seq_len}; raise data.seq_len (the model has {max_positions} "
+                         f"positions) or shorten the {'conversation' if config.messages_column else 'prompt'}")
+    full_lengths.extend(len(e.tokens) - 1 for e in encoded[split])
+    # An example fits when its inputs do; a longer one keeps what fills seq_len (a pair loses its EOS, a
+    # conversation the end of the turn it is cut in and every later turn).
+    examples[split] = [dataclasses.replace(e, tokens=e.tokens[:seq_len + 1], weights=e.weights[:seq_len + 1])
+                       for e in encoded[split]]
+  train, eval_ = pack_examples(examples["train"], seq_len, eos), pack_examples(examples["eval"], seq_len, eos)
   lengths = np.array(full_lengths)
   truncated = int((lengths > seq_len).sum())
   stats: dict[str, Any] = {
-      "train_pairs": len(pairs["train"]), "eval_pairs": len(pairs["eval"]), "skipped_empty_pairs": skipped,
+      "train_pairs": len(examples["train"]), "eval_pairs": len(examples["eval"]), "skipped_empty_pairs": skipped,
       "seq_len": seq_len, **{f"tokens_p{q}": float(np.percentile(lengths, q)) for q in (50, 90, 99)},
       "tokens_max": int(lengths.max()), "truncated_pairs": truncated, "truncation_rate": truncated / len(lengths),
       "train_rows": len(train), "eval_rows": len(eval_), "train_response_tokens": train.num_tokens,
       "eval_response_tokens": eval_.num_tokens, "packing_efficiency": train.num_used / max(1, train.num_slots),
   }
-  return InstructionData(train, eval_, pairs["eval"], seq_len, eos, stats)
+  stop_ids = tuple(sorted({*chat.end_of_turn_ids(chat_folder), eos})) if templated else (eos,)
+  return InstructionData(train, eval_, examples["eval"], seq_len, eos, stop_ids, stats)

@@ -7,7 +7,11 @@
 
 The model answers the harness's three requests: `loglikelihood` (context, continuation) pairs and
 `loglikelihood_rolling` (whole texts, in windows of the model's context) from one batched forward per group of
-requests, and `generate_until` through `jaxlm.inference.generate` (KV cache, float or int8). Requests are sorted by
+requests, and `generate_until` through `jaxlm.inference.generate` (KV cache, float or int8). With `chat_folder` (a
+folder holding the model's chat template, jaxlm.data.chat) the model also answers lm-eval's chat calls
+(`apply_chat_template`, `chat_template`, `tokenizer_name`), so `evaluate(..., apply_chat_template=True)` writes each
+request as a conversation under the template, and generation stops at the template's end-of-turn tokens as well as
+at the task's `until` strings. Requests are sorted by
 length and padded to a multiple of LENGTH_BUCKET tokens in fixed-size batches, so a task compiles a handful of programs.
 Parameters sharded over a mesh (NamedShardings) run on that mesh, batch split like activations.
 
@@ -19,6 +23,7 @@ the Hugging Face hub fails with a one-line ValueError naming it when the hub is 
 from __future__ import annotations
 
 import glob
+import hashlib
 import json
 import os
 import socket
@@ -31,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxlm.data import chat
 from jaxlm.inference import generate
 from jaxlm.parallel import sharding
 from jaxlm.data.tokenizer import eos_id
@@ -70,10 +76,12 @@ def _score_fn(graphdef: nnx.GraphDef, out_sharding):
 
 class JaxlmLM(TemplateLM):
   """A `jaxlm.models.gpt.GPT` (split into graphdef and params) with its tokenizer (a `tokenizers.Tokenizer`), as
-  an lm-eval model. `max_length` defaults to the model's max_seq_len; `kv_cache` is generate_until's cache."""
+  an lm-eval model. `max_length` defaults to the model's max_seq_len; `kv_cache` is generate_until's cache;
+  `chat_folder` holds the chat template (chat_template.jinja or tokenizer_config.json's) the model was tuned with."""
 
   def __init__(self, graphdef: nnx.GraphDef, params: Any, tokenizer, *, batch_size: int = 8,
-               max_length: int | None = None, max_gen_toks: int = 256, kv_cache: str = "float"):
+               max_length: int | None = None, max_gen_toks: int = 256, kv_cache: str = "float",
+               chat_folder: str | None = None):
     super().__init__()
     if batch_size < 1:
       raise ValueError(f"batch_size={batch_size} must be at least 1")
@@ -88,6 +96,11 @@ class JaxlmLM(TemplateLM):
     self.max_gen_toks = max_gen_toks
     self.kv_cache = kv_cache
     self._eot = eos_id(tokenizer)
+    self._chat = chat.load(chat_folder) if chat_folder else None
+    if chat_folder and self._chat is None:
+      raise ValueError(f"chat_folder={chat_folder!r} has no chat template (chat_template.jinja, or chat_template in "
+                       "tokenizer_config.json)")
+    self._end_of_turn = chat.end_of_turn_ids(chat_folder) if self._chat else []
     self._mesh = generate.mesh_of(params)
     self._score = _score_fn(graphdef, None if self._mesh is None else sharding.replicated(self._mesh))
 
@@ -97,7 +110,24 @@ class JaxlmLM(TemplateLM):
 
   @property
   def tokenizer_name(self) -> str:
-    return "jaxlm"
+    """lm-eval's key for its request cache: requests written with a template are cached apart, per template."""
+    if self._chat is None:
+      return "jaxlm"
+    return "jaxlm-chat-" + hashlib.sha256(self._chat.text.encode()).hexdigest()[:16]
+
+  def chat_template(self, chat_template: bool | str = False) -> str | None:
+    """The template's jinja source (lm-eval logs it), or None when chat templates are not asked for."""
+    if not chat_template:
+      return None
+    if self._chat is None:
+      raise ValueError("apply_chat_template needs a chat template: give JaxlmLM a chat_folder that holds one")
+    return self._chat.text
+
+  def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    """lm-eval's request (few-shot turns and the question, as {role, content} messages) as the template writes it,
+    with the assistant's header when `add_generation_prompt`; tok_encode turns its special tokens into their ids."""
+    self.chat_template(True)  # the one-line error without a template
+    return chat.render(self._chat, chat_history, add_generation_prompt=add_generation_prompt)
 
   def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
     return self.jaxlm_tokenizer.encode(string, add_special_tokens=False).ids
@@ -162,7 +192,8 @@ class JaxlmLM(TemplateLM):
 
   def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
     """Greedy (or sampled, with do_sample and temperature) continuations through jaxlm.inference.generate's KV cache,
-    cut before the first of the request's `until` strings; requests with the same settings are batched."""
+    ended by the end-of-document token or (with a chat template) an end-of-turn token, and cut before the first of
+    the request's `until` strings; requests with the same settings are batched."""
     groups: dict[str, list[int]] = {}
     for index, request in enumerate(requests):
       groups.setdefault(json.dumps(request.args[1], sort_keys=True, default=str), []).append(index)
@@ -175,7 +206,8 @@ class JaxlmLM(TemplateLM):
       new_tokens = max(1, min(int(settings.pop("max_gen_toks", self.max_gen_toks)), self.max_length - 1))
       temperature = float(settings.pop("temperature", 0.0)) if settings.pop("do_sample", False) else 0.0
       # A stop string that is a single token ends a row early; the text is cut at the string below either way.
-      stops = {self._eot} | {ids[0] for ids in (self.tok_encode(u) for u in until) if len(ids) == 1}
+      stops = {self._eot, *self._end_of_turn} | {ids[0] for ids in (self.tok_encode(u) for u in until)
+                                                  if len(ids) == 1}
       prompts = [self.tok_encode(requests[i].args[0])[-(self.max_length - new_tokens):] or [self._eot]
                  for i in indices]
       order = sorted(range(len(indices)), key=lambda j: -len(prompts[j]))
@@ -187,7 +219,7 @@ class JaxlmLM(TemplateLM):
                                       top_k=int(settings.get("top_k", 0)), top_p=float(settings.get("top_p", 1.0)),
                                       stop_tokens=sorted(stops), pad_id=self._eot, kv_cache=self.kv_cache)
         for j, tokens in zip(chunk, generated):
-          text = self.tok_decode([t for t in tokens if t != self._eot])
+          text = self.tok_decode([t for t in tokens if t != self._eot and t not in self._end_of_turn])
           for stop in until:
             text = text.split(stop)[0]
           outputs[indices[j]] = text
@@ -295,11 +327,16 @@ def check_offline(manager: TaskManager, tasks: Sequence[str], reachable: bool | 
 
 def evaluate(lm: JaxlmLM, tasks: Sequence[str], *, include_path: str | Sequence[str] | None = None,
              limit: int | float | None = None, num_fewshot: int | None = None, bootstrap_iters: int = 0,
-             seed: int = 0, manager: TaskManager | None = None) -> dict:
+             seed: int = 0, manager: TaskManager | None = None, apply_chat_template: bool = False,
+             system_instruction: str | None = None) -> dict:
   """lm-eval's `simple_evaluate` of `tasks` (names of tasks, groups or tags) on `lm`: its results dict. `manager`:
-  a `task_manager(tasks, include_path)` already built (it is built here otherwise)."""
+  a `task_manager(tasks, include_path)` already built (it is built here otherwise). `apply_chat_template`: each
+  request is a conversation under the model's template (few-shot examples as earlier turns; lm needs a
+  chat_folder), after `system_instruction` as a system turn if given."""
   if not tasks:
     raise ValueError("no lm-eval task given")
+  if apply_chat_template:
+    lm.chat_template(True)  # a model without a template fails here, before any task loads
   manager = manager or task_manager(tasks, include_path)
   check_offline(manager, tasks)
   loaded = []
@@ -314,7 +351,9 @@ def evaluate(lm: JaxlmLM, tasks: Sequence[str], *, include_path: str | Sequence[
     loaded += [built["groups"][name]] if name in built.get("groups", {}) else list(built["tasks"].values())
   return lm_eval.simple_evaluate(model=lm, tasks=loaded, task_manager=manager, limit=limit, num_fewshot=num_fewshot,
                                  bootstrap_iters=bootstrap_iters, random_seed=seed, numpy_random_seed=seed,
-                                 torch_random_seed=None, fewshot_random_seed=seed, log_samples=False)
+                                 torch_random_seed=None, fewshot_random_seed=seed, log_samples=False,
+                                 apply_chat_template=apply_chat_template, fewshot_as_multiturn=apply_chat_template,
+                                 system_instruction=system_instruction)
 
 
 def flat_metrics(results: dict) -> dict[str, float]:

@@ -1,4 +1,5 @@
-"""Instruction tuning a GPT-2 or Llama decoder on prompt/response pairs (the loss on the response tokens only).
+"""Instruction tuning a GPT-2 or Llama decoder on prompt/response pairs or conversations (the loss on the response
+tokens, or the assistant turns, only).
 
 The run goes through `loop.run_loop`, as pretraining and classifier fine-tuning do (resume, stop signals,
 non-finite skipping, eval cadence, checkpoints, report.md); this module is its `loop.Task`:
@@ -8,7 +9,10 @@ non-finite skipping, eval cadence, checkpoints, report.md); this module is its `
               tokenizer come from it; `model.compute_dtype`, `model.param_dtype` and `kernels` from the config.
   data        jaxlm/data/instructions.py: pairs packed whole into rows (no attention across pairs), the loss mask on
               response targets; the batches have pretraining's layout, so the steps are pretraining's
-              (`steps_lib.jit_steps` with the token-weighted next-token loss).
+              (`steps_lib.jit_steps` with the token-weighted next-token loss). When the tokenizer's folder has a
+              chat template, every example is written with it (pairs as a user and an assistant turn,
+              `data.messages_column` conversations whole) and the loss mask is its assistant turns; the workdir
+              and hf_model/ keep the template files.
   eval        every `train.eval_every_steps` and at the end, on every held-out pair: `eval_loss` (mean over response
               tokens), `eval_perplexity`, `eval_token_accuracy`.
   report      report.md gets greedy responses for the first held-out prompts next to the reference responses
@@ -34,6 +38,7 @@ from jax.sharding import Mesh
 
 from jaxlm.adapters import lora
 from jaxlm.config import Config, ModelConfig
+from jaxlm.data import chat
 from jaxlm.data import instructions as instr_data
 from jaxlm.data import load_tokenizer, make_train_iterator, seq_lengths
 from jaxlm.inference import generate
@@ -58,6 +63,7 @@ class Decoder:
   model_config: ModelConfig
   tokenizer: tokenizers.Tokenizer
   params: dict | None  # pure dict of the GPT's parameters; None once loaded into the train state
+  chat_folder: str  # the tokenizer's folder: its chat template, if any, formats the examples (jaxlm.data.chat)
 
 
 def load_decoder(config: Config, mesh: Mesh) -> Decoder:
@@ -95,8 +101,9 @@ def load_decoder(config: Config, mesh: Mesh) -> Decoder:
   if tokenizer.get_vocab_size(with_added_tokens=True) > model_config.vocab_size:
     raise ValueError(f"the tokenizer of {tokenizer_path!r} has {tokenizer.get_vocab_size(with_added_tokens=True)} "
                      f"tokens but the model's vocabulary holds {model_config.vocab_size}; use the model's tokenizer")
+  chat_folder = tokenizer_path if os.path.isdir(tokenizer_path) else os.path.dirname(tokenizer_path) or "."
   # Packed pairs must not attend to each other, whatever document masking the checkpoint was pretrained with.
-  return Decoder(dataclasses.replace(model_config, document_mask=True, **precision), tokenizer, params)
+  return Decoder(dataclasses.replace(model_config, document_mask=True, **precision), tokenizer, params, chat_folder)
 
 
 def instruction_tune(config: Config, workdir: str, stop_at_step: int | None = None) -> dict:
@@ -117,7 +124,7 @@ def instruction_task(config: Config, workdir: str, mesh: Mesh, kernels: Kernels)
     raise ValueError(f"data.seq_len={d.seq_len} exceeds the model's {model_config.max_seq_len} positions; lower "
                      f"data.seq_len or set it to 0 to choose it from the data")
   data = instr_data.build_instruction_data(d, decoder.tokenizer, t.seed, os.path.join(workdir, "data_cache", "hf"),
-                                           model_config.max_seq_len)
+                                           model_config.max_seq_len, decoder.chat_folder)
   derived_steps, chosen_seq_len = t.steps == 0, d.seq_len == 0
   t = data_defaults.resolve_learning_rate(t, config.lora.rank)
   t, d = data_defaults.resolve_steps(t, len(data.train)), dataclasses.replace(d, seq_len=data.seq_len)
@@ -130,8 +137,9 @@ def instruction_task(config: Config, workdir: str, mesh: Mesh, kernels: Kernels)
   if jax.process_index() == 0:
     print("data: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in stats.items()),
           flush=True)
-    # init_from=<this workdir> reads it
+    # init_from=<this workdir> reads it (and the chat template the examples were written with, if any)
     atomic_files.write_text(os.path.join(workdir, "tokenizer.json"), decoder.tokenizer.to_str(pretty=True))
+    chat.copy_template(decoder.chat_folder, workdir)
 
   optimizer = optim.make_optimizer(t)
   make_model = lambda rngs: GPT(model_config, kernels=kernels, rngs=rngs)
@@ -178,6 +186,7 @@ def instruction_task(config: Config, workdir: str, mesh: Mesh, kernels: Kernels)
                                os.path.join(workdir, HF_MODEL))  # merged one weight at a time
     if jax.process_index() == 0:
       decoder.tokenizer.save(os.path.join(workdir, HF_MODEL, "tokenizer.json"))
+      chat.copy_template(decoder.chat_folder, os.path.join(workdir, HF_MODEL))
     result: dict[str, Any] = {f"start_{k}": v for k, v in _read_json(os.path.join(workdir, START_EVAL)).items()}
     result.update({**latest, "step": t.steps, "seq_len": d.seq_len, "train_pairs": stats["train_pairs"],
                    "eval_pairs": stats["eval_pairs"], "train_rows": stats["train_rows"],
@@ -228,17 +237,17 @@ def place_params(source: dict, target: dict, shardings: dict, where: str, path: 
 
 def generated_examples(graphdef, params, tokenizer, data: instr_data.InstructionData, max_new_tokens: int,
                        model_config: ModelConfig, seed: int) -> list[tuple[str, str, str]]:
-  """(prompt, reference, greedy response) for the first held-out pairs; every process joins the jitted sampler."""
-  pairs = data.eval_pairs
-  count = min(GENERATED_EXAMPLES, len(pairs))
-  prompts = [pairs.prompts[i] for i in range(count)]
-  room = model_config.max_seq_len - max(len(p) for p in prompts)  # gpt2's learned positions end there
+  """(prompt, reference, greedy response) for the first held-out examples, each ended by EOS or, under a chat
+  template, an end-of-turn token; every process joins the jitted sampler."""
+  examples = data.eval_examples[:GENERATED_EXAMPLES]
+  prompts = [e.prompt or [data.eos_id] for e in examples]
+  room = model_config.max_seq_len - max(map(len, prompts), default=0)  # gpt2's learned positions end there
   new_tokens = min(max_new_tokens, room)
-  if count == 0 or new_tokens < 1:
+  if not examples or new_tokens < 1:
     return []
-  outputs = generate.generate(graphdef, params, prompts, new_tokens, stop_tokens=(data.eos_id,), seed=seed)
-  return [(pairs.texts[i][0], pairs.texts[i][1],
-           tokenizer.decode([x for x in outputs[i] if x != data.eos_id])) for i in range(count)]
+  outputs = generate.generate(graphdef, params, prompts, new_tokens, stop_tokens=data.stop_ids, seed=seed)
+  return [(e.text[0], e.text[1], tokenizer.decode([x for x in out if x not in data.stop_ids]))
+          for e, out in zip(examples, outputs)]
 
 
 def examples_markdown(examples: list[tuple[str, str, str]]) -> str:
