@@ -81,7 +81,7 @@ class ModelConfig:
   norm_plus_one: bool = False  # llama flavour: RMSNorm scales by (1 + w), its weights stored as w (Gemma)
   scale_embeddings: bool = False  # llama flavour: token embeddings times sqrt(d_model) (Gemma)
   hf_model_type: str = ""  # the HF family to export as when the options alone do not say: "" (from the options) |
-                          # phi3 (Llama's weights, stored fused)
+                          # phi3 (Llama's weights, stored fused) | xlm-roberta (RoBERTa's architecture)
   tie_embeddings: bool = True  # the output projection reuses the token embedding (GPT-2 always; Llama often not)
   type_vocab_size: int = _ranged(2, 0, note="0 = none")  # bert: token types (sentence A/B) in the token-type
                                                          # embedding; 0 = none, token_type_ids are not taken
@@ -440,6 +440,9 @@ def validate_encoder_options(m: ModelConfig) -> None:
     raise ValueError(f"model.{next(iter(changed))} is an option of model.flavour=bert; leave it unset for {m.flavour}")
   if m.classifier_head not in CLASSIFIER_HEADS:
     raise ValueError(f"model.classifier_head={m.classifier_head!r} is not one of {', '.join(CLASSIFIER_HEADS)}")
+  if m.hf_model_type and (m.hf_model_type == "xlm-roberta") != (m.flavour == "bert"):
+    raise ValueError(f"model.hf_model_type={m.hf_model_type!r} does not fit model.flavour={m.flavour} (xlm-roberta is "
+                     "an encoder's, phi3 a decoder's)")
   if m.rotary_positions and (m.position_start or m.head_dim % 2):
     raise ValueError(f"model.rotary_positions needs model.position_start=0 (it has no position table; here "
                      f"{m.position_start}) and an even head size (here {m.head_dim})")
@@ -476,8 +479,8 @@ def validate_decoder_options(m: ModelConfig) -> None:
   """The options of the llama flavour that other model families carry (Gemma, Mistral, OLMo 2)."""
   if m.block_norms not in BLOCK_NORMS:
     raise ValueError(f"model.block_norms={m.block_norms!r} is not one of {', '.join(BLOCK_NORMS)}")
-  if m.hf_model_type not in ("", "phi3"):
-    raise ValueError(f"model.hf_model_type={m.hf_model_type!r} is not one of '', 'phi3'")
+  if m.hf_model_type not in ("", "phi3", "xlm-roberta"):
+    raise ValueError(f"model.hf_model_type={m.hf_model_type!r} is not one of '', 'phi3', 'xlm-roberta'")
   if m.glu_activation not in GLU_ACTIVATIONS:
     raise ValueError(f"model.glu_activation={m.glu_activation!r} is not one of {', '.join(GLU_ACTIVATIONS)}")
   llama_only = {"block_norms": m.block_norms != "pre", "glu_activation": m.glu_activation != "silu",

@@ -36,7 +36,8 @@ from jaxlm.adapters.nf4 import NF4_BLOCK, NF4Weight, nf4_quantize
 
 TARGET_GROUPS = {"attention": ("w_q", "w_k", "w_v", "w_o"), "mlp": ("w_in", "w_out", "w_gate", "w_up", "w_down")}
 MATMUL_WEIGHTS = TARGET_GROUPS["attention"] + TARGET_GROUPS["mlp"]
-HEAD_PREFIXES = ("classifier/",)  # new task heads: trained whole beside the adapters (peft's modules_to_save)
+# New task heads, trained whole beside the adapters (peft's modules_to_save: the modules named *classifier).
+HEAD_PREFIXES = ("classifier/", "pre_classifier/")
 
 
 # ----------------------------------------------------------------------------------------------- weight values

@@ -73,7 +73,7 @@ def make_distillation_loss_fn(graphdef: nnx.GraphDef, temperature: float = 2.0) 
     raise ValueError(f"distillation temperature {temperature} must be > 0 (1 matches the plain softmax; 2 is usual)")
 
   def loss_fn(params, batch):
-    logits_BC = nnx.merge(graphdef, params)(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"])
+    logits_BC = nnx.merge(graphdef, params).classify(batch)
     teacher_BC = batch[TEACHER_LOGITS]
     targets_BC = jax.nn.softmax(teacher_BC / temperature, axis=-1)
     losses_B = -(targets_BC * jax.nn.log_softmax(logits_BC.astype(jnp.float32) / temperature, axis=-1)).sum(-1)

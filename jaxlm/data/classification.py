@@ -58,6 +58,7 @@ class Examples:
   token_type_ids: np.ndarray  # int32 [N, seq_len]
   lengths: np.ndarray  # int32 [N]
   labels: np.ndarray  # int32 [N]
+  pad_id: int = 0  # the tokenizer's padding token (RoBERTa's <pad> is 1; its positions count the others)
 
   def __len__(self) -> int:
     return len(self.labels)
@@ -66,7 +67,7 @@ class Examples:
     positions = np.arange(pad_to)[None, :]
     mask = (positions < self.lengths[indices][:, None]).astype(np.int32)
     return {
-        "input_ids": self.input_ids[indices, :pad_to] * mask,
+        "input_ids": np.where(mask == 1, self.input_ids[indices, :pad_to], self.pad_id).astype(np.int32),
         "attention_mask": mask,
         "token_type_ids": self.token_type_ids[indices, :pad_to] * mask,
         "labels": self.labels[indices],
@@ -240,10 +241,23 @@ def _plain(tokenizer: tokenizers.Tokenizer) -> tokenizers.Tokenizer:
   return tokenizer
 
 
+# Padding tokens of the HF tokenizers (BERT and DistilBERT, ModernBERT: [PAD]; RoBERTa, XLM-R: <pad>), for a
+# tokenizer.json that does not pad by itself.
+PAD_TOKENS = ("[PAD]", "<pad>", "<|padding|>", "<|pad|>")
+
+
+def pad_token_id(tokenizer: tokenizers.Tokenizer) -> int:
+  """The id a batch is padded with: the tokenizer's own padding id, else the first of PAD_TOKENS it holds, else 0."""
+  if tokenizer.padding:
+    return int(tokenizer.padding["pad_id"])
+  ids = (tokenizer.token_to_id(token) for token in PAD_TOKENS)
+  return next((int(i) for i in ids if i is not None), 0)
+
+
 def tokenize(tokenizer: tokenizers.Tokenizer, texts: list[str], pairs: list[str] | None, seq_len: int
              ) -> tuple[Examples, np.ndarray]:
-  """Examples (labels left 0) and the untruncated token counts [N]. Longer examples are cut to `seq_len`
-  (longest-first for pairs) with the special tokens kept."""
+  """Examples (labels left 0; padded with the tokenizer's `pad_token_id`) and the untruncated token counts [N].
+  Longer examples are cut to `seq_len` (longest-first for pairs) with the special tokens kept."""
   inputs = list(zip(texts, pairs)) if pairs is not None else texts
   encodings = tokenizer.encode_batch(inputs) if inputs else []
   full_lengths = np.array([len(e.ids) for e in encodings], np.int64)
@@ -255,13 +269,13 @@ def tokenize(tokenizer: tokenizers.Tokenizer, texts: list[str], pairs: list[str]
         encodings[row] = encoding
     finally:
       tokenizer.no_truncation()
-  n = len(encodings)
-  input_ids, type_ids = np.zeros((n, seq_len), np.int32), np.zeros((n, seq_len), np.int32)
+  n, pad_id = len(encodings), pad_token_id(tokenizer)
+  input_ids, type_ids = np.full((n, seq_len), pad_id, np.int32), np.zeros((n, seq_len), np.int32)
   lengths = np.zeros(n, np.int32)
   for i, encoding in enumerate(encodings):
     length = len(encoding.ids)
     input_ids[i, :length], type_ids[i, :length], lengths[i] = encoding.ids, encoding.type_ids, length
-  return Examples(input_ids, type_ids, lengths, np.zeros(n, np.int32)), full_lengths
+  return Examples(input_ids, type_ids, lengths, np.zeros(n, np.int32), pad_id), full_lengths
 
 
 # ----------------------------------------------------------------------------------------------- the datasets

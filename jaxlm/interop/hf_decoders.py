@@ -179,7 +179,8 @@ def decoder_hf_keys(c: ModelConfig, common: dict) -> dict:
     keys["sliding_window"] = c.sliding_window
   if family in GEMMAS:
     every, window = c.global_attention_every, c.sliding_window
-    keys.update(sliding_window=window or c.max_seq_len, hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=int(c.query_pre_attn_scalar or c.head_dim),
+    keys.update(sliding_window=window or c.max_seq_len, hidden_activation="gelu_pytorch_tanh",
+                query_pre_attn_scalar=int(c.query_pre_attn_scalar or c.head_dim),
                 attn_logit_softcapping=c.attention_softcap or None, final_logit_softcapping=c.logit_softcap or None,
                 layer_types=["sliding_attention" if window and (not every or (i + 1) % every) else "full_attention"
                              for i in range(c.num_layers)])

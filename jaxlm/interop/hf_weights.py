@@ -1,4 +1,5 @@
-"""HF checkpoint folders (config.json + safetensors) <-> jaxlm models, for GPT-2, BERT and the Llama-shaped decoders
+"""HF checkpoint folders (config.json + safetensors) <-> jaxlm models, for GPT-2, the BERT-style encoders (BERT,
+RoBERTa, XLM-RoBERTa, DistilBERT, ModernBERT: their tables are in hf_encoders.py) and the Llama-shaped decoders
 (Llama, Mixtral, Qwen3, Qwen3-MoE, OLMoE).
 
   model = hf.from_pretrained("path/to/folder")             # GPT (gpt2 or llama flavour) or a BERT model
@@ -34,10 +35,10 @@ from safetensors import safe_open
 
 from jaxlm.interop import hf_config as hf_config_lib
 from jaxlm.interop import hf_decoders
+from jaxlm.interop import hf_encoders
 from jaxlm.adapters import lora
 from jaxlm.parallel import sharding
 from jaxlm.config import ModelConfig
-from jaxlm.models.bert import Bert, BertForMaskedLM, BertForSequenceClassification
 from jaxlm.models.gpt import GPT
 from jaxlm.models.precision import DTYPES
 
@@ -168,52 +169,10 @@ def _llama_rules(c: ModelConfig) -> list[Rule]:
   return rules
 
 
-def _bert_rules(c: ModelConfig, with_pooler: bool) -> list[Rule]:
-  d, f = c.d_model, c.mlp_width
-  rules = [_r("copy", "embeddings.word_embeddings.weight", (c.vocab_size, d), "token_embed/embedding"),
-           _r("copy", "embeddings.position_embeddings.weight", (c.max_seq_len, d), "position_embed/embedding"),
-           _r("copy", "embeddings.token_type_embeddings.weight", (c.type_vocab_size, d), "type_embed/embedding"),
-           _r("copy", "embeddings.LayerNorm.weight", (d,), "embed_norm/scale"),
-           _r("copy", "embeddings.LayerNorm.bias", (d,), "embed_norm/bias")]
-  layer = [("linear", "attention.self.query.weight", (d, d), "attn/w_q"),
-           ("copy", "attention.self.query.bias", (d,), "attn/b_q"),
-           ("linear", "attention.self.key.weight", (d, d), "attn/w_k"),
-           ("copy", "attention.self.key.bias", (d,), "attn/b_k"),
-           ("linear", "attention.self.value.weight", (d, d), "attn/w_v"),
-           ("copy", "attention.self.value.bias", (d,), "attn/b_v"),
-           ("linear", "attention.output.dense.weight", (d, d), "attn/w_o"),
-           ("copy", "attention.output.dense.bias", (d,), "attn/b_o"),
-           ("copy", "attention.output.LayerNorm.weight", (d,), "attn_norm/scale"),
-           ("copy", "attention.output.LayerNorm.bias", (d,), "attn_norm/bias"),
-           ("linear", "intermediate.dense.weight", (f, d), "mlp/w_in"),
-           ("copy", "intermediate.dense.bias", (f,), "mlp/b_in"),
-           ("linear", "output.dense.weight", (d, f), "mlp/w_out"),
-           ("copy", "output.dense.bias", (d,), "mlp/b_out"),
-           ("copy", "output.LayerNorm.weight", (d,), "mlp_norm/scale"),
-           ("copy", "output.LayerNorm.bias", (d,), "mlp_norm/bias")]
-  rules += [_r(kind, f"encoder.layer.{{i}}.{name}", shape, f"blocks/{path}") for kind, name, shape, path in layer]
-  if with_pooler:
-    rules += [_r("linear", "pooler.dense.weight", (d, d), "pooler/w"),
-              _r("copy", "pooler.dense.bias", (d,), "pooler/b")]
-  return rules
-
-
-def _head_rules(model: nnx.Module) -> list[Rule]:
-  """Rules outside the base model's prefix (HF names without `transformer.` / `model.` / `bert.`)."""
+def _head_rules(model: GPT) -> list[Rule]:
+  """Rules outside the base model's prefix (HF names without `transformer.` / `model.`)."""
   c = model.config
-  if isinstance(model, GPT):
-    return [] if c.tie_embeddings else [_r("copy", "lm_head.weight", (c.vocab_size, c.d_model), "lm_head/embedding")]
-  if isinstance(model, BertForMaskedLM):
-    d = c.d_model
-    return [_r("linear", "cls.predictions.transform.dense.weight", (d, d), "transform/w"),
-            _r("copy", "cls.predictions.transform.dense.bias", (d,), "transform/b"),
-            _r("copy", "cls.predictions.transform.LayerNorm.weight", (d,), "transform_norm/scale"),
-            _r("copy", "cls.predictions.transform.LayerNorm.bias", (d,), "transform_norm/bias"),
-            _r("copy", "cls.predictions.bias", (c.vocab_size,), "vocab_bias")]
-  if isinstance(model, BertForSequenceClassification):
-    return [_r("linear", "classifier.weight", (model.num_labels, c.d_model), "classifier/w"),
-            _r("copy", "classifier.bias", (model.num_labels,), "classifier/b")]
-  return []
+  return [] if c.tie_embeddings else [_r("copy", "lm_head.weight", (c.vocab_size, c.d_model), "lm_head/embedding")]
 
 
 def _rules(model: nnx.Module) -> tuple[list[tuple[str, str, Rule]], str]:
@@ -223,10 +182,8 @@ def _rules(model: nnx.Module) -> tuple[list[tuple[str, str, Rule]], str]:
     base, prefix, jax_prefix = _gpt2_rules(c), "transformer.", ""
   elif isinstance(model, GPT):
     base, prefix, jax_prefix = _llama_rules(c), "model.", ""
-  elif isinstance(model, Bert):
-    base, prefix, jax_prefix = _bert_rules(c, model.pooler is not None), "", ""
-  else:
-    base, prefix, jax_prefix = _bert_rules(c, model.bert.pooler is not None), "bert.", "bert/"
+  else:  # the encoders' tables
+    return hf_encoders.rules(model)
   return [(prefix, jax_prefix, r) for r in base] + [("", "", r) for r in _head_rules(model)], prefix
 
 

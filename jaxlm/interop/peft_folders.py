@@ -10,7 +10,9 @@ LORA, r, lora_alpha, the target modules by their full HF names, modules_to_save 
 adapter_model.safetensors (`base_model.model.<module>.lora_A.weight` [r, in], `lora_B.weight` [out, r]). HF module
 names come from jaxlm/interop/hf_weights.py's tables. GPT-2 keeps q, k and v in one Conv1D (c_attn): its three adapters
 are written as one of rank 3r (A stacked, B block-diagonal, alpha 3 alpha: the same update exactly) and split back on
-import. Only safetensors are read; anything but plain LoRA (DoRA, rsLoRA, biases, other peft types) is a one-line error.
+import; ModernBERT's Wqkv and Wi alike. Parts that share one A (a fused module's adapter as peft trains it) are
+written back as that adapter. Only safetensors are read; anything but plain LoRA (DoRA, rsLoRA, biases, other peft
+types) is a one-line error.
 """
 
 from __future__ import annotations
@@ -64,6 +66,14 @@ def _weight_modules(model: nnx.Module) -> dict[str, tuple[str, ...]]:
   return modules
 
 
+def _head_modules(model: nnx.Module) -> dict[str, tuple[hf_weights.Rule, str]]:
+  """HF tensor name -> (rule, jaxlm path) of the classification head trained whole (lora.HEAD_PREFIXES): peft's
+  modules_to_save."""
+  rules, _ = hf_weights._rules(model)
+  return {hf_prefix + rule.hf: (rule, jax_prefix + rule.jax[0]) for hf_prefix, jax_prefix, rule in rules
+          if (jax_prefix + rule.jax[0]).startswith(lora.HEAD_PREFIXES)}
+
+
 def _split_io(value: np.ndarray, n_in: int) -> np.ndarray:
   return value.reshape(int(np.prod(value.shape[:n_in])), -1)
 
@@ -107,6 +117,8 @@ def save_adapters(model: nnx.Module, folder: str, base_model_name_or_path: str =
       pieces.append((_split_io(a, a.ndim - 1).T, _split_io(b, 1).T))  # lora_A [r, in], lora_B [out, r]
     if len(pieces) == 1:
       lora_a, lora_b = pieces[0]
+    elif all(np.array_equal(a, pieces[0][0]) for a, _ in pieces):  # one A shared by the parts (as peft trains it)
+      lora_a, lora_b = pieces[0][0], np.concatenate([b for _, b in pieces], axis=0)
     else:
       lora_a = np.concatenate([a for a, _ in pieces], axis=0)
       lora_b = np.zeros((sum(b.shape[0] for _, b in pieces), lora_a.shape[0]), pieces[0][1].dtype)
@@ -121,9 +133,9 @@ def save_adapters(model: nnx.Module, folder: str, base_model_name_or_path: str =
     targets.append(module)
   modules_to_save = None
   if isinstance(model, BertForSequenceClassification):
-    modules_to_save = ["classifier"]
-    tensors[f"{PREFIX}classifier.weight"] = np.ascontiguousarray(_host(params["classifier/w"]).T)
-    tensors[f"{PREFIX}classifier.bias"] = _host(params["classifier/b"])
+    modules_to_save = ["classifier"]  # peft also matches the modules whose names end with it (pre_classifier)
+    for name, (rule, path) in _head_modules(model).items():
+      tensors[PREFIX + name] = np.ascontiguousarray(hf_weights._to_hf(rule, [_host(params[path])]))
   config = {
       "peft_type": "LORA", "task_type": _task_type(model), "r": int(rank), "lora_alpha": _number(scale * rank),
       "target_modules": targets, "modules_to_save": modules_to_save, "rank_pattern": rank_pattern,
@@ -182,7 +194,7 @@ def read_adapters(folder: str, model: nnx.Module) -> tuple[dict, float]:
   config = read_config(folder)
   path = os.path.join(folder, WEIGHTS)
   tensors = load_file(path)
-  modules = _weight_modules(model)
+  modules, head_modules = _weight_modules(model), _head_modules(model)
   shapes = {p: tuple(v.shape) for p, v in _flat_params(model).items()}
   found: dict[str, dict] = {}  # module -> {"A": ..., "B": ...}
   head = {}
@@ -195,8 +207,9 @@ def read_adapters(folder: str, model: nnx.Module) -> tuple[dict, float]:
                          f"({model.config.flavour}, {model.config.num_layers} layers) lacks: adapters of another "
                          f"base model?")
       found.setdefault(match.group(1), {})[match.group(2)] = value
-    elif key in ("classifier.weight", "classifier.bias") and "classifier/w" in shapes:
-      head[key] = value
+    elif key in head_modules:
+      rule, head_path = head_modules[key]
+      head[head_path] = hf_weights._to_jax(rule, value, [shapes[head_path]])[0]
     else:
       raise ValueError(f"{path}: tensor {name} is not a LoRA A/B matrix or the classifier head; jaxlm reads plain "
                        f"LoRA adapters")
@@ -242,8 +255,7 @@ def read_adapters(folder: str, model: nnx.Module) -> tuple[dict, float]:
       a = np.stack([layers[i][0] for i in sorted(layers)])
       b = np.stack([layers[i][1] for i in sorted(layers)])
     trainable[p] = {"lora_a": a, "lora_b": b}
-  if head:
-    trainable["classifier/w"], trainable["classifier/b"] = head["classifier.weight"].T, head["classifier.bias"]
+  trainable.update(head)
   return lora._nested(trainable), scales.pop()
 
 
@@ -297,15 +309,19 @@ def from_pretrained(base_folder: str, adapter_folder: str, **kwargs) -> nnx.Modu
   if config.get("modules_to_save") and (isinstance(base, Bert) or (
       isinstance(base, BertForSequenceClassification) and base.config.classifier_pooling != pooling)):
     # The head comes from the adapter (modules_to_save); until then zeros of its shape.
-    labels = load_file(os.path.join(adapter_folder, WEIGHTS))[f"{PREFIX}classifier.weight"].shape[0]
-    encoder = lora._flat(nnx.state(base if isinstance(base, Bert) else base.bert, nnx.Param).to_pure_dict())
-    encoder = {k: v for k, v in encoder.items() if pooling == "cls" or not k.startswith("pooler/")}
+    head = load_file(os.path.join(adapter_folder, WEIGHTS))
+    labels = next(v.shape[0] for k, v in head.items() if k.endswith((".classifier.weight", ".out_proj.weight")))
+    known = lora._flat(nnx.state(base, nnx.Param).to_pure_dict())
+    known = {f"bert/{k}": v for k, v in known.items()} if isinstance(base, Bert) else known
     head_config = dataclasses.replace(base.config, classifier_pooling=pooling)
     classifier = nnx.eval_shape(lambda: BertForSequenceClassification(head_config, labels, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(classifier)
-    flat = {p: jax.numpy.zeros(v.shape, v.dtype) for p, v in lora._flat(state.to_pure_dict()).items()
-            if p.startswith(lora.HEAD_PREFIXES)}
-    flat.update({f"bert/{k}": v for k, v in encoder.items()})
+    flat = {p: jax.numpy.zeros(v.shape, v.dtype) if p.startswith(lora.HEAD_PREFIXES) else known.get(p)
+            for p, v in lora._flat(state.to_pure_dict()).items()}
+    missing = sorted(p for p, v in flat.items() if v is None)
+    if missing:  # e.g. ModernBERT's transform, which peft does not save with the classifier
+      raise ValueError(f"{adapter_folder}: its classifier needs {missing[0]}, which neither {base_folder} nor the "
+                       "adapter holds; load it onto the checkpoint it was trained on")
     state.replace_by_pure_dict(lora._nested(flat))
     base = nnx.merge(graphdef, state)
   trainable, scale = read_adapters(adapter_folder, base)

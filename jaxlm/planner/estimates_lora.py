@@ -141,7 +141,7 @@ def _adapter_width_per_layer(config: Config) -> float:
   sides = {"w_q": m.d_model + width, "w_k": m.d_model + kv, "w_v": m.d_model + kv, "w_o": width + m.d_model,
            "w_in": m.d_model + m.mlp_width, "w_out": m.mlp_width + m.d_model, "w_gate": m.d_model + m.mlp_width,
            "w_up": m.d_model + m.mlp_width, "w_down": m.mlp_width + m.d_model}
-  mlp = ("w_gate", "w_up", "w_down") if m.flavour == "llama" else ("w_in", "w_out")
+  mlp = ("w_gate", "w_up", "w_down") if m.flavour == "llama" or m.gated_mlp else ("w_in", "w_out")
   present = set(lora_lib.TARGET_GROUPS["attention"]) | set(mlp)
   wanted: set[str] = set()
   for entry in (t.strip() for t in config.lora.targets.split(",") if t.strip()):

@@ -71,7 +71,7 @@ def make_classification_loss_fn(graphdef: nnx.GraphDef) -> optim.SumLossFn:
   """Sum of per-example cross-entropies weighted by `weights`, the weight sum, and correct predictions."""
 
   def loss_fn(params, batch):
-    logits_BC = nnx.merge(graphdef, params)(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"])
+    logits_BC = nnx.merge(graphdef, params).classify(batch)
     losses_B = optax.softmax_cross_entropy_with_integer_labels(logits_BC, batch["labels"])
     weights_B = batch["weights"]
     correct_B = (jnp.argmax(logits_BC, axis=-1) == batch["labels"]).astype(jnp.float32)
@@ -82,7 +82,7 @@ def make_classification_loss_fn(graphdef: nnx.GraphDef) -> optim.SumLossFn:
 
 def make_eval_step(graphdef: nnx.GraphDef):
   def eval_step(params, batch):
-    logits_BC = nnx.merge(graphdef, params)(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"])
+    logits_BC = nnx.merge(graphdef, params).classify(batch)
     losses_B = optax.softmax_cross_entropy_with_integer_labels(logits_BC, batch["labels"])
     return {"loss_sum": (losses_B * batch["weights"]).sum(),
             "predictions": jnp.argmax(logits_BC, axis=-1).astype(jnp.int32)}
@@ -177,7 +177,9 @@ def classification_task(config: Config, workdir: str, mesh: Mesh, kernels: Kerne
       saved_names = pretrained.class_names
       head_fits = saved_names is not None and (saved_names == class_names or (
           len(saved_names) == num_labels and saved_names == [f"LABEL_{i}" for i in range(num_labels)]))
-      params = pretrained.params if head_fits else {"bert": pretrained.params["bert"]}
+      # Another head: its task layers start afresh; the encoder (and ModernBERT's transform) are kept.
+      params = pretrained.params if head_fits else {k: v for k, v in pretrained.params.items()
+                                                     if f"{k}/" not in lora.HEAD_PREFIXES}
       if "frozen" in state:  # LoRA: the checkpoint becomes the frozen base (jaxlm/adapters/lora.py);
                              # adapters start fresh
         state, kept_random = streaming.load_base(state, state_shardings, config.lora, make_model, mesh, params,

@@ -62,13 +62,14 @@ def load_pretrained(config: Config, mesh: Mesh) -> Pretrained:
     model = hf_weights.from_pretrained(source, mesh=mesh, compute_dtype=m.compute_dtype, param_dtype=m.param_dtype)
   if not isinstance(model, (Bert, BertForMaskedLM, BertForSequenceClassification)):
     raise ValueError(f"init_from={source!r} holds a {model.config.flavour} decoder; fine-tuning classifies with a "
-                     f"BERT encoder (model_type bert)")
+                     f"BERT-style encoder (model_type bert, roberta, xlm-roberta, distilbert, modernbert)")
   params = lazy if config.lora.rank else nnx.state(model, nnx.Param).to_pure_dict()
   class_names = None
   if isinstance(model, BertForSequenceClassification):
     class_names = _hf_class_names(source, model.num_labels)
-  elif isinstance(model, BertForMaskedLM):
-    params = {"bert": params["bert"]}
+  elif isinstance(model, BertForMaskedLM):  # ModernBERT's classifier reuses the masked-LM head's transform
+    kept = ("bert", "transform", "transform_norm") if model.config.classifier_head == "transform" else ("bert",)
+    params = {k: params[k] for k in kept}
   else:
     params = {"bert": params}
   tokenizer = cls_data.load_checkpoint_tokenizer(config.data.tokenizer or source)

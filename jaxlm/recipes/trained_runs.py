@@ -175,7 +175,7 @@ def classifier_task(workdir: str, config, *, calibration_batches: int, finetune_
             "eval_examples": result["examples"],
             PREDICTIONS: (result["labels"], result["predictions"], len(data.class_names))}
 
-  forward = lambda m, b: m(b["input_ids"], b["attention_mask"], b["token_type_ids"])
+  forward = lambda m, b: m.classify(b)
   print(f"classifier run {workdir}: {len(data.eval.labels)} eval examples, classes {data.class_names}")
   timing = max(eval_batches, key=lambda b: b["input_ids"].shape[1])  # the longest padded batch
   # The batches are sorted by length: calibrate on evenly spaced ones (short to long) and fine-tune in a seeded

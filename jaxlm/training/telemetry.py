@@ -36,9 +36,9 @@ def flops_per_token(model: ModelConfig, seq_len: int, num_labels: int = 0) -> fl
   (2 per multiply-add, times 3 for forward + backward) plus the attention matmuls:
     per layer  q and output projections   2 * D * H * K          (H * K = d_model)
                k and v projections        2 * D * G * K          (G = num_kv_heads: grouped/multi-query shrink them)
-               MLP                        2 * D * F  (gpt2, bert: up, down)  or  3 * D * F  (llama SwiGLU: gate, up,
-                                          down); a mixture of experts: the k experts a token takes (and a shared
-                                          MLP) plus the router's D * E, the active parameters
+               MLP                        2 * D * F  (gpt2, bert: up, down)  or  3 * D * F  (llama SwiGLU, ModernBERT
+                                          GeGLU: gate, up, down); a mixture of experts: the k experts a token takes
+                                          (and a shared MLP) plus the router's D * E, the active parameters
     head       decoders                   V * D  (the output projection, tied or untied: the input embedding is a
                                           table lookup, which is no matmul, so untying adds parameters, not FLOPs)
                bert, num_labels == 0      D * D + V * D  (masked-LM transform and decoder, on every token)
@@ -52,7 +52,7 @@ def flops_per_token(model: ModelConfig, seq_len: int, num_labels: int = 0) -> fl
   """
   d, num_layers, width = model.d_model, model.num_layers, model.num_heads * model.head_dim
   kv_width = (model.num_kv_heads or model.num_heads) * model.head_dim
-  mlp_matrices = 3 if model.flavour == "llama" else 2
+  mlp_matrices = 3 if model.flavour == "llama" or model.gated_mlp else 2
   if model.num_experts:  # a token meets its k experts (and the shared MLP) and the router: active parameters only
     mlp_params = (model.experts_per_token * model.expert_params + mlp_matrices * d * model.shared_expert_d_ff
                   + d * model.num_experts)
