@@ -68,9 +68,11 @@ part() {  # part <seconds> <name> <command...>: runs one check, logs its status,
 GPT2="--config=benchmarks/configs/bench_gpu.py $TINY"
 VARIANTS="base:,ln_cudnn:xla.xla_gpu_enable_cudnn_layer_norm=True"
 VARIANTS+=",triton_mof:xla.xla_gpu_unsupported_enable_triton_multi_output_fusion=True"
-# torch.compile runs in the same process: JAX must not take 90% of the memory up front.
-XLA_PYTHON_CLIENT_PREALLOCATE=false part 150 ab_gpt2 $PY benchmarks/ab_step.py $GPT2 $TORCH "${ROUNDS[@]}" \
-    --workdir="$OUT/ab_gpt2" --variants="$(gpu_only "$VARIANTS")"
+# torch.compile runs in the same process: JAX must not take 90% of the memory up front. (The dry run leaves it out:
+# without the GPU's XLA options and torch it is ab_fp16's bf16 variant.)
+[ "${GPU_CHECKS_DRY_RUN:-0}" = 1 ] || XLA_PYTHON_CLIENT_PREALLOCATE=false \
+  part 150 ab_gpt2 $PY benchmarks/ab_step.py $GPT2 $TORCH "${ROUNDS[@]}" --workdir="$OUT/ab_gpt2" \
+    --variants="$(gpu_only "$VARIANTS")"
 part 40 profile_gpt2 $PY benchmarks/profile_step.py $GPT2 --workdir="$OUT/profile_gpt2" --top=30
 LLAMA="--config=benchmarks/configs/bench_llama_1b.py $TINY"
 # (The dry run leaves it out: ab_kernels runs the same command with more variants.)

@@ -42,7 +42,7 @@ def test_the_window_is_in_the_mask_of_every_kernel_that_takes_one():
   """Each attention kernel auto may pick for a windowed model computes the reference's windowed attention."""
   model = GPT(dataclasses.replace(LLAMA, sliding_window=5), rngs=nnx.Rngs(0))
   reference = model(IDS)
-  for name in ("causal_blocks", "cpu_fused", "recompute", "jax"):
+  for name in ("causal_blocks", "cpu_fused"):  # auto's CPU picks; the library kernels are given the same mask
     kernels = kernels_lib.resolve(KernelsConfig(attention=name), window=True, devices=1)
     other = GPT(dataclasses.replace(LLAMA, sliding_window=5), kernels=kernels, rngs=nnx.Rngs(0))
     np.testing.assert_allclose(other(IDS), reference, rtol=2e-5, atol=2e-5, err_msg=name)
