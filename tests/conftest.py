@@ -54,12 +54,13 @@ def pytest_sessionfinish(session, exitstatus):
 
 # The files that take longest, started first: both xdist workers (--dist loadfile: one file to one worker) then end
 # together instead of one waiting on a long file handed out last.
-LONGEST_FIRST = ("test_slurm", "test_gpu_checks", "test_multiprocess", "test_kernels", "test_parallel", "test_finetune",
-                 "test_train", "test_plan", "test_lora", "test_pipeline", "test_distill", "test_optimize",
-                 "test_moe", "test_config_ranges", "test_context", "test_plan_moe", "test_generate", "test_prune",
-                 "test_reliability_soak", "test_quantization",
-                 "test_streaming", "test_reliability_inputs", "test_loss_scale", "test_model", "test_peft_folders",
-                 "test_instructions", "test_kernels_tokamax")
+LONGEST_FIRST = ("test_slurm", "test_finetune", "test_parallel", "test_kernels", "test_plan", "test_multiprocess",
+                 "test_train", "test_gpu_checks", "test_reliability_soak", "test_lora", "test_distill", "test_hf",
+                 "test_moe", "test_optimize", "test_config_ranges", "test_pipeline", "test_generate", "test_streaming",
+                 "test_context", "test_quantization", "test_conversations", "test_prune", "test_plan_moe",
+                 "test_reliability_inputs", "test_loss_scale", "test_peft_folders", "test_instructions",
+                 "test_reliability", "test_model", "test_lm_eval", "test_kernels_tokamax", "test_hf_encoders",
+                 "test_families", "test_cpu_attention", "test_launch", "test_telemetry")
 
 
 def pytest_collection_modifyitems(session, config, items):

@@ -2,10 +2,8 @@
 does (two packed documents and padding per row, so document masks and positions cross the chunks), alone and with
 data and FSDP axes; logits come back in the row's own order; bad settings are one-line errors."""
 
-import dataclasses
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx

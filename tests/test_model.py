@@ -15,7 +15,7 @@ from flax import nnx
 from jaxlm.config import ModelConfig
 from jaxlm.kernels import Kernels
 from jaxlm.models.bert import Bert, BertForMaskedLM, BertForSequenceClassification
-from jaxlm.models import layers
+from jaxlm.models import rotary
 from jaxlm.models.gpt import GPT
 
 TINY = ModelConfig(vocab_size=128, num_layers=2, d_model=32, num_heads=4, max_seq_len=32,
@@ -124,7 +124,7 @@ def _rope_rotate_half(x, positions, theta):
 def test_rope_equals_hf_rotate_half_values_and_gradients():
   x = jax.random.normal(jax.random.key(0), (2, 7, 3, 16), jnp.float32) * 3
   positions = jnp.array([[0, 1, 2, 3, 4, 5, 6], [5, 9, 100, 2047, 0, 1, 3]], jnp.int32)
-  ours = jax.jit(lambda x, p: layers.apply_rope(x, layers.rotary_tables(p, 16, 10000.0)))
+  ours = jax.jit(lambda x, p: rotary.apply_rope(x, rotary.rotary_tables(p, 16, 10000.0)))
   reference = jax.jit(functools.partial(_rope_rotate_half, theta=10000.0))
   # The same products and sums: equal to rounding (bit for bit on today's CPU; a compiler may contract differently).
   chex.assert_trees_all_close(ours(x, positions), reference(x, positions), atol=1e-6, rtol=0)

@@ -12,7 +12,7 @@ from flax import nnx
 from test_parallel import _run
 from test_train import MODEL
 
-from jaxlm.config import Config, MeshConfig, ModelConfig, from_config_dict
+from jaxlm.config import MeshConfig, from_config_dict
 from jaxlm.kernels import Kernels, cpu
 from jaxlm.models.gpt import GPT
 from jaxlm.models.moe import MoE

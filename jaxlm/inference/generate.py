@@ -7,7 +7,7 @@ is prefilled in one call, then each step appends one token per row. Padding slot
 token attends to them, and positions count from each row's first real token, so a padded row computes exactly what
 it would alone (checked in tests/test_generate.py).
 
-`kv_cache="int8"` keeps the cache as int8 with one scale per token and KV head (jaxlm.models.layers.KVCache): about
+`kv_cache="int8"` keeps the cache as int8 with one scale per token and KV head (jaxlm.models.kv_cache.KVCache): about
 half the bytes of a bf16 cache and a quarter of an f32 one, for a small change in the logits (docs/optimization.md
 has the measured agreement with the float cache). The default stays the float cache, which is exact.
 """

@@ -6,13 +6,12 @@ The weights' names and shapes are jaxlm/interop/hf_weights.py's tables.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
 from flax import nnx
 
 from jaxlm.config import ModelConfig
-from jaxlm.interop import hf_decoders
-from jaxlm.interop import hf_encoders
+from jaxlm.interop import hf_decoders, hf_encoders, hf_keys
 from jaxlm.interop.hf_decoders import DECODER_FAMILIES
 from jaxlm.models.gpt import GPT
 
@@ -20,15 +19,7 @@ from jaxlm.models.gpt import GPT
 def model_from_hf_config(hf: dict, where: str, weight_names: set[str], c_dtype: str, p_dtype: str
                           ) -> Callable[[nnx.Rngs], nnx.Module]:
   """A constructor of the jaxlm model that config.json describes, or a one-line error naming the key."""
-
-  def get(key: str, default: Any = KeyError) -> Any:
-    if key not in hf and default is KeyError:
-      raise ValueError(f"{where}: missing key {key!r}")
-    return hf.get(key, default)
-
-  def need(ok: bool, key: str, supported: str) -> None:
-    if not ok:
-      raise ValueError(f"{where}: {key}={hf.get(key)!r} is not supported (jaxlm supports {supported})")
+  get, need = hf_keys.readers(hf, where)
 
   model_type = hf.get("model_type")
   families = ", ".join(["gpt2", *hf_encoders.ENCODER_FAMILIES, *DECODER_FAMILIES])

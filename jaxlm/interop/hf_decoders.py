@@ -6,9 +6,9 @@ the model_type those options imply. The weights' tables are jaxlm/interop/hf_wei
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 from jaxlm.config import ModelConfig
+from jaxlm.interop import hf_keys
 
 # model_type -> architecture of every decoder family read and written here.
 DECODER_FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
@@ -35,15 +35,7 @@ def _global_every(layer_types: list[str], where: str) -> int:
 def decoder_config(hf: dict, where: str, common: dict) -> ModelConfig:
   """The ModelConfig of a decoder family's config.json (model_type in DECODER_FAMILIES), or a one-line error."""
   model_type = hf["model_type"]
-
-  def get(key: str, default: Any = KeyError) -> Any:
-    if key not in hf and default is KeyError:
-      raise ValueError(f"{where}: missing key {key!r}")
-    return hf.get(key, default)
-
-  def need(ok: bool, key: str, supported: str) -> None:
-    if not ok:
-      raise ValueError(f"{where}: {key}={hf.get(key)!r} is not supported (jaxlm supports {supported})")
+  get, need = hf_keys.readers(hf, where)
 
   rope_key = "rope_parameters" if "rope_parameters" in hf else "rope_scaling"
   rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}

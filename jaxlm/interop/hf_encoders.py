@@ -8,12 +8,12 @@ tables follow hf_weights.Rule; hf_weights.py loads and saves with them.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Callable
 
 from flax import nnx
 
 from jaxlm.config import ModelConfig
-from jaxlm.interop import hf_weights
+from jaxlm.interop import hf_keys, hf_weights
 from jaxlm.models.bert import Bert, BertForMaskedLM, BertForSequenceClassification
 
 # model_type -> the prefix of its HF class names (<prefix>Model, <prefix>ForMaskedLM, ...).
@@ -58,15 +58,7 @@ def _architecture(name: str) -> str:
 def encoder_model(hf: dict, where: str, weight_names: set[str], common: dict) -> Callable[[nnx.Rngs], nnx.Module]:
   """A constructor of the jaxlm model of an encoder family's config.json (model_type in ENCODER_FAMILIES)."""
   model_type, arch = hf["model_type"], (hf.get("architectures") or [None])[0]
-
-  def get(key: str, default: Any = KeyError) -> Any:
-    if key not in hf and default is KeyError:
-      raise ValueError(f"{where}: missing key {key!r}")
-    return hf.get(key, default)
-
-  def need(ok: bool, key: str, supported: str) -> None:
-    if not ok:
-      raise ValueError(f"{where}: {key}={hf.get(key)!r} is not supported (jaxlm supports {supported})")
+  get, need = hf_keys.readers(hf, where)
 
   if model_type == "distilbert":
     need(get("activation", "gelu") == "gelu", "activation", "gelu")

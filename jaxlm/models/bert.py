@@ -28,8 +28,8 @@ from jaxlm import kernels as kernels_lib
 from jaxlm.config import CLASSIFIER_HEADS, ModelConfig
 from jaxlm.kernels import Kernels
 from jaxlm.models.masks import padding_mask
-from jaxlm.models.layers import (MLP, Attention, Dense, Embed, GatedMLP, LayerNorm, Rotary, rotary_tables,
-                                 scan_blocks, stacked)
+from jaxlm.models.layers import MLP, Attention, Dense, Embed, GatedMLP, LayerNorm, scan_blocks, stacked
+from jaxlm.models.rotary import Rotary, rotary_tables
 from jaxlm.models.precision import Policy
 from jaxlm.parallel.sharding import constrain
 

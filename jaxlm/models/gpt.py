@@ -26,9 +26,10 @@ from jaxlm.kernels import Kernels
 from jaxlm.kernels.ring_attention import balanced_order
 from jaxlm.models.masks import SequenceMask, cache_mask, causal_mask, rolling_cache_mask
 from jaxlm.models.moe import MoE
-from jaxlm.models.layers import (MLP, Attention, Embed, GatedMLP, KVCache, LayerKV, LayerNorm, RMSNorm, Rotary,
-                                 dynamic_frequencies, rolling_slots, rotary_frequencies, rotary_tables, scan_blocks,
-                                 stacked, yarn_attention_factor)
+from jaxlm.models.kv_cache import KVCache, LayerKV, rolling_slots
+from jaxlm.models.layers import MLP, Attention, Embed, GatedMLP, LayerNorm, RMSNorm, scan_blocks, stacked
+from jaxlm.models.rotary import (Rotary, dynamic_frequencies, rotary_frequencies, rotary_tables,
+                                 yarn_attention_factor)
 from jaxlm.kernels.xla import softcap
 from jaxlm.models.precision import Policy
 from jaxlm.parallel.sharding import CONTEXT_AXIS, axis_size, constrain, gather_fsdp

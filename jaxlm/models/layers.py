@@ -1,5 +1,6 @@
-"""Transformer layers shared by every model: embeddings, norms, rotary positions, attention (with a KV cache), MLPs.
-The masks are in masks.py; the computations behind every op are jaxlm.kernels'.
+"""Transformer layers shared by every model: embeddings, norms, attention (with a KV cache), MLPs, layer stacks.
+Rotary positions are rotary.py's, the KV cache kv_cache.py's, the masks masks.py's; the computations behind every op
+are jaxlm.kernels'.
 
 Dimension alphabet used in names and comments:
   B batch   T query positions   S key positions (cache slots)   D d_model   H query heads   G key/value heads
@@ -15,16 +16,18 @@ registry (`kernels`, a resolved `jaxlm.kernels.Kernels`). Parameters are read wi
 from __future__ import annotations
 
 import math
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from jaxlm.kernels import Kernels, weights
 from jaxlm.kernels.registry import REMAT_POLICIES
+from jaxlm.models import kv_cache
+from jaxlm.models.kv_cache import LayerKV
 from jaxlm.models.precision import Policy
+from jaxlm.models.rotary import Rotary, apply_rope
 from jaxlm.parallel.sharding import constrain, gather_fsdp
 
 
@@ -109,168 +112,6 @@ class RMSNorm(nnx.Module):
 def norm_scale(w: jax.Array, plus_one: bool) -> jax.Array:
   """What an RMSNorm multiplies by: its weight, or (1 + weight) in f32 for Gemma's norms."""
   return 1.0 + w.astype(jnp.float32) if plus_one else w
-
-
-# ----------------------------------------------------------------------------------------------- positions
-
-
-class Rotary(NamedTuple):
-  """cos and sin of every rotary angle, [B, T, K/2] in f32: computed once per forward pass and shared by every layer
-  (as HF does), so XLA does not fuse their evaluation into each layer's rotation, per head and element."""
-  cos_BTk: jax.Array
-  sin_BTk: jax.Array
-
-
-def rotary_frequencies(head_dim: int, theta: float, scaling: str = "", factor: float = 1.0,
-                       low_freq_factor: float = 1.0, high_freq_factor: float = 4.0,
-                       original_max_positions: int = 8192, beta_fast: float = 32.0,
-                       beta_slow: float = 1.0) -> np.ndarray:
-  """The K/2 rotary frequencies (f32), stretched for longer contexts as `scaling` says: `linear` divides them all
-  by `factor`; `llama3` (Llama 3.1) divides those whose wavelength exceeds original_max_positions /
-  low_freq_factor, keeps those below original_max_positions / high_freq_factor, and blends linearly between; `yarn`
-  keeps the dimensions that turn more than beta_fast times over original_max_positions, divides those that turn
-  fewer than beta_slow times, and ramps linearly between (HF's truncated correction range). `dynamic` depends on
-  the positions (`dynamic_frequencies`): here it gives the unscaled ones."""
-  half = head_dim // 2
-  inv_freq = 1.0 / theta ** (np.arange(0, 2 * half, 2, dtype=np.float64) / (2 * half))
-  if scaling == "linear":
-    inv_freq = inv_freq / factor
-  elif scaling == "llama3":
-    wavelength = 2 * np.pi / inv_freq
-    blend = (original_max_positions / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor)
-    blended = (1 - blend) * inv_freq / factor + blend * inv_freq
-    low = wavelength > original_max_positions / low_freq_factor
-    high = wavelength < original_max_positions / high_freq_factor
-    inv_freq = np.where(low, inv_freq / factor, np.where(high, inv_freq, blended))
-  elif scaling == "yarn":
-    def dimension(rotations):  # the dimension that turns `rotations` times over the original context
-      return head_dim * math.log(original_max_positions / (rotations * 2 * math.pi)) / (2 * math.log(theta))
-    low, high = max(math.floor(dimension(beta_fast)), 0), min(math.ceil(dimension(beta_slow)), head_dim - 1)
-    ramp = np.clip((np.arange(half) - low) / ((high - low) or 0.001), 0, 1)
-    inv_freq = inv_freq / factor * ramp + inv_freq * (1 - ramp)
-  return inv_freq.astype(np.float32)
-
-
-def yarn_attention_factor(factor: float, attention_factor: float = 0.0) -> float:
-  """YaRN's scale of cos and sin: the given one, else 0.1 ln(factor) + 1 (1 when factor <= 1)."""
-  return attention_factor or (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)
-
-
-def dynamic_frequencies(positions_BT: jax.Array, head_dim: int, theta: float, factor: float,
-                        max_positions: int) -> jax.Array:
-  """Dynamic NTK scaling (HF's `dynamic`): past max_positions, the base grows with the longest position seen,
-  theta * (factor * n / max_positions - (factor - 1)) ** (K / (K - 2)) for n = max(positions) + 1; below it the
-  frequencies are the unscaled ones."""
-  n = jnp.maximum(jnp.max(positions_BT) + 1, max_positions).astype(jnp.float32)
-  base = theta * (factor * n / max_positions - (factor - 1)) ** (head_dim / (head_dim - 2))
-  return 1.0 / base ** (jnp.arange(0, head_dim - 1, 2, dtype=jnp.float32) / head_dim)
-
-
-def rotary_tables(positions_BT: jax.Array, head_dim: int, theta: float, inv_freq=None,
-                  scale: float = 1.0) -> Rotary:
-  """The Rotary tables of `positions` (each row its own, e.g. restarting at every packed document's start);
-  `inv_freq` (`rotary_frequencies`) defaults to the unscaled frequencies of `theta`; `scale` multiplies cos and sin
-  (YaRN)."""
-  if inv_freq is None:
-    inv_freq = rotary_frequencies(head_dim, theta)
-  angles_BTk = positions_BT.astype(jnp.float32)[:, :, None] * _lead(jnp.asarray(inv_freq), 3)
-  if scale != 1.0:
-    return Rotary(jnp.cos(angles_BTk) * scale, jnp.sin(angles_BTk) * scale)
-  return Rotary(jnp.cos(angles_BTk), jnp.sin(angles_BTk))
-
-
-def apply_rope(x_BTHK: jax.Array, rotary: Rotary) -> jax.Array:
-  """Rotary position embedding, HF's rotate_half convention: dims i and i + K/2 form one rotated pair."""
-  half = x_BTHK.shape[-1] // 2
-  cos, sin = rotary.cos_BTk[:, :, None, :], rotary.sin_BTk[:, :, None, :]  # [B, T, 1, K/2]
-  x = x_BTHK.astype(jnp.float32)
-  x1, x2 = x[..., :half], x[..., half:]
-  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BTHK.dtype)
-
-
-# ----------------------------------------------------------------------------------------------- attention
-
-
-class LayerKV(NamedTuple):
-  """One layer's slice of a KVCache (what `Attention.decode` reads and writes); the scales are None in a float
-  cache."""
-  k_BSGK: jax.Array
-  v_BSGK: jax.Array
-  k_scale_BSG: jax.Array | None = None
-  v_scale_BSG: jax.Array | None = None
-
-
-class KVCache(NamedTuple):
-  """Keys and values of every layer for S slots; `end` slots are filled. A pytree, so it passes through jit/scan.
-
-  An int8 cache (`zeros(..., quantized=True)`) stores each key and value vector as int8 with one f32 absmax scale
-  per (layer, row, slot, KV head): a token is quantized once, when it is written, without calibration, and a later
-  outlier never forces earlier slots to be re-scaled (as one scale shared over slots or heads would)."""
-  k_LBSGK: jax.Array
-  v_LBSGK: jax.Array
-  segment_ids_BS: jax.Array  # document of each slot (0 = padding or empty): keeps packed documents apart
-  end: jax.Array  # int32 []: slots filled so far (the same for every row: prompts are left-padded)
-  k_scale_LBSG: jax.Array | None = None  # int8 cache only: the dequantized key is k * scale
-  v_scale_LBSG: jax.Array | None = None
-
-  @classmethod
-  def zeros(cls, num_layers: int, batch: int, slots: int, kv_heads: int, head_dim: int, dtype,
-            quantized: bool = False) -> "KVCache":
-    kv = jnp.zeros((num_layers, batch, slots, kv_heads, head_dim), jnp.int8 if quantized else dtype)
-    kv = constrain(kv, (None, "act_batch", None, "act_kv_heads", None))
-    scale = None
-    if quantized:
-      scale = constrain(jnp.ones((num_layers, batch, slots, kv_heads), jnp.float32),
-                        (None, "act_batch", None, "act_kv_heads"))
-    return cls(kv, kv, jnp.zeros((batch, slots), jnp.int32), jnp.zeros((), jnp.int32), scale, scale)
-
-  def layers(self) -> LayerKV:
-    """Every layer's keys and values, stacked along a leading [L] axis (the `xs` of the layer scan)."""
-    return LayerKV(self.k_LBSGK, self.v_LBSGK, self.k_scale_LBSG, self.v_scale_LBSG)
-
-
-def quantize_kv(x_BTGK: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """Symmetric int8 per (row, position, head) over the head dim: (int8 values, f32 scale [B, T, G])."""
-  x = x_BTGK.astype(jnp.float32)
-  absmax_BTG = jnp.max(jnp.abs(x), axis=-1)
-  scale_BTG = jnp.where(absmax_BTG > 0, absmax_BTG / 127.0, 1.0)
-  return jnp.clip(jnp.round(x / scale_BTG[..., None]), -127, 127).astype(jnp.int8), scale_BTG
-
-
-def _write_kv(kv: LayerKV, k_BTGK: jax.Array, v_BTGK: jax.Array, end: jax.Array) -> LayerKV:
-  def put(cache, new):  # at slot `end` of every row, all heads
-    zero = jnp.zeros((), jnp.int32)
-    return jax.lax.dynamic_update_slice(cache, new.astype(cache.dtype), (zero, end) + (zero,) * (cache.ndim - 2))
-
-  if kv.k_scale_BSG is None:
-    return LayerKV(put(kv.k_BSGK, k_BTGK), put(kv.v_BSGK, v_BTGK))
-  (k_q, k_scale), (v_q, v_scale) = quantize_kv(k_BTGK), quantize_kv(v_BTGK)
-  return LayerKV(put(kv.k_BSGK, k_q), put(kv.v_BSGK, v_q), put(kv.k_scale_BSG, k_scale),
-                 put(kv.v_scale_BSG, v_scale))
-
-
-def rolling_slots(end: jax.Array, t: int, s: int) -> tuple[int, jax.Array]:
-  """For T tokens written from time `end` into a rolling cache of S slots: (how many of the last ones are kept,
-  their slots)."""
-  kept = min(t, s)
-  return kept, (end + t - kept + jnp.arange(kept)) % s
-
-
-def _write_rolling(kv: LayerKV, k_BTGK: jax.Array, v_BTGK: jax.Array, end: jax.Array) -> LayerKV:
-  kept, slots = rolling_slots(end, k_BTGK.shape[1], kv.k_BSGK.shape[1])
-  put = lambda cache, new: cache.at[:, slots].set(new[:, -kept:].astype(cache.dtype))
-  if kv.k_scale_BSG is None:
-    return LayerKV(put(kv.k_BSGK, k_BTGK), put(kv.v_BSGK, v_BTGK))
-  (k_q, k_scale), (v_q, v_scale) = quantize_kv(k_BTGK), quantize_kv(v_BTGK)
-  return LayerKV(put(kv.k_BSGK, k_q), put(kv.v_BSGK, v_q), put(kv.k_scale_BSG, k_scale),
-                 put(kv.v_scale_BSG, v_scale))
-
-
-def _read_kv(kv: LayerKV, dtype) -> tuple[jax.Array, jax.Array]:
-  if kv.k_scale_BSG is None:
-    return kv.k_BSGK, kv.v_BSGK
-  dequantize = lambda q, scale: (q.astype(jnp.float32) * scale[..., None]).astype(dtype)
-  return dequantize(kv.k_BSGK, kv.k_scale_BSG), dequantize(kv.v_BSGK, kv.v_scale_BSG)
 
 
 class Attention(nnx.Module):
@@ -382,8 +223,8 @@ class Attention(nnx.Module):
     """Writes the T new keys/values at cache slots end..end+T-1 (quantized first in an int8 cache), attends over the
     whole cache (the mask hides the empty slots), and returns (output, updated layer cache)."""
     q, k, v = self._qkv(x_BTD, rotary)
-    kv = _write_kv(kv, k, v, end)
-    k_BSGK, v_BSGK = _read_kv(kv, q.dtype)
+    kv = kv_cache.write_kv(kv, k, v, end)
+    k_BSGK, v_BSGK = kv_cache.read_kv(kv, q.dtype)
     # The reference kernel: the cache has more slots than queries, which the causal-block kernels do not take.
     return self._out(self.kernels.attend_reference(q, k_BSGK, v_BSGK, mask_BTS, self.softcap)), kv
 
@@ -393,10 +234,10 @@ class Attention(nnx.Module):
     ones and themselves (U = S + T keys; the mask keeps the window), then the last min(T, S) of them overwrite the
     slots of the oldest, slot (time mod S)."""
     q, k, v = self._qkv(x_BTD, rotary)
-    cached_k, cached_v = _read_kv(kv, q.dtype)
+    cached_k, cached_v = kv_cache.read_kv(kv, q.dtype)
     out = self.kernels.attend_reference(q, jnp.concatenate([cached_k, k.astype(q.dtype)], axis=1),
                                         jnp.concatenate([cached_v, v.astype(q.dtype)], axis=1), mask_BTU, self.softcap)
-    return self._out(out), _write_rolling(kv, k, v, end)
+    return self._out(out), kv_cache.write_rolling(kv, k, v, end)
 
 
 # ----------------------------------------------------------------------------------------------- MLPs
