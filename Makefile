@@ -32,8 +32,10 @@ install-test: $(VENV)/.installed-test
 demo: install
 	$(CPU_DEVICES) $(PY) experiments/train_lm.py --config=experiments/configs/demo.py --workdir=runs/demo
 
+# --no-loadscope-reorder: xdist would hand out the files by their number of tests; tests/conftest.py orders them
+# longest first, so the two workers end together.
 test: install-test
-	$(CPU_DEVICES) $(PY) -m pytest -n 2 --dist loadfile tests
+	$(CPU_DEVICES) $(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder tests
 
 # Kills a small training run at random moments (SIGKILL and SIGTERM), resumes it each time and checks every step's
 # loss against an uninterrupted run, bit for bit (experiments/soak.py; about 15 s per kill on a 2-core CPU).
