@@ -2,7 +2,7 @@
 XLM-RoBERTa, DistilBERT, ModernBERT): each family is a set of options of the one encoder (jaxlm/models/bert.py), read
 from its config.json (a variant jaxlm does not build is a one-line error naming the key) and written back with the
 model_type those options imply (XLM-RoBERTa, RoBERTa's architecture, is told apart by model.hf_model_type). The
-tables follow hf_weights.Rule; hf_weights.py loads and saves with them.
+tables are hf_rules.Rule lists; hf_weights.py loads and saves with them.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Callable
 from flax import nnx
 
 from jaxlm.config import ModelConfig
-from jaxlm.interop import hf_keys, hf_weights
+from jaxlm.interop import hf_keys, hf_rules
 from jaxlm.models.bert import Bert, BertForMaskedLM, BertForSequenceClassification
 
 # model_type -> the prefix of its HF class names (<prefix>Model, <prefix>ForMaskedLM, ...).
@@ -185,7 +185,7 @@ def encoder_hf_keys(model: nnx.Module, common: dict) -> dict:
 # ----------------------------------------------------------------------------------------------- the weights' tables
 
 
-def rules(model: nnx.Module) -> tuple[list[tuple[str, str, hf_weights.Rule]], str]:
+def rules(model: nnx.Module) -> tuple[list[tuple[str, str, hf_rules.Rule]], str]:
   """hf_weights._rules of an encoder: (HF prefix, jaxlm prefix, rule) for every parameter, and the HF base prefix."""
   c = model.config
   name = _architecture(family(c))
@@ -200,24 +200,24 @@ def rules(model: nnx.Module) -> tuple[list[tuple[str, str, hf_weights.Rule]], st
 
 
 def _rule(kind: str, hf_name: str, shape: tuple[int, ...], *paths: str, fill: float | None = None
-          ) -> hf_weights.Rule:
-  return hf_weights.Rule(kind, hf_name, shape, paths, fill)
+          ) -> hf_rules.Rule:
+  return hf_rules.Rule(kind, hf_name, shape, paths, fill)
 
 
-def _linear(hf_name: str, out: int, inp: int, w: str, b: str | None = None) -> list[hf_weights.Rule]:
+def _linear(hf_name: str, out: int, inp: int, w: str, b: str | None = None) -> list[hf_rules.Rule]:
   """An nn.Linear (weight [out, in], bias [out]) <-> the jaxlm parameters `w` and `b` (None: no bias)."""
   return [_rule("linear", f"{hf_name}.weight", (out, inp), w)] + (
       [_rule("copy", f"{hf_name}.bias", (out,), b)] if b else [])
 
 
-def _norm(hf_name: str, d: int, path: str, bias: bool = True, identity_first: bool = False) -> list[hf_weights.Rule]:
+def _norm(hf_name: str, d: int, path: str, bias: bool = True, identity_first: bool = False) -> list[hf_rules.Rule]:
   """A LayerNorm <-> `path`/scale (and /bias); `identity_first`: layer 0 has none in HF (an Identity)."""
   scale = _rule("copy", f"{hf_name}.weight", (d,), f"{path}/scale", fill=1.0 if identity_first else None)
   return [scale] + ([_rule("copy", f"{hf_name}.bias", (d,), f"{path}/bias", fill=0.0 if identity_first else None)]
                     if bias else [])
 
 
-def _bert_rules(c: ModelConfig, with_pooler: bool) -> list[hf_weights.Rule]:
+def _bert_rules(c: ModelConfig, with_pooler: bool) -> list[hf_rules.Rule]:
   """BERT's and RoBERTa's encoder (RoBERTa's position table holds position_start more rows)."""
   d, f, layer = c.d_model, c.mlp_width, "encoder.layer.{i}."
   table = [_rule("copy", "embeddings.word_embeddings.weight", (c.vocab_size, d), "token_embed/embedding"),
@@ -235,7 +235,7 @@ def _bert_rules(c: ModelConfig, with_pooler: bool) -> list[hf_weights.Rule]:
                   *(_linear("pooler.dense", d, d, "pooler/w", "pooler/b") if with_pooler else [])]
 
 
-def _distilbert_rules(c: ModelConfig) -> list[hf_weights.Rule]:
+def _distilbert_rules(c: ModelConfig) -> list[hf_rules.Rule]:
   d, f, layer = c.d_model, c.mlp_width, "transformer.layer.{i}."
   table = [_rule("copy", "embeddings.word_embeddings.weight", (c.vocab_size, d), "token_embed/embedding"),
            _rule("copy", "embeddings.position_embeddings.weight", (c.max_seq_len, d), "position_embed/embedding"),
@@ -248,7 +248,7 @@ def _distilbert_rules(c: ModelConfig) -> list[hf_weights.Rule]:
                   *_norm(layer + "output_layer_norm", d, "blocks/mlp_norm")]
 
 
-def _modernbert_rules(c: ModelConfig) -> list[hf_weights.Rule]:
+def _modernbert_rules(c: ModelConfig) -> list[hf_rules.Rule]:
   """q, k, v in one nn.Linear (Wqkv) and the GeGLU's input (activated) and gate halves in another (Wi)."""
   d, f, bias, layer = c.d_model, c.mlp_width, c.norm_bias, "layers.{i}."
   return [_rule("copy", "embeddings.tok_embeddings.weight", (c.vocab_size, d), "token_embed/embedding"),
@@ -271,7 +271,7 @@ _MLM_HEADS = {"bert": ("cls.predictions.transform.dense", "cls.predictions.trans
               "modernbert": ("head.dense", "head.norm", "decoder.bias")}
 
 
-def _head_rules(model: nnx.Module, name: str) -> list[hf_weights.Rule]:
+def _head_rules(model: nnx.Module, name: str) -> list[hf_rules.Rule]:
   """Rules outside the base model's prefix: the masked-LM or classification head."""
   c, d = model.config, model.config.d_model
   if isinstance(model, BertForMaskedLM):

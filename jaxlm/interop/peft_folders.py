@@ -8,7 +8,7 @@
 The folder is what `peft.PeftModel.from_pretrained(hf_base_model, folder)` loads: adapter_config.json (peft_type
 LORA, r, lora_alpha, the target modules by their full HF names, modules_to_save for a classifier head) and
 adapter_model.safetensors (`base_model.model.<module>.lora_A.weight` [r, in], `lora_B.weight` [out, r]). HF module
-names come from jaxlm/interop/hf_weights.py's tables. GPT-2 keeps q, k and v in one Conv1D (c_attn): its three adapters
+names come from the tables of jaxlm/interop/hf_rules.py and hf_encoders.py. GPT-2 keeps q, k and v in one Conv1D (c_attn): its three adapters
 are written as one of rank 3r (A stacked, B block-diagonal, alpha 3 alpha: the same update exactly) and split back on
 import; ModernBERT's Wqkv and Wi alike. Parts that share one A (a fused module's adapter as peft trains it) are
 written back as that adapter. Only safetensors are read; anything but plain LoRA (DoRA, rsLoRA, biases, other peft
@@ -28,7 +28,7 @@ import numpy as np
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from jaxlm.interop import hf_weights
+from jaxlm.interop import hf_rules, hf_weights
 from jaxlm.adapters import lora
 from jaxlm.models.bert import Bert, BertForSequenceClassification
 from jaxlm.models.gpt import GPT
@@ -66,7 +66,7 @@ def _weight_modules(model: nnx.Module) -> dict[str, tuple[str, ...]]:
   return modules
 
 
-def _head_modules(model: nnx.Module) -> dict[str, tuple[hf_weights.Rule, str]]:
+def _head_modules(model: nnx.Module) -> dict[str, tuple[hf_rules.Rule, str]]:
   """HF tensor name -> (rule, jaxlm path) of the classification head trained whole (lora.HEAD_PREFIXES): peft's
   modules_to_save."""
   rules, _ = hf_weights._rules(model)
@@ -135,7 +135,7 @@ def save_adapters(model: nnx.Module, folder: str, base_model_name_or_path: str =
   if isinstance(model, BertForSequenceClassification):
     modules_to_save = ["classifier"]  # peft also matches the modules whose names end with it (pre_classifier)
     for name, (rule, path) in _head_modules(model).items():
-      tensors[PREFIX + name] = np.ascontiguousarray(hf_weights._to_hf(rule, [_host(params[path])]))
+      tensors[PREFIX + name] = np.ascontiguousarray(hf_rules.to_hf(rule, [_host(params[path])]))
   config = {
       "peft_type": "LORA", "task_type": _task_type(model), "r": int(rank), "lora_alpha": _number(scale * rank),
       "target_modules": targets, "modules_to_save": modules_to_save, "rank_pattern": rank_pattern,
@@ -209,7 +209,7 @@ def read_adapters(folder: str, model: nnx.Module) -> tuple[dict, float]:
       found.setdefault(match.group(1), {})[match.group(2)] = value
     elif key in head_modules:
       rule, head_path = head_modules[key]
-      head[head_path] = hf_weights._to_jax(rule, value, [shapes[head_path]])[0]
+      head[head_path] = hf_rules.to_jax(rule, value, [shapes[head_path]])[0]
     else:
       raise ValueError(f"{path}: tensor {name} is not a LoRA A/B matrix or the classifier head; jaxlm reads plain "
                        f"LoRA adapters")
