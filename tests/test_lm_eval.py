@@ -3,6 +3,7 @@ training loss kernel) for float and int8 weights, on one device and a mesh; roll
 log-probs; tasks defined from local files run offline end to end; a task that needs a download is a one-line error;
 under a chat template generation stops at the end-of-turn token and lm-eval's apply_chat_template writes the turns."""
 
+import dataclasses
 import json
 import re
 
@@ -244,3 +245,25 @@ def test_generate_until_stops_at_the_chat_templates_end_of_turn_and_lm_eval_appl
   assert metrics == {"chat_gen/exact_match": 1.0}
   with pytest.raises(ValueError, match=r"^apply_chat_template needs a chat template: give JaxlmLM a chat_folder"):
     harness.evaluate(plain, ["chat_gen"], include_path=str(tasks), apply_chat_template=True)
+
+
+# Gemma 2's options (windowed and global layers, soft-capped scores and logits) and Mistral's (every layer windowed:
+# generation keeps a rolling cache): lm-eval's three request kinds run, and a choice scores as the training loss does.
+FAMILIES = {"gemma2": dict(sliding_window=5, global_attention_every=2, attention_softcap=5.0, logit_softcap=3.0,
+                           block_norms="sandwich", norm_plus_one=True, scale_embeddings=True,
+                           glu_activation="gelu_tanh", query_pre_attn_scalar=12.0),
+            "mistral": dict(sliding_window=5)}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_lm_eval_runs_on_windowed_and_soft_capped_families(setup, reference, family):
+  config = dataclasses.replace(CONFIG, **FAMILIES[family])
+  graphdef, state = nnx.split(GPT(config, rngs=nnx.Rngs(0)))
+  params = state.to_pure_dict()
+  lm = harness.JaxlmLM(graphdef, params, setup["tokenizer"], batch_size=BATCH)
+  metrics = harness.flat_metrics(harness.evaluate(lm, ["local_choice", "local_text", "local_gen"],
+                                                  include_path=setup["tasks"]))
+  assert all(np.isfinite(v) for v in metrics.values()), metrics
+  (context, continuation), = _pairs(setup["tokenizer"], [(CHOICES[0]["question"], CHOICES[0]["choices"][0])])
+  ours = lm.loglikelihood(_requests("loglikelihood", [(CHOICES[0]["question"], CHOICES[0]["choices"][0])]))[0][0]
+  np.testing.assert_allclose(ours, reference(graphdef, params, context, continuation)[0], rtol=1e-5)
