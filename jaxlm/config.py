@@ -458,6 +458,9 @@ def validate_experts(m: ModelConfig) -> None:
   if m.experts_per_token > m.num_experts:
     raise ValueError(f"model.experts_per_token={m.experts_per_token} exceeds model.num_experts={m.num_experts}; "
                      "route each token to at most num_experts experts")
+  if m.glu_activation != "silu":
+    raise ValueError(f"model.glu_activation={m.glu_activation} with model.num_experts={m.num_experts}: the experts' "
+                     "MLPs are SwiGLU; use model.glu_activation=silu")
 
 
 def validate_expert_axis(config: Config) -> None:
