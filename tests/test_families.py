@@ -74,3 +74,23 @@ def test_int8_pruning_and_nf4_qlora_take_a_gemma_model():
   merged_out = np.asarray(nnx.merge(graphdef, lora.merge(lora_params))(IDS))
   np.testing.assert_allclose(qlora_out, merged_out, rtol=1e-4, atol=1e-4)
   assert 0 < np.linalg.norm(qlora_out - reference) / np.linalg.norm(reference) < 0.5  # 4-bit random weights
+
+
+def test_instruction_tuning_resolves_kernels_for_the_checkpoints_model(tmp_path):
+  """The experiment file's model is a placeholder: the run's kernels and mesh checks see init_from's model (a Gemma
+  checkpoint: soft-capping, so the reference attention and full-logits loss), read from its config.json alone."""
+  from jaxlm import config as config_lib  # noqa: PLC0415
+  from jaxlm.interop import hf_weights  # noqa: PLC0415
+  from jaxlm.recipes import instruction_tuning  # noqa: PLC0415
+  from jaxlm.training import loop  # noqa: PLC0415
+  hf_weights.save_pretrained(GPT(GEMMA2, rngs=nnx.Rngs(0)), str(tmp_path / "gemma"))
+  raw = config_lib.default_config()
+  raw.init_from, raw.model.flavour, raw.model.compute_dtype = str(tmp_path / "gemma"), "llama", "float32"
+  raw.data.seq_len = 0  # chosen from the data
+  config = instruction_tuning.with_source_model(config_lib.from_config_dict(raw))
+  assert (config.model.attention_softcap, config.model.sliding_window) == (5.0, 5)
+  _, _, kernels = loop.prepare_run(config, str(tmp_path / "run"), causal=True)
+  assert (kernels.attention, kernels.cross_entropy) == ("xla", "logits")
+  raw.mesh.context, raw.mesh.data = 2, 2
+  with pytest.raises(ValueError, match="ring attention has no sliding window"):
+    instruction_tuning.with_source_model(config_lib.from_config_dict(raw))

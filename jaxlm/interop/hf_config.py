@@ -6,6 +6,8 @@ The weights' names and shapes are jaxlm/interop/hf_weights.py's tables.
 
 from __future__ import annotations
 
+import json
+import os
 from typing import Callable
 
 from flax import nnx
@@ -62,3 +64,19 @@ def hf_config(model: nnx.Module) -> dict:
   if isinstance(model, GPT):
     return hf_decoders.decoder_hf_keys(c, common)
   return hf_encoders.encoder_hf_keys(model, common)
+
+
+def model_config_from_file(path: str, compute_dtype: str = "float32", param_dtype: str = "float32") -> ModelConfig:
+  """The ModelConfig an HF config.json describes (`path`: the file, or a folder holding it), from that file alone:
+  the model is built abstractly (no weights), as jaxlm.interop.hf_weights builds it. A key jaxlm cannot read is a
+  one-line error naming it."""
+  where = os.path.join(path, "config.json") if os.path.isdir(path) else path
+  if not os.path.isfile(where):
+    raise ValueError(f"{where}: not found; give an HF config.json or a folder holding one")
+  with open(where) as f:
+    try:
+      hf = json.load(f)
+    except json.JSONDecodeError as e:
+      raise ValueError(f"{where}: not JSON ({e})") from None
+  make = model_from_hf_config(hf, where, set(), compute_dtype, param_dtype)
+  return nnx.eval_shape(lambda: make(nnx.Rngs(0))).config

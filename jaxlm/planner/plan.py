@@ -54,20 +54,11 @@ from jaxlm.training import steps as steps_lib
 
 def with_hf_model(config: Config, path: str) -> Config:
   """`config` with the model an HF config.json describes (`path`: the file, or a folder holding it), from that file
-  alone: the model is built abstractly (no weights), as `jaxlm.interop.hf_weights` builds it, and its shape replaces
-  `config.model`; the precision (model.compute_dtype, model.param_dtype) stays the config's. A key jaxlm cannot read
-  is a one-line error naming it."""
-  where = os.path.join(path, "config.json") if os.path.isdir(path) else path
-  if not os.path.isfile(where):
-    raise ValueError(f"{where}: not found; give an HF config.json or a folder holding one")
-  with open(where) as f:
-    try:
-      hf = json.load(f)
-    except json.JSONDecodeError as e:
-      raise ValueError(f"{where}: not JSON ({e})") from None
+  alone (`hf_config.model_config_from_file`, no weights); the precision (model.compute_dtype, model.param_dtype)
+  stays the config's. A key jaxlm cannot read is a one-line error naming it."""
   m = config.model
-  make = hf_config_lib.model_from_hf_config(hf, where, set(), m.compute_dtype, m.param_dtype)
-  config = dataclasses.replace(config, model=nnx.eval_shape(lambda: make(nnx.Rngs(0))).config)
+  config = dataclasses.replace(config, model=hf_config_lib.model_config_from_file(path, m.compute_dtype,
+                                                                                  m.param_dtype))
   validate(config)
   return config
 

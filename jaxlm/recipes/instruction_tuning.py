@@ -36,13 +36,14 @@ import tokenizers
 from flax import nnx
 from jax.sharding import Mesh
 
+from jaxlm import config as config_lib
 from jaxlm.adapters import lora
 from jaxlm.config import Config, ModelConfig
 from jaxlm.data import chat
 from jaxlm.data import instructions as instr_data
 from jaxlm.data import load_tokenizer, make_train_iterator, seq_lengths
 from jaxlm.inference import generate
-from jaxlm.interop import hf_weights, peft_folders, streaming
+from jaxlm.interop import hf_config, hf_weights, peft_folders, streaming
 from jaxlm.kernels import Kernels
 from jaxlm.models.gpt import FLAVOURS, GPT
 from jaxlm.recipes import data_defaults
@@ -106,11 +107,39 @@ def load_decoder(config: Config, mesh: Mesh) -> Decoder:
   return Decoder(dataclasses.replace(model_config, document_mask=True, **precision), tokenizer, params, chat_folder)
 
 
+def with_source_model(config: Config) -> Config:
+  """`config` with the model init_from holds, read from its config.json alone (no weights) in the config's precision,
+  and validated: the kernels and the mesh checks then see the checkpoint's model (its window, soft-capping, layer
+  pattern) rather than the experiment file's placeholder. A folder that is neither kind is load_decoder's error."""
+  source, m = config.init_from, config.model
+  precision = dict(compute_dtype=m.compute_dtype, param_dtype=m.param_dtype)
+  if not source or not os.path.isdir(source):
+    return config
+  if os.path.isdir(os.path.join(source, "checkpoints")) and os.path.isfile(os.path.join(source, "config.json")):
+    model = config_lib.from_run_file(os.path.join(source, "config.json")).model
+  elif os.path.isfile(os.path.join(source, "config.json")):
+    model = hf_config.model_config_from_file(source, **precision)
+  else:
+    return config
+  if model.flavour not in FLAVOURS:
+    return config  # load_decoder names the problem
+  config = dataclasses.replace(config, model=dataclasses.replace(model, document_mask=True, **precision))
+  _check_seq_len(config.data.seq_len, config.model)
+  config_lib.validate(config)
+  return config
+
+
+def _check_seq_len(seq_len: int, model: ModelConfig) -> None:
+  if seq_len > model.max_seq_len:
+    raise ValueError(f"data.seq_len={seq_len} exceeds the model's {model.max_seq_len} positions; lower "
+                     f"data.seq_len or set it to 0 to choose it from the data")
+
+
 def instruction_tune(config: Config, workdir: str, stop_at_step: int | None = None) -> dict:
   """Instruction-tunes (or resumes) a decoder into `workdir`; returns the final evaluation (also in eval.json)."""
   with reliability.StopSignals() as stop:
     started = time.time()
-    config, mesh, kernels = loop.prepare_run(config, workdir, causal=True)
+    config, mesh, kernels = loop.prepare_run(with_source_model(config), workdir, causal=True)
     config, task = instruction_task(config, workdir, mesh, kernels)
     return loop.run_loop(config, workdir, mesh, task, stop, stop_at_step, started)
 
@@ -120,9 +149,7 @@ def instruction_task(config: Config, workdir: str, mesh: Mesh, kernels: Kernels)
   t, d = config.train, config.data
   decoder = load_decoder(config, mesh)
   model_config = decoder.model_config
-  if d.seq_len > model_config.max_seq_len:
-    raise ValueError(f"data.seq_len={d.seq_len} exceeds the model's {model_config.max_seq_len} positions; lower "
-                     f"data.seq_len or set it to 0 to choose it from the data")
+  _check_seq_len(d.seq_len, model_config)
   data = instr_data.build_instruction_data(d, decoder.tokenizer, t.seed, os.path.join(workdir, "data_cache", "hf"),
                                            model_config.max_seq_len, decoder.chat_folder)
   derived_steps, chosen_seq_len = t.steps == 0, d.seq_len == 0
