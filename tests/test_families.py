@@ -94,3 +94,16 @@ def test_instruction_tuning_resolves_kernels_for_the_checkpoints_model(tmp_path)
   raw.mesh.context, raw.mesh.data = 2, 2
   with pytest.raises(ValueError, match="ring attention has no sliding window"):
     instruction_tuning.with_source_model(config_lib.from_config_dict(raw))
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(norm_plus_one=True), "model.norm_plus_one without the rest of Gemma's options"),
+    (dict(attention_softcap=5.0), "model.attention_softcap=5.0 outside Gemma's options"),
+    (dict(sliding_window=5, global_attention_every=2), "model.global_attention_every=2 outside Gemma's options"),
+    (dict(hf_model_type="phi3", qk_norm="head"), "hf_model_type=phi3 has no HF counterpart"),
+])
+def test_an_export_never_drops_an_option_silently(changes, message):
+  from jaxlm.interop import hf_decoders  # noqa: PLC0415
+  with pytest.raises(ValueError, match=message):
+    hf_decoders.hf_family(dataclasses.replace(LLAMA, **changes))
+  assert hf_decoders.hf_family(GEMMA2) == "gemma2"

@@ -402,6 +402,24 @@ def test_unbuilt_variants_of_a_family_are_one_line_errors(hf_folders, tmp_path, 
   assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("name, edit", [
+    ("gemma2", lambda c: c.pop("layer_types")),  # a hub config.json: the pattern is HF's default
+    ("gemma3", lambda c: (c.pop("layer_types"), c.update(sliding_window_pattern=2))),
+])
+def test_hub_style_gemma_configs_without_layer_types_follow_hfs_default_pattern(hf_folders, tmp_path, name, edit):
+  folder = tmp_path / name
+  shutil.copytree(hf_folders[name][0], folder)
+  config = json.loads((folder / "config.json").read_text())
+  edit(config)
+  (folder / "config.json").write_text(json.dumps(config))
+  reference = transformers.AutoModelForCausalLM.from_pretrained(str(folder)).eval()
+  with torch.no_grad():
+    expected = reference(torch.tensor(IDS)).logits.numpy()
+  model = hf_weights.from_pretrained(str(folder))
+  assert model.config.global_attention_every == 2
+  assert _rel(model(jnp.asarray(IDS)), expected) <= TOL
+
+
 def test_remote_code_is_refused(gpt2_folder):
   _edit_config(gpt2_folder, auto_map={"AutoModel": "modeling_x.X"})
   with pytest.raises(ValueError, match="never runs remote code"):

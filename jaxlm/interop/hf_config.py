@@ -54,6 +54,10 @@ def hf_config(model: nnx.Module) -> dict:
   common = {"vocab_size": c.vocab_size, "initializer_range": c.init_std, "torch_dtype": c.param_dtype,
             "bos_token_id": None, "eos_token_id": None}
   if isinstance(model, GPT) and c.flavour == "gpt2":
+    extras = {"sliding_window": c.sliding_window, "attention_softcap": c.attention_softcap,
+              "logit_softcap": c.logit_softcap, "query_pre_attn_scalar": c.query_pre_attn_scalar}
+    if key := next((k for k, v in extras.items() if v), None):
+      raise ValueError(f"model.{key}={extras[key]}: HF GPT-2 has none; export a llama-flavoured model (Mistral, Gemma)")
     if (c.num_kv_heads or c.num_heads) != c.num_heads:
       raise ValueError(f"model.num_kv_heads={c.num_kv_heads}: HF GPT-2 has no grouped-query attention; use llama")
     return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_layer": c.num_layers,

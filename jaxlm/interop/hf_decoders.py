@@ -16,7 +16,19 @@ DECODER_FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"
                     "olmoe": "OlmoeForCausalLM", "olmo2": "Olmo2ForCausalLM", "gemma2": "Gemma2ForCausalLM",
                     "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM"}
 GEMMAS = ("gemma2", "gemma3_text")
+WINDOWED = ("mistral", "mixtral", "phi3", *GEMMAS)  # the families whose HF attention reads sliding_window
+GATED_WINDOW = ("qwen2", "qwen3", "qwen3_moe")  # sliding_window only with use_sliding_window, which jaxlm refuses
 ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "yarn")
+
+
+def _default_layer_types(hf: dict, model_type: str) -> list[str]:
+  """HF's layer pattern when config.json has no layer_types: Gemma 2 alternates windowed and global layers, Gemma 3
+  makes every sliding_window_pattern-th layer global (6 by default)."""
+  every = {"gemma2": 2, "gemma3_text": hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") or 6}
+  if model_type not in every:
+    return []
+  return ["sliding_attention" if (i + 1) % every[model_type] else "full_attention"
+          for i in range(hf.get("num_hidden_layers", 0))]
 
 
 def _global_every(layer_types: list[str], where: str) -> int:
@@ -55,11 +67,12 @@ def decoder_config(hf: dict, where: str, common: dict) -> ModelConfig:
   need(act in ("silu", "gelu_pytorch_tanh"), act_key, "silu, gelu_pytorch_tanh")
   need(not hf.get("attention_bias") and not hf.get("mlp_bias"), "attention_bias", "no biases")
   need(not hf.get("use_bidirectional_attention"), "use_bidirectional_attention", "false")
-  window = hf.get("sliding_window") or 0
-  if model_type == "qwen2":  # Qwen2 keeps a sliding_window it does not use unless use_sliding_window
+  max_positions = get("max_position_embeddings", 2048)
+  if model_type in GATED_WINDOW:  # they keep a sliding_window they use only with use_sliding_window (per layer)
     need(not hf.get("use_sliding_window"), "use_sliding_window", "false")
-    window = 0
-  layer_types = hf.get("layer_types") or []
+  window = (hf.get("sliding_window") or 0) if model_type in WINDOWED else 0
+  window = 0 if window >= max_positions else window  # a window as long as the context is none
+  layer_types = hf.get("layer_types") or _default_layer_types(hf, model_type)
   every = _global_every(layer_types, where) if window and layer_types else 0
   if window and layer_types and "sliding_attention" not in layer_types:
     window = 0  # every layer full
@@ -68,24 +81,32 @@ def decoder_config(hf: dict, where: str, common: dict) -> ModelConfig:
   if model_type in ("llama", "mixtral"):
     need(head_dim == d // h, "head_dim", "hidden_size / num_attention_heads")
   theta = float(rope.get("rope_theta") or hf.get("rope_theta") or 10000.0)
-  local_theta = float(local_rope.get("rope_theta") or hf.get("rope_local_base_freq") or 0.0)
-  if window and not every and local_theta:  # every layer sliding: they all take the local base
-    theta, local_theta = local_theta, 0.0
+  local_theta = 0.0
+  if model_type == "gemma3_text":  # windowed layers: the default rotary at their own base
+    local_theta = float(local_rope.get("rope_theta") or hf.get("rope_local_base_freq") or 10000.0)
+    if window and not every:  # every layer windowed: all of them take it
+      theta, local_theta, rope, rope_type = local_theta, 0.0, {}, "default"
+  # Phi-3 keeps the pretrained context at the top level, which HF reads first; yarn's factor defaults to the ratio.
+  original = ((hf.get("original_max_position_embeddings") if model_type == "phi3" else None)
+              or rope.get("original_max_position_embeddings") or hf.get("original_max_position_embeddings")
+              or max_positions)
+  factor = rope.get("factor") or (max_positions / original if rope_type == "yarn" else 1.0)
   config = ModelConfig(
       flavour="llama", num_layers=get("num_hidden_layers"), d_model=d, num_heads=h,
       num_kv_heads=get("num_key_value_heads", None) or h, d_ff=get("intermediate_size"),
       attention_head_dim=0 if head_dim * h == d else head_dim,
       qk_norm={"qwen3": "head", "qwen3_moe": "head", "olmoe": "full", "olmo2": "full",
                "gemma3_text": "head"}.get(model_type, ""),
-      qkv_bias=model_type == "qwen2", max_seq_len=get("max_position_embeddings", 2048),
+      qkv_bias=model_type == "qwen2", max_seq_len=max_positions,
       layer_norm_eps=get("rms_norm_eps", 1e-6), rope_theta=theta,
-      rope_scaling="" if rope_type == "default" else rope_type, rope_factor=float(rope.get("factor") or 1.0),
+      rope_scaling="" if rope_type == "default" else rope_type, rope_factor=float(factor),
       rope_low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
       rope_high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
-      rope_original_max_positions=int(rope.get("original_max_position_embeddings") or 8192),
+      rope_original_max_positions=(int(original) if rope_type in ("llama3", "yarn") or model_type == "phi3" else
+                                   ModelConfig.rope_original_max_positions),
       rope_beta_fast=float(rope.get("beta_fast") or 32.0), rope_beta_slow=float(rope.get("beta_slow") or 1.0),
       rope_attention_factor=float(rope.get("attention_factor") or 0.0),
-      rope_local_theta=local_theta if every and local_theta != theta else 0.0,
+      rope_local_theta=local_theta if every else 0.0,
       sliding_window=window, global_attention_every=every,
       attention_softcap=float(hf.get("attn_logit_softcapping") or 0.0) if gemma else 0.0,
       logit_softcap=float(hf.get("final_logit_softcapping") or 0.0) if gemma else 0.0,
@@ -116,26 +137,44 @@ def decoder_config(hf: dict, where: str, common: dict) -> ModelConfig:
 
 
 def hf_family(c: ModelConfig) -> str:
-  """The HF model_type of a llama-flavoured jaxlm decoder, from its options."""
-  if c.hf_model_type:
-    return c.hf_model_type
-  gemma = (c.norm_plus_one, c.scale_embeddings, c.glu_activation) == (True, True, "gelu_tanh")
-  plain = not c.num_experts and not c.qkv_bias
-  if gemma:
-    family = ({"": "gemma2", "head": "gemma3_text"}.get(c.qk_norm) if plain and c.block_norms == "sandwich"
-              else None)
+  """The HF model_type of a llama-flavoured jaxlm decoder, from its options; a combination no HF family holds (which
+  an export would silently drop) is a one-line error."""
+  def refuse(what: str) -> ValueError:
+    return ValueError(f"{what} has no HF counterpart jaxlm writes (docs/models.md lists each family's options)")
+
+  gemma = {"norm_plus_one": c.norm_plus_one, "scale_embeddings": c.scale_embeddings,
+           "glu_activation=gelu_tanh": c.glu_activation == "gelu_tanh",
+           "block_norms=sandwich": c.block_norms == "sandwich"}
+  if any(gemma.values()):
+    family = {"": "gemma2", "head": "gemma3_text"}.get(c.qk_norm)
+    if not all(gemma.values()) or c.num_experts or c.qkv_bias or c.hf_model_type or family is None:
+      raise refuse(f"model.{next(k for k, v in gemma.items() if v)} without the rest of Gemma's options "
+                   f"(Gemma: {', '.join(gemma)}, qk_norm '' or head, no experts or q/k/v biases)")
     if family == "gemma2" and (c.rope_local_theta or c.global_attention_every not in (0, 2)):
-      family = None
+      raise refuse(f"Gemma 2 with model.rope_local_theta={c.rope_local_theta} or model.global_attention_every="
+                   f"{c.global_attention_every} (Gemma 2: every second layer global, one rotary base)")
+    if family == "gemma3_text" and (c.attention_softcap or c.logit_softcap):
+      raise refuse("Gemma 3 (model.qk_norm=head) with soft-capping")
+    return family
+  gemma_only = {"attention_softcap": c.attention_softcap, "logit_softcap": c.logit_softcap,
+                "query_pre_attn_scalar": c.query_pre_attn_scalar, "global_attention_every": c.global_attention_every,
+                "rope_local_theta": c.rope_local_theta}
+  if any(gemma_only.values()):
+    key = next(k for k, v in gemma_only.items() if v)
+    raise refuse(f"model.{key}={gemma_only[key]} outside Gemma's options")
+  key = (c.qk_norm, bool(c.num_experts), c.qkv_bias, c.block_norms, bool(c.sliding_window))
+  if c.hf_model_type == "phi3":
+    family = "phi3" if key[:4] == ("", False, False, "pre") else None
   else:
     family = {("", False, False, "pre", False): "llama", ("", True, False, "pre", False): "mixtral",
-              ("", False, False, "pre", True): "mistral", ("", False, True, "pre", False): "qwen2",
-              ("head", False, False, "pre", False): "qwen3", ("head", True, False, "pre", False): "qwen3_moe",
-              ("full", True, False, "pre", False): "olmoe", ("full", False, False, "post", False): "olmo2",
-              }.get((c.qk_norm, bool(c.num_experts), c.qkv_bias, c.block_norms, bool(c.sliding_window)))
+              ("", True, False, "pre", True): "mixtral", ("", False, False, "pre", True): "mistral",
+              ("", False, True, "pre", False): "qwen2", ("head", False, False, "pre", False): "qwen3",
+              ("head", True, False, "pre", False): "qwen3_moe", ("full", True, False, "pre", False): "olmoe",
+              ("full", False, False, "post", False): "olmo2"}.get(key)
   if family is None:
-    raise ValueError(f"this combination of decoder options (model.qk_norm={c.qk_norm!r}, num_experts="
-                     f"{c.num_experts}, qkv_bias={c.qkv_bias}, block_norms={c.block_norms}, sliding_window="
-                     f"{c.sliding_window}, Gemma's norms and GeGLU: {gemma}) has no HF counterpart jaxlm writes")
+    raise refuse(f"model.qk_norm={c.qk_norm!r} with num_experts={c.num_experts}, qkv_bias={c.qkv_bias}, "
+                 f"block_norms={c.block_norms}, sliding_window={c.sliding_window}"
+                 + (", hf_model_type=phi3" if c.hf_model_type else ""))
   return family
 
 
