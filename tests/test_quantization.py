@@ -26,6 +26,8 @@ GPT2 = ModelConfig(vocab_size=96, num_layers=2, d_model=32, num_heads=4, max_seq
                    init_std=0.1)
 LLAMA = dataclasses.replace(GPT2, flavour="llama", num_kv_heads=2, d_ff=48, tie_embeddings=False)
 BERT = dataclasses.replace(GPT2, flavour="bert")
+GEMMA = dataclasses.replace(LLAMA, block_norms="sandwich", norm_plus_one=True, scale_embeddings=True,
+                            glu_activation="gelu_tanh", tie_embeddings=True)
 TOKENS = np.random.default_rng(0).integers(0, GPT2.vocab_size, (4, 16)).astype(np.int32)
 CALIBRATION = [np.random.default_rng(s).integers(0, GPT2.vocab_size, (4, 16)).astype(np.int32) for s in (1, 2)]
 
@@ -55,7 +57,8 @@ def _model(name):
   """A small random model, initialised in one compiled program (eager nnx init takes ~10 s on this CPU), shared."""
   if name not in _MODELS:
     make = {"gpt2": lambda: GPT(GPT2, rngs=nnx.Rngs(0)), "llama": lambda: GPT(LLAMA, rngs=nnx.Rngs(0)),
-            "bert": lambda: BertForSequenceClassification(BERT, 5, rngs=nnx.Rngs(0))}[name]
+            "bert": lambda: BertForSequenceClassification(BERT, 5, rngs=nnx.Rngs(0)),
+            "gemma": lambda: GPT(GEMMA, rngs=nnx.Rngs(0))}[name]
     graphdef, _ = nnx.split(nnx.eval_shape(make))
     _MODELS[name] = nnx.merge(graphdef, jax.jit(lambda: nnx.split(make())[1])())
   return _MODELS[name]
@@ -233,6 +236,14 @@ def test_smoothing_keeps_the_float_function(name):
   expected = np.sqrt(act) / np.sqrt(np.abs(w).max(axis=2))
   useful = smoothquant.helps(expected, act, np.square(w).sum(axis=2), stacked=True)
   np.testing.assert_allclose(factors[path], np.where(useful[:, None], expected, 1.0), rtol=1e-5)
+
+
+def test_smoothing_keeps_a_gemma_models_function():
+  """Gemma's norms scale by (1 + w): the fold rewrites w so that (1 + w) is divided by the factors."""
+  model, _, smoothed, factors = _smoothed("gemma")
+  np.testing.assert_allclose(_apply(smoothed), _apply(model), rtol=1e-5, atol=1e-5)
+  before, after = (nnx.state(m).to_pure_dict()["blocks"]["attn_norm"]["scale"] for m in (model, smoothed))
+  np.testing.assert_allclose((1 + after) * factors["blocks/attn/w_q"], 1 + before, rtol=1e-5)
 
 
 def test_smoothing_is_kept_where_it_lowers_the_int8_noise_and_left_out_where_it_raises_it():

@@ -128,6 +128,7 @@ def smooth(model: nnx.Module, statistics: dict, strength: float) -> tuple[nnx.Mo
   def input_absmax(name):
     return np.max(statistics[name].absmax, axis=0)  # over calls: [L?, *C]
 
+  plus_one = model.config.norm_plus_one
   for fold in fold_plan(model, set(variables)):
     if not all(c in layout for c in fold.consumers) or not all(p in values for p in fold.producers):
       continue
@@ -146,7 +147,9 @@ def smooth(model: nnx.Module, statistics: dict, strength: float) -> tuple[nnx.Mo
     s_producer, s = (np.where(_per_layer(useful, f.ndim), f, 1.0) for f in (s_producer, s))
     for p in fold.producers:
       v = values[p]
-      values[p] = v / _along(s_producer, v.ndim, tuple(range(v.ndim - len(channels), v.ndim)), stacked)
+      divisor = _along(s_producer, v.ndim, tuple(range(v.ndim - len(channels), v.ndim)), stacked)
+      # Gemma's norms scale by (1 + w): the stored w must become (1 + w) / s - 1.
+      values[p] = (1 + v) / divisor - 1 if plus_one and p.endswith("norm/scale") else v / divisor
       changed.add(p)
     for c in fold.consumers:
       values[c] = values[c] * _along(s, values[c].ndim, layout[c][0], stacked)
