@@ -14,6 +14,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jaxlm.kernels import xla
+
 
 # A large finite negative instead of -inf: a fully masked row then gives a uniform softmax rather than NaNs.
 MASK_VALUE = -1e30
@@ -29,8 +31,7 @@ def dot_product_attention(q_BTHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Arra
   q_BTGRK = q_BTHK.reshape(b, t, g, h // g, k)
   scores_BGRTS = jnp.einsum("btgrk,bsgk->bgrts", q_BTGRK, k_BSGK, preferred_element_type=jnp.float32)
   scores_BGRTS = scores_BGRTS / math.sqrt(k)
-  if softcap:
-    scores_BGRTS = softcap * jnp.tanh(scores_BGRTS / softcap)
+  scores_BGRTS = xla.softcap(scores_BGRTS, softcap)
   scores_BGRTS = jnp.where(mask_BTS[:, None, None], scores_BGRTS, MASK_VALUE)
   probs_BGRTS = jax.nn.softmax(scores_BGRTS, axis=-1).astype(v_BSGK.dtype)  # softmax in f32
   return jnp.einsum("bgrts,bsgk->btgrk", probs_BGRTS, v_BSGK).reshape(b, t, h, k)

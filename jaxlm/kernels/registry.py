@@ -262,6 +262,10 @@ class Kernels:
     """The reference attention, for shapes the faster kernels do not take (decoding against a longer KV cache)."""
     return xla_attention.dot_product_attention(q_BTHK, k_BSGK, v_BSGK, mask_BTS, softcap)
 
+  def softcap(self, x, cap: float) -> jax.Array:
+    """cap * tanh(x / cap) (Gemma 2's output logits); cap 0 leaves x as it is."""
+    return xla.softcap(x, cap)
+
   def layer_norm(self, x, scale, bias, eps: float) -> jax.Array:
     """LayerNorm over the last axis, in f32."""
     if self.norm == "tokamax":

@@ -30,7 +30,6 @@ from jaxlm.models.kv_cache import KVCache, LayerKV, rolling_slots
 from jaxlm.models.layers import MLP, Attention, Embed, GatedMLP, LayerNorm, RMSNorm, scan_blocks, stacked
 from jaxlm.models.rotary import (Rotary, dynamic_frequencies, rotary_frequencies, rotary_tables,
                                  yarn_attention_factor)
-from jaxlm.kernels.xla import softcap
 from jaxlm.models.precision import Policy
 from jaxlm.parallel.sharding import CONTEXT_AXIS, axis_size, constrain, gather_fsdp
 
@@ -182,7 +181,7 @@ class GPT(nnx.Module):
     return self._vocab_logits(self.final_norm(x_BTD))
 
   def _vocab_logits(self, features_BTD: jax.Array) -> jax.Array:
-    logits_BTV = softcap(self._head().attend(features_BTD), self.config.logit_softcap)
+    logits_BTV = self.kernels.softcap(self._head().attend(features_BTD), self.config.logit_softcap)
     return constrain(logits_BTV, ("act_batch", "act_seq", "act_vocab"))
 
   def output_table(self) -> jax.Array:

@@ -17,13 +17,10 @@ CPU, so experiments/plan.py compiles the chosen candidates only and reports both
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import os
 from typing import Any, Iterable, Sequence
 
 import jax
-from flax import nnx
 
 from jaxlm.config import Config, validate, validate_pipeline
 from jaxlm.interop import hf_config as hf_config_lib
