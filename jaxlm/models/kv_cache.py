@@ -62,16 +62,22 @@ def quantize_kv(x_BTGK: jax.Array) -> tuple[jax.Array, jax.Array]:
   return jnp.clip(jnp.round(x / scale_BTG[..., None]), -127, 127).astype(jnp.int8), scale_BTG
 
 
-def write_kv(kv: LayerKV, k_BTGK: jax.Array, v_BTGK: jax.Array, end: jax.Array) -> LayerKV:
-  def put(cache, new):  # at slot `end` of every row, all heads
-    zero = jnp.zeros((), jnp.int32)
-    return jax.lax.dynamic_update_slice(cache, new.astype(cache.dtype), (zero, end) + (zero,) * (cache.ndim - 2))
-
+def _write(kv: LayerKV, k_BTGK: jax.Array, v_BTGK: jax.Array, put) -> LayerKV:
+  """The new keys and values stored with `put(cache, new)`, quantized first in an int8 cache."""
   if kv.k_scale_BSG is None:
     return LayerKV(put(kv.k_BSGK, k_BTGK), put(kv.v_BSGK, v_BTGK))
   (k_q, k_scale), (v_q, v_scale) = quantize_kv(k_BTGK), quantize_kv(v_BTGK)
   return LayerKV(put(kv.k_BSGK, k_q), put(kv.v_BSGK, v_q), put(kv.k_scale_BSG, k_scale),
                  put(kv.v_scale_BSG, v_scale))
+
+
+def write_kv(kv: LayerKV, k_BTGK: jax.Array, v_BTGK: jax.Array, end: jax.Array) -> LayerKV:
+  """The T new keys and values at slots end..end+T-1 of every row."""
+  def put(cache, new):
+    zero = jnp.zeros((), jnp.int32)
+    return jax.lax.dynamic_update_slice(cache, new.astype(cache.dtype), (zero, end) + (zero,) * (cache.ndim - 2))
+
+  return _write(kv, k_BTGK, v_BTGK, put)
 
 
 def rolling_slots(end: jax.Array, t: int, s: int) -> tuple[int, jax.Array]:
@@ -82,13 +88,9 @@ def rolling_slots(end: jax.Array, t: int, s: int) -> tuple[int, jax.Array]:
 
 
 def write_rolling(kv: LayerKV, k_BTGK: jax.Array, v_BTGK: jax.Array, end: jax.Array) -> LayerKV:
+  """The last min(T, S) new keys and values over the oldest slots of a rolling cache (slot = time mod S)."""
   kept, slots = rolling_slots(end, k_BTGK.shape[1], kv.k_BSGK.shape[1])
-  put = lambda cache, new: cache.at[:, slots].set(new[:, -kept:].astype(cache.dtype))
-  if kv.k_scale_BSG is None:
-    return LayerKV(put(kv.k_BSGK, k_BTGK), put(kv.v_BSGK, v_BTGK))
-  (k_q, k_scale), (v_q, v_scale) = quantize_kv(k_BTGK), quantize_kv(v_BTGK)
-  return LayerKV(put(kv.k_BSGK, k_q), put(kv.v_BSGK, v_q), put(kv.k_scale_BSG, k_scale),
-                 put(kv.v_scale_BSG, v_scale))
+  return _write(kv, k_BTGK, v_BTGK, lambda cache, new: cache.at[:, slots].set(new[:, -kept:].astype(cache.dtype)))
 
 
 def read_kv(kv: LayerKV, dtype) -> tuple[jax.Array, jax.Array]:
