@@ -65,8 +65,8 @@ class ModelConfig:
   rope_beta_fast: float = _ranged(32.0, 0, low_open=True)  # yarn: rotations above which frequencies are kept
   rope_beta_slow: float = _ranged(1.0, 0, low_open=True)  # yarn: rotations below which frequencies are divided
   rope_attention_factor: float = _ranged(0.0, 0, note="0 = 0.1 ln(rope_factor) + 1")  # yarn: cos and sin scale
-  rope_local_theta: float = _ranged(0.0, 0, note="0 = model.rope_theta")  # rotary base of the sliding-window layers
-                                                                          # (Gemma 3); 0 = rope_theta
+  rope_local_theta: float = _ranged(0.0, 0, note="0 = the global layers' tables")  # windowed layers' unscaled
+                                         # rotary base (Gemma 3, ModernBERT); 0 = the global layers' tables (Gemma 2)
   sliding_window: int = _ranged(0, 0, note="0 = none")  # decoders: each query sees itself and the window - 1 keys
                                                         # before it (Mistral, Gemma 2/3 local layers); 0 = every key
   global_attention_every: int = _ranged(0, 0, note="0 = every layer windowed")  # with a sliding window: every Nth
