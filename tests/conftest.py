@@ -38,6 +38,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 import jax  # noqa: E402
+import numpy as np  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 if _OWN_CACHE:  # in case a plugin imported jax before this file set the variables
@@ -92,7 +93,6 @@ def load_script(relative_path: str):
 def write_token_corpus(path) -> None:
   """300 JSONL documents of 5-30 random code-like words: a tiny corpus for multi-process and launcher runs."""
   import json  # noqa: PLC0415
-  import numpy as np  # noqa: PLC0415
   rng = np.random.default_rng(0)
   words = ["alpha", "beta", "gamma", "return", "def", "(", ")", ":", "=", "1"]
   with open(path, "w") as f:
@@ -105,7 +105,6 @@ def write_labelled_words(folder, train_rows: int, eval_rows: int) -> int:
   tokenizer.json of those words in `folder`; returns the vocabulary size."""
   import csv  # noqa: PLC0415
 
-  import numpy as np  # noqa: PLC0415
   import tokenizers  # noqa: PLC0415
   rng = np.random.default_rng(0)
   words = ["alpha", "beta", "gamma", "delta", "return", "def", "value", "one", "two"]
@@ -131,3 +130,21 @@ def demo_config(overrides: dict):
     section, name = key.split(".")
     cd[section][name] = (value,) if name == "train_files" else value
   return config_lib.from_config_dict(cd)
+
+
+def relative_difference(ours, reference) -> float:
+  """max|ours - reference| / max|reference| in float64: how the parity tests compare with transformers."""
+  ours, reference = np.asarray(ours, np.float64), np.asarray(reference, np.float64)
+  return float(np.abs(ours - reference).max() / np.abs(reference).max())
+
+
+def perturbed(hf_model):
+  """An HF model with noise on every parameter (HF initialises biases to 0 and norms to 1; noise makes parity cover
+  all of them), in eval mode."""
+  import torch  # noqa: PLC0415  (the hf extra's: only the parity tests call this)
+
+  torch.manual_seed(0)
+  with torch.no_grad():
+    for p in hf_model.parameters():
+      p.add_(0.1 * torch.randn_like(p))
+  return hf_model.eval()

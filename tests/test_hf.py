@@ -12,6 +12,7 @@ import shutil
 import jax
 import jax.numpy as jnp
 import numpy as np
+from conftest import perturbed, relative_difference
 import pytest
 from flax import nnx
 from safetensors.numpy import load_file, save_file
@@ -124,30 +125,16 @@ BERT_CONFIG = lambda **kw: transformers.BertConfig(hidden_size=32, num_hidden_la
                                                    **kw)
 
 
-def _rel(ours, reference) -> float:
-  ours, reference = np.asarray(ours, np.float64), np.asarray(reference, np.float64)
-  return float(np.abs(ours - reference).max() / np.abs(reference).max())
-
-
-def _perturbed(model):
-  """HF initialises biases to 0 and norms to 1; noise on every parameter makes parity cover all of them."""
-  torch.manual_seed(0)
-  with torch.no_grad():
-    for p in model.parameters():
-      p.add_(0.1 * torch.randn_like(p))
-  return model.eval()
-
-
 @pytest.fixture(scope="module")
 def hf_folders(tmp_path_factory):
   """name -> (folder, HF model) for random-weight decoders and BERTs saved by transformers."""
   folders = {}
   for name, make in HF_CONFIGS.items():
-    model = _perturbed(transformers.AutoModelForCausalLM.from_config(make()))
+    model = perturbed(transformers.AutoModelForCausalLM.from_config(make()))
     folders[name] = model
-  folders["bert"] = _perturbed(transformers.BertModel(BERT_CONFIG()))
-  folders["bert_mlm"] = _perturbed(transformers.BertForMaskedLM(BERT_CONFIG()))
-  folders["bert_cls"] = _perturbed(transformers.BertForSequenceClassification(BERT_CONFIG(num_labels=3)))
+  folders["bert"] = perturbed(transformers.BertModel(BERT_CONFIG()))
+  folders["bert_mlm"] = perturbed(transformers.BertForMaskedLM(BERT_CONFIG()))
+  folders["bert_cls"] = perturbed(transformers.BertForSequenceClassification(BERT_CONFIG(num_labels=3)))
   out = {}
   for name, model in folders.items():
     folder = str(tmp_path_factory.mktemp(name))
@@ -168,7 +155,7 @@ def test_decoder_parity(hf_folders, name):
     expected = reference(torch.tensor(IDS)).logits.numpy()
   model = hf_weights.from_pretrained(folder)
   assert isinstance(model, GPT)
-  rel = _rel(model(jnp.asarray(IDS)), expected)
+  rel = relative_difference(model(jnp.asarray(IDS)), expected)
   print(f"PARITY {name} logits {rel:.2e}")
   assert rel <= TOL
 
@@ -184,13 +171,13 @@ def test_bert_parity_with_padding_and_two_token_types(hf_folders, name):
   if name == "bert":
     assert isinstance(model, Bert)
     got, expected = model.encode(*args), out.last_hidden_state.numpy()
-    pooled = _rel(model.pool(got), out.pooler_output.numpy())
+    pooled = relative_difference(model.pool(got), out.pooler_output.numpy())
     print(f"PARITY bert pooler_output {pooled:.2e}")
     assert pooled <= TOL
   else:
     assert isinstance(model, BertForMaskedLM if name == "bert_mlm" else BertForSequenceClassification)
     got, expected = model(*args), out.logits.numpy()
-  rel = _rel(got, expected)
+  rel = relative_difference(got, expected)
   print(f"PARITY {name} {'hidden' if name == 'bert' else 'logits'} {rel:.2e}")
   assert rel <= TOL
 
@@ -215,8 +202,8 @@ def test_pretrained_minilm_parity_with_its_own_tokenizer():
     expected = reference(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask),
                          token_type_ids=torch.tensor(types)).last_hidden_state.numpy()
   model = hf_weights.from_pretrained(folder)
-  rel = _rel(model.encode(jnp.asarray(ids), attention_mask=jnp.asarray(mask), token_type_ids=jnp.asarray(types)),
-             expected)
+  rel = relative_difference(model.encode(jnp.asarray(ids), attention_mask=jnp.asarray(mask),
+                                         token_type_ids=jnp.asarray(types)), expected)
   print(f"PARITY all-MiniLM-L6-v2 hidden {rel:.2e}")
   assert rel <= TOL
 
@@ -260,7 +247,7 @@ def test_jaxlm_to_hf_to_jaxlm_is_bit_identical_and_transformers_agrees(hf_folder
     with torch.no_grad():
       expected = reference(torch.tensor(IDS)).logits.numpy()
     got = model(jnp.asarray(IDS))
-  rel = _rel(got, expected)
+  rel = relative_difference(got, expected)
   print(f"PARITY export {name} logits {rel:.2e}")
   assert rel <= TOL
 
@@ -276,7 +263,7 @@ def test_kv_cache_generation_equals_the_full_forward(hf_folders, name):
   for i in range(7, 12):
     logits, cache = decode(ids[:, i:i + 1], cache)
     steps.append(logits)
-  rel = _rel(jnp.concatenate(steps, axis=1), model(ids))
+  rel = relative_difference(jnp.concatenate(steps, axis=1), model(ids))
   print(f"PARITY kv-cache {name} {rel:.2e} ({cache.k_LBSGK.shape[2]} slots)")
   assert rel <= TOL
   if name == "mistral":
@@ -298,7 +285,7 @@ def test_peft_adapter_on_attention_and_mlp_reads_in_and_writes_back_equal(hf_fol
   with torch.no_grad():
     expected = adapted.eval()(torch.tensor(IDS)).logits.numpy()
   model = peft_folders.from_pretrained(folder, str(tmp_path / "adapter"))
-  rel = _rel(model(jnp.asarray(IDS)), expected)
+  rel = relative_difference(model(jnp.asarray(IDS)), expected)
   print(f"PARITY peft {name} logits {rel:.2e}")
   assert rel <= TOL
   peft_folders.save_adapters(model, str(tmp_path / "again"))
@@ -324,7 +311,7 @@ def test_mean_pooling_classifier_matches_hf_encoder_mean_and_round_trips(hf_fold
   weights = mask[..., None].double()
   pooled = ((hidden.double() * weights).sum(1) / weights.sum(1)).numpy()
   w, b = (np.asarray(params["classifier"][k], np.float64) for k in ("w", "b"))
-  rel = _rel(model(*_bert_inputs()), pooled @ w + b)
+  rel = relative_difference(model(*_bert_inputs()), pooled @ w + b)
   print(f"PARITY bert mean-pooling classifier logits {rel:.2e}")
   assert rel <= TOL
 
@@ -417,7 +404,7 @@ def test_hub_style_gemma_configs_without_layer_types_follow_hfs_default_pattern(
     expected = reference(torch.tensor(IDS)).logits.numpy()
   model = hf_weights.from_pretrained(str(folder))
   assert model.config.global_attention_every == 2
-  assert _rel(model(jnp.asarray(IDS)), expected) <= TOL
+  assert relative_difference(model(jnp.asarray(IDS)), expected) <= TOL
 
 
 def test_remote_code_is_refused(gpt2_folder):

@@ -10,6 +10,7 @@ import json
 import jax
 import jax.numpy as jnp
 import numpy as np
+from conftest import perturbed, relative_difference
 import pytest
 from flax import nnx
 from safetensors.numpy import load_file
@@ -47,20 +48,6 @@ PEFT_TARGETS = {"roberta": ["query", "key", "value", "output.dense", "intermedia
                 "modernbert": ["Wqkv", "Wo", "Wi"]}
 
 
-def _rel(ours, reference) -> float:
-  ours, reference = np.asarray(ours, np.float64), np.asarray(reference, np.float64)
-  return float(np.abs(ours - reference).max() / np.abs(reference).max())
-
-
-def _perturbed(model):
-  """HF initialises biases to 0 and norms to 1; noise on every parameter makes parity cover all of them."""
-  torch.manual_seed(0)
-  with torch.no_grad():
-    for p in model.parameters():
-      p.add_(0.1 * torch.randn_like(p))
-  return model.eval()
-
-
 def _assert_same_params(a, b):
   left, right = (nnx.state(m, nnx.Param).to_pure_dict() for m in (a, b))
   assert jax.tree.structure(left) == jax.tree.structure(right)
@@ -79,7 +66,7 @@ def checkpoint(request, tmp_path_factory):
   out = {"family": family, "ids": ids, "mask": mask}
   for kind, head in (("mlm", "ForMaskedLM"), ("cls", "ForSequenceClassification")):
     config.num_labels = 3
-    model = _perturbed(getattr(transformers, prefix + head)(config))
+    model = perturbed(getattr(transformers, prefix + head)(config))
     folder = tmp_path_factory.mktemp(f"{family}_{kind}")
     model.save_pretrained(folder)
     with torch.no_grad():
@@ -98,7 +85,7 @@ def test_parity_with_transformers_under_padding(checkpoint):
   for what, ours, theirs in (("hidden", mlm.encode(ids, mask), checkpoint["hidden"]),
                              ("mlm_logits", mlm(ids, mask), checkpoint["mlm_logits"]),
                              ("cls_logits", cls(ids, mask), checkpoint["cls_logits"])):
-    rel = _rel(ours, theirs)
+    rel = relative_difference(ours, theirs)
     print(f"PARITY {family} {what} {rel:.2e}")
     assert rel <= TOL, what
 
@@ -125,7 +112,7 @@ def test_export_is_the_checkpoint_transformers_loads_and_reads_back_bit_identica
   with torch.no_grad():
     theirs = auto.from_pretrained(tmp_path).eval()(input_ids=torch.tensor(checkpoint["ids"]),
                                                    attention_mask=torch.tensor(checkpoint["mask"])).logits.numpy()
-  assert _rel(theirs, checkpoint[f"{kind}_logits"]) <= 1e-6
+  assert relative_difference(theirs, checkpoint[f"{kind}_logits"]) <= 1e-6
   reread = hf_weights.from_pretrained(str(tmp_path))
   assert reread.config == model.config
   _assert_same_params(reread, model)
@@ -146,7 +133,7 @@ def test_a_peft_adapter_reads_in_with_peft_outputs_and_writes_back_equal(checkpo
   with torch.no_grad():
     theirs = model.eval()(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).logits.numpy()
   ours = peft_folders.from_pretrained(str(checkpoint["cls_folder"]), str(tmp_path / "peft"))
-  rel = _rel(ours(jnp.asarray(ids), jnp.asarray(mask)), theirs)
+  rel = relative_difference(ours(jnp.asarray(ids), jnp.asarray(mask)), theirs)
   print(f"PARITY {family} peft_lora_logits {rel:.2e}")
   assert rel <= TOL
   peft_folders.save_adapters(ours, str(tmp_path / "jaxlm"))
