@@ -161,10 +161,15 @@ class GPT(nnx.Module):
       return None
     return (np.arange(c.num_layers) + 1) % c.global_attention_every != 0
 
-  def _per_layer(self, global_mask, local_mask, positions_BT):
-    """The (mask, rotary) of each layer kind, and a `select(local)` that picks one inside the layer scan."""
+  def _per_layer(self, make_mask, positions_BT):
+    """What each layer attends with: `select(local) -> (mask, rotary)` for the layer scan and the [L] flags it scans
+    over (None when every layer is alike, and select ignores its argument). `make_mask(window)` builds a mask."""
     c = self.config
     rotary = self._rotary(positions_BT)
+    if (local_L := self._local_layers()) is None:
+      mask = make_mask(c.sliding_window)
+      return (lambda _: (mask, rotary)), None
+    global_mask, local_mask = make_mask(0), make_mask(c.sliding_window)
     local_rotary = (rotary_tables(positions_BT, c.head_dim, c.rope_local_theta) if c.rope_local_theta else rotary)
 
     def select(local):
@@ -172,7 +177,7 @@ class GPT(nnx.Module):
       rot = None if rotary is None else Rotary(*jax.tree.map(pick, tuple(local_rotary), tuple(rotary)))
       return pick(local_mask, global_mask), rot
 
-    return select
+    return select, jnp.asarray(local_L)
 
   def _head(self) -> Embed:
     return self.lm_head if self.lm_head is not None else self.token_embed
@@ -257,26 +262,17 @@ class GPT(nnx.Module):
     # Without document masking every row is one causal sequence (the library kernels then get no mask at all).
     documents_BT = segment_ids_BT if self.config.document_mask else jnp.ones_like(segment_ids_BT)
     valid_BT = segment_ids_BT > 0
-    window = self.config.sliding_window
-    if (local_L := self._local_layers()) is not None:  # windowed and global layers alternate
-      select = self._per_layer(causal_mask(documents_BT), causal_mask(documents_BT, window), positions_BT)
-
-      def body_per_layer(block, x_BTD, local):
-        return block(x_BTD, *select(local), valid_BT)
-
-      return scan_blocks(self.blocks, body_per_layer, x_BTD, self.kernels, jnp.asarray(local_L))
-
     if (order := context_order(x_BTD.shape[1])) is not None:  # ring attention: the mask from each token's time
-      mask_BTS = SequenceMask(jnp.broadcast_to(jnp.asarray(order), documents_BT.shape), documents_BT)
+      ring_mask = SequenceMask(jnp.broadcast_to(jnp.asarray(order), documents_BT.shape), documents_BT)
+      make_mask = lambda _: ring_mask  # no window under context parallelism (config validation)
     else:
-      mask_BTS = causal_mask(documents_BT, window)
+      make_mask = lambda window: causal_mask(documents_BT, window)
+    select, local_L = self._per_layer(make_mask, positions_BT)
 
-    rotary = self._rotary(positions_BT)
+    def body(block, x_BTD, local):
+      return block(x_BTD, *select(local), valid_BT)
 
-    def body(block, x_BTD, _):
-      return block(x_BTD, mask_BTS, rotary, valid_BT)
-
-    return scan_blocks(self.blocks, body, x_BTD, self.kernels)
+    return scan_blocks(self.blocks, body, x_BTD, self.kernels, local_L)
 
   def _rolling(self) -> bool:
     """Every layer windowed: the KV cache keeps only the window's slots, overwritten in turn."""
@@ -302,39 +298,22 @@ class GPT(nnx.Module):
     if segment_ids_BT is None:
       segment_ids_BT = jnp.ones_like(input_ids_BT)
     segment_ids_BT = segment_ids_BT.astype(jnp.int32)
-    x_BTD, window = self._embed(input_ids_BT, positions_BT), self.config.sliding_window
-    if self._rolling():
-      mask_BTU = rolling_cache_mask(segment_ids_BT, cache.segment_ids_BS, cache.end, window)
+    if rolling := self._rolling():
       kept, slots = rolling_slots(cache.end, t, cache.segment_ids_BS.shape[1])
+      rolling_mask = rolling_cache_mask(segment_ids_BT, cache.segment_ids_BS, cache.end, self.config.sliding_window)
+      make_mask = lambda _: rolling_mask
       cache_segments_BS = cache.segment_ids_BS.at[:, slots].set(segment_ids_BT[:, -kept:])
-      rotary = self._rotary(positions_BT)
-
-      def body_rolling(block, x_BTD, kv):
-        return block.decode(x_BTD, mask_BTU, rotary, kv, cache.end, rolling=True)
-
-      x_BTD, kv = scan_blocks(self.blocks, body_rolling, x_BTD, self.kernels, cache.layers(), remat=False)
-      return self._logits(x_BTD), KVCache(kv.k_BSGK, kv.v_BSGK, cache_segments_BS, cache.end + t, kv.k_scale_BSG,
-                                          kv.v_scale_BSG)
-
-    zero = jnp.zeros((), jnp.int32)
-    cache_segments_BS = jax.lax.dynamic_update_slice(cache.segment_ids_BS, segment_ids_BT, (zero, cache.end))
-    if (local_L := self._local_layers()) is not None:
-      select = self._per_layer(cache_mask(segment_ids_BT, cache_segments_BS, cache.end),
-                               cache_mask(segment_ids_BT, cache_segments_BS, cache.end, window), positions_BT)
-
-      def body_per_layer(block, x_BTD, kv_and_local):
-        kv, local = kv_and_local
-        return block.decode(x_BTD, *select(local), kv, cache.end)
-
-      x_BTD, kv = scan_blocks(self.blocks, body_per_layer, x_BTD, self.kernels,
-                              (cache.layers(), jnp.asarray(local_L)), remat=False)
     else:
-      mask_BTS = cache_mask(segment_ids_BT, cache_segments_BS, cache.end, window)
-      rotary = self._rotary(positions_BT)
+      zero = jnp.zeros((), jnp.int32)
+      cache_segments_BS = jax.lax.dynamic_update_slice(cache.segment_ids_BS, segment_ids_BT, (zero, cache.end))
+      make_mask = lambda window: cache_mask(segment_ids_BT, cache_segments_BS, cache.end, window)
+    select, local_L = self._per_layer(make_mask, positions_BT)
 
-      def body(block, x_BTD, kv):
-        return block.decode(x_BTD, mask_BTS, rotary, kv, cache.end)
+    def body(block, x_BTD, kv_and_local):
+      kv, local = kv_and_local
+      return block.decode(x_BTD, *select(local), kv, cache.end, rolling=rolling)
 
-      x_BTD, kv = scan_blocks(self.blocks, body, x_BTD, self.kernels, cache.layers(), remat=False)
+    x_BTD, kv = scan_blocks(self.blocks, body, self._embed(input_ids_BT, positions_BT), self.kernels,
+                            (cache.layers(), local_L), remat=False)
     return self._logits(x_BTD), KVCache(kv.k_BSGK, kv.v_BSGK, cache_segments_BS, cache.end + t, kv.k_scale_BSG,
                                         kv.v_scale_BSG)
