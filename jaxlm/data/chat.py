@@ -159,19 +159,19 @@ def assistant_spans(chat: ChatTemplate, messages: list[dict], text: str) -> list
 def encode_conversation(folder: str, messages: list[dict]) -> tuple[np.ndarray, np.ndarray]:
   """(token ids int32 [N], loss mask float32 [N]: 1 on each assistant turn's tokens and its end-of-turn token) of
   `messages` under `folder`'s chat template (module docstring)."""
-  chat = _chat_or_error(folder)
+  chat = require(folder)
   text = render(chat, messages)
   encoding = chat.tokenizer.encode(text, add_special_tokens=False)
   ids = np.asarray(encoding.ids, np.int32)
   mask = np.zeros(len(ids), np.float32)
+  offsets = np.asarray(encoding.offsets).reshape(len(ids), 2)  # [N, (start, end)] characters of each token
   for start, end in assistant_spans(chat, messages, text):
-    for j, (token_start, token_end) in enumerate(encoding.offsets):
-      if token_start < end and token_end > start:
-        mask[j] = 1.0
+    mask[(offsets[:, 0] < end) & (offsets[:, 1] > start)] = 1.0
   return ids, mask
 
 
-def _chat_or_error(folder: str) -> ChatTemplate:
+def require(folder: str) -> ChatTemplate:
+  """The folder's chat template, or a one-line error saying it has none."""
   chat = load(folder)
   if chat is None:
     raise ValueError(f"{folder}: no chat template (chat_template.jinja, or chat_template in "
@@ -182,7 +182,7 @@ def _chat_or_error(folder: str) -> ChatTemplate:
 def prompt_ids(folder: str, messages: list[dict]) -> np.ndarray:
   """Token ids int32 [N] of `messages` followed by the template's generation prompt (the assistant's header): what
   a model tuned on this template continues with its reply."""
-  chat = _chat_or_error(folder)
+  chat = require(folder)
   return np.asarray(chat.tokenizer.encode(render(chat, messages, add_generation_prompt=True),
                                           add_special_tokens=False).ids, np.int32)
 
@@ -191,7 +191,7 @@ def end_of_turn_ids(folder: str) -> list[int]:
   """The special tokens that close an assistant turn under the template (`<|eot_id|>`, `<|im_end|>`,
   `<end_of_turn>`, `</s>`, ...): generation stops at any of them. Found by rendering a one-turn exchange and taking
   the special tokens the assistant's turn ends with."""
-  chat = _chat_or_error(folder)
+  chat = require(folder)
   messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
   ids, mask = encode_conversation(folder, messages)
   special = {token.content for token in chat.tokenizer.get_added_tokens_decoder().values() if token.special}

@@ -60,5 +60,6 @@ def encode(folder: str, messages: list[dict]) -> tuple[np.ndarray, np.ndarray, l
   template = chat.load(folder)
   before = messages[:last]
   prompt_text = chat.render(template, before, add_generation_prompt=True) if before else ""
-  prompt = chat.prompt_ids(folder, before).tolist() if before else []
+  # chat.prompt_ids(folder, before), without rendering the prompt again
+  prompt = template.tokenizer.encode(prompt_text, add_special_tokens=False).ids if before else []
   return tokens, weights, prompt, (prompt_text, messages[last]["content"])

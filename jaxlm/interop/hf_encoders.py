@@ -199,31 +199,28 @@ def rules(model: nnx.Module) -> tuple[list[tuple[str, str, hf_rules.Rule]], str]
   return [(prefix, jax_prefix, r) for r in base] + [("", "", r) for r in _head_rules(model, name)], prefix
 
 
-def _rule(kind: str, hf_name: str, shape: tuple[int, ...], *paths: str, fill: float | None = None
-          ) -> hf_rules.Rule:
-  return hf_rules.Rule(kind, hf_name, shape, paths, fill)
-
-
 def _linear(hf_name: str, out: int, inp: int, w: str, b: str | None = None) -> list[hf_rules.Rule]:
   """An nn.Linear (weight [out, in], bias [out]) <-> the jaxlm parameters `w` and `b` (None: no bias)."""
-  return [_rule("linear", f"{hf_name}.weight", (out, inp), w)] + (
-      [_rule("copy", f"{hf_name}.bias", (out,), b)] if b else [])
+  return [hf_rules.rule("linear", f"{hf_name}.weight", (out, inp), w)] + (
+      [hf_rules.rule("copy", f"{hf_name}.bias", (out,), b)] if b else [])
 
 
 def _norm(hf_name: str, d: int, path: str, bias: bool = True, identity_first: bool = False) -> list[hf_rules.Rule]:
   """A LayerNorm <-> `path`/scale (and /bias); `identity_first`: layer 0 has none in HF (an Identity)."""
-  scale = _rule("copy", f"{hf_name}.weight", (d,), f"{path}/scale", fill=1.0 if identity_first else None)
-  return [scale] + ([_rule("copy", f"{hf_name}.bias", (d,), f"{path}/bias", fill=0.0 if identity_first else None)]
+  scale = hf_rules.rule("copy", f"{hf_name}.weight", (d,), f"{path}/scale", fill=1.0 if identity_first else None)
+  return [scale] + ([hf_rules.rule("copy", f"{hf_name}.bias", (d,), f"{path}/bias",
+                                   fill=0.0 if identity_first else None)]
                     if bias else [])
 
 
 def _bert_rules(c: ModelConfig, with_pooler: bool) -> list[hf_rules.Rule]:
   """BERT's and RoBERTa's encoder (RoBERTa's position table holds position_start more rows)."""
   d, f, layer = c.d_model, c.mlp_width, "encoder.layer.{i}."
-  table = [_rule("copy", "embeddings.word_embeddings.weight", (c.vocab_size, d), "token_embed/embedding"),
-           _rule("copy", "embeddings.position_embeddings.weight", (c.max_seq_len + c.position_start, d),
+  table = [hf_rules.rule("copy", "embeddings.word_embeddings.weight", (c.vocab_size, d), "token_embed/embedding"),
+           hf_rules.rule("copy", "embeddings.position_embeddings.weight", (c.max_seq_len + c.position_start, d),
                  "position_embed/embedding"),
-           _rule("copy", "embeddings.token_type_embeddings.weight", (c.type_vocab_size, d), "type_embed/embedding"),
+           hf_rules.rule("copy", "embeddings.token_type_embeddings.weight", (c.type_vocab_size, d),
+                         "type_embed/embedding"),
            *_norm("embeddings.LayerNorm", d, "embed_norm")]
   for name, x in (("query", "q"), ("key", "k"), ("value", "v")):
     table += _linear(layer + f"attention.self.{name}", d, d, f"blocks/attn/w_{x}", f"blocks/attn/b_{x}")
@@ -237,8 +234,9 @@ def _bert_rules(c: ModelConfig, with_pooler: bool) -> list[hf_rules.Rule]:
 
 def _distilbert_rules(c: ModelConfig) -> list[hf_rules.Rule]:
   d, f, layer = c.d_model, c.mlp_width, "transformer.layer.{i}."
-  table = [_rule("copy", "embeddings.word_embeddings.weight", (c.vocab_size, d), "token_embed/embedding"),
-           _rule("copy", "embeddings.position_embeddings.weight", (c.max_seq_len, d), "position_embed/embedding"),
+  table = [hf_rules.rule("copy", "embeddings.word_embeddings.weight", (c.vocab_size, d), "token_embed/embedding"),
+           hf_rules.rule("copy", "embeddings.position_embeddings.weight", (c.max_seq_len, d),
+                         "position_embed/embedding"),
            *_norm("embeddings.LayerNorm", d, "embed_norm")]
   for name, x in (("q_lin", "q"), ("k_lin", "k"), ("v_lin", "v"), ("out_lin", "o")):
     table += _linear(layer + f"attention.{name}", d, d, f"blocks/attn/w_{x}", f"blocks/attn/b_{x}")
@@ -251,14 +249,14 @@ def _distilbert_rules(c: ModelConfig) -> list[hf_rules.Rule]:
 def _modernbert_rules(c: ModelConfig) -> list[hf_rules.Rule]:
   """q, k, v in one nn.Linear (Wqkv) and the GeGLU's input (activated) and gate halves in another (Wi)."""
   d, f, bias, layer = c.d_model, c.mlp_width, c.norm_bias, "layers.{i}."
-  return [_rule("copy", "embeddings.tok_embeddings.weight", (c.vocab_size, d), "token_embed/embedding"),
+  return [hf_rules.rule("copy", "embeddings.tok_embeddings.weight", (c.vocab_size, d), "token_embed/embedding"),
           *_norm("embeddings.norm", d, "embed_norm", bias),
           *_norm(layer + "attn_norm", d, "blocks/attn_norm", bias, identity_first=True),
-          _rule("fused_linear", layer + "attn.Wqkv.weight", (3 * d, d), "blocks/attn/w_q", "blocks/attn/w_k",
+          hf_rules.rule("fused_linear", layer + "attn.Wqkv.weight", (3 * d, d), "blocks/attn/w_q", "blocks/attn/w_k",
                 "blocks/attn/w_v"),
           *_linear(layer + "attn.Wo", d, d, "blocks/attn/w_o"),
           *_norm(layer + "mlp_norm", d, "blocks/mlp_norm", bias),
-          _rule("fused_linear", layer + "mlp.Wi.weight", (2 * f, d), "blocks/mlp/w_gate", "blocks/mlp/w_up"),
+          hf_rules.rule("fused_linear", layer + "mlp.Wi.weight", (2 * f, d), "blocks/mlp/w_gate", "blocks/mlp/w_up"),
           *_linear(layer + "mlp.Wo", d, f, "blocks/mlp/w_down"),
           *_norm("final_norm", d, "final_norm", bias)]
 
@@ -277,7 +275,8 @@ def _head_rules(model: nnx.Module, name: str) -> list[hf_rules.Rule]:
   if isinstance(model, BertForMaskedLM):
     dense, norm, vocab_bias = _MLM_HEADS[name]
     return [*_linear(dense, d, d, "transform/w", "transform/b" if c.linear_bias else None),
-            *_norm(norm, d, "transform_norm", c.norm_bias), _rule("copy", vocab_bias, (c.vocab_size,), "vocab_bias")]
+            *_norm(norm, d, "transform_norm", c.norm_bias),
+            hf_rules.rule("copy", vocab_bias, (c.vocab_size,), "vocab_bias")]
   if not isinstance(model, BertForSequenceClassification):
     return []
   n = model.num_labels

@@ -38,8 +38,8 @@ class Rule:
     return "{e}" in self.hf
 
 
-def rule(kind: str, hf_name: str, hf_shape: tuple[int, ...], *jax_paths: str) -> Rule:
-  return Rule(kind, hf_name, hf_shape, jax_paths)
+def rule(kind: str, hf_name: str, hf_shape: tuple[int, ...], *jax_paths: str, fill: float | None = None) -> Rule:
+  return Rule(kind, hf_name, hf_shape, jax_paths, fill)
 
 
 def to_jax(rule: Rule, hf: np.ndarray, shapes: list[tuple]) -> list[np.ndarray]:

@@ -96,10 +96,7 @@ class JaxlmLM(TemplateLM):
     self.max_gen_toks = max_gen_toks
     self.kv_cache = kv_cache
     self._eot = eos_id(tokenizer)
-    self._chat = chat.load(chat_folder) if chat_folder else None
-    if chat_folder and self._chat is None:
-      raise ValueError(f"chat_folder={chat_folder!r} has no chat template (chat_template.jinja, or chat_template in "
-                       "tokenizer_config.json)")
+    self._chat = chat.require(chat_folder) if chat_folder else None
     self._end_of_turn = chat.end_of_turn_ids(chat_folder) if self._chat else []
     self._mesh = generate.mesh_of(params)
     self._score = _score_fn(graphdef, None if self._mesh is None else sharding.replicated(self._mesh))

@@ -40,20 +40,16 @@ def ring_attention(q_BTHK: jax.Array, k_BTGK: jax.Array, v_BTGK: jax.Array, time
   mesh = jax.sharding.get_abstract_mesh()
   batch = batch_axes(mesh)
   tokens, rows = P(batch, CONTEXT_AXIS, None, None), P(batch, CONTEXT_AXIS)
-  return jax.shard_map(_ring, mesh=mesh, in_specs=(tokens, tokens, tokens, rows, rows), out_specs=tokens)(
+  return jax.shard_map(_ring_attention, mesh=mesh, in_specs=(tokens, tokens, tokens, rows, rows), out_specs=tokens)(
       q_BTHK, k_BTGK, v_BTGK, time_BT, segment_ids_BT)
 
 
 QUERY_BLOCK = 128  # query rows per block: a device holds one [QUERY_BLOCK, T/C] block of scores per head at a time
 
 
-def _ring(q_BTHK, k_BTGK, v_BTGK, time_BT, segment_BT):
-  return _ring_attention(q_BTHK, k_BTGK, v_BTGK, time_BT, segment_BT)
-
-
-def _blocks(t: int) -> tuple[int, int]:
-  rows = math.gcd(t, QUERY_BLOCK)
-  return t // rows, rows
+def _blocks(t: int) -> int:
+  """How many query blocks of at most QUERY_BLOCK rows split T (their size divides T)."""
+  return t // math.gcd(t, QUERY_BLOCK)
 
 
 def _split(x: jax.Array, blocks: int) -> jax.Array:
@@ -78,7 +74,7 @@ def _forward(q_BTHK, k_BTGK, v_BTGK, time_BT, segment_BT):
   """(output [B, T, H, K], log-sum-exp of each query's scores [N, B, G, R, Q] f32)."""
   b, t, h, k = q_BTHK.shape
   g = k_BTGK.shape[2]
-  blocks, _ = _blocks(t)
+  blocks = _blocks(t)
   q_NBQGRK = _split((q_BTHK * (1 / math.sqrt(k))).reshape(b, t, g, h // g, k), blocks)
   time_NBQ, segment_NBQ = _split(time_BT, blocks), _split(segment_BT, blocks)
 
@@ -132,12 +128,12 @@ def _ring_bwd(residuals, dout_BTHK):
   q_BTHK, k_BTGK, v_BTGK, time_BT, segment_BT, out_BTHK, lse_NBGRQ = residuals
   b, t, h, k = q_BTHK.shape
   g = k_BTGK.shape[2]
-  blocks, _ = _blocks(t)
+  blocks = _blocks(t)
   scale = 1 / math.sqrt(k)
   grouped = lambda x: _split(x.reshape(b, t, g, h // g, k), blocks)  # noqa: E731  [N, B, Q, G, R, K]
   q_N, dout_N = grouped(q_BTHK * scale), grouped(dout_BTHK)
   # D = rowsum(dout * out): the softmax's backward term per query, [N, B, G, R, Q].
-  delta_N = jnp.moveaxis(jnp.sum(grouped(dout_BTHK).astype(jnp.float32) * grouped(out_BTHK), axis=-1), 2, 4)
+  delta_N = jnp.moveaxis(jnp.sum(dout_N.astype(jnp.float32) * grouped(out_BTHK), axis=-1), 2, 4)
   time_N, segment_N = _split(time_BT, blocks), _split(segment_BT, blocks)
 
   def step(carry, _):
