@@ -187,7 +187,13 @@ class MeshConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-  source: str = "demo"  # demo (Python stdlib sources, no network) | files | hf
+  source: str = "demo"  # demo (Python stdlib sources, no network) | files | hf: prepared into the shared cache
+                        # (jaxlm/data/corpus_cache.py) | prepared: data.prepared / data.mixture folders
+  prepared: str = ""  # source=prepared: a folder written by experiments/prepare_data.py
+  mixture: str = ""  # source=prepared: several folders mixed by tokens, "folder=weight,folder=weight" (weights are
+                     # normalised; changing them on resume applies from the resumed step)
+  cache_dir: str = ""  # shared cache of prepared corpora; empty = $JAXLM_DATA_CACHE, else ~/.cache/jaxlm/corpora
+  workers: int = _ranged(0, 0, note="0 = one per core")  # tokenizer processes when preparing (0 = one per core)
   train_files: tuple[str, ...] = ()  # .txt, .jsonl/.json or .parquet files (source=files)
   eval_files: tuple[str, ...] = ()  # held-out files; empty = hold out data.eval_fraction of the documents
   hf_name: str = ""  # HF dataset name or local dataset folder (source=hf)
@@ -200,8 +206,8 @@ class DataConfig:
   eval_fraction: float = _ranged(0.02, 0, 1, high_open=True)  # fraction of documents held out for eval when no
                                                               # eval_files are given
   max_documents: int = _ranged(0, 0, note="0 = no cap")  # cap on documents read (0 = no cap)
-  max_bytes: int = _ranged(8_000_000, 0, note="0 = no cap")  # cap on corpus bytes read, so demos stay small
-                                                             # (0 = no cap)
+  max_bytes: int = _ranged(0, 0, note="0 = no cap")  # cap on bytes of text read (0 = no cap); the console says
+                                                     # when a cap cut the data
   tokenizer: str = ""  # path to a tokenizer.json; empty = train a byte-level BPE and save it in the workdir
   shuffle: bool = True  # shuffle packed sequences each epoch (seeded by train.seed)
   # Fine-tuning (experiments/finetune.py; data.seq_len is then the longest tokenized example, longer ones are cut).
@@ -400,8 +406,13 @@ def validate(config: Config) -> None:
   for name in ("param_dtype", "compute_dtype"):
     if getattr(m, name) not in ("float32", "bfloat16", "float16"):
       raise ValueError(f"model.{name}={getattr(m, name)!r} is not one of float32, bfloat16, float16")
-  if d.source not in ("demo", "files", "hf"):
-    raise ValueError(f"data.source={d.source!r} is not one of demo, files, hf")
+  if d.source not in ("demo", "files", "hf", "prepared"):
+    raise ValueError(f"data.source={d.source!r} is not one of demo, files, hf, prepared")
+  if d.source == "prepared" and not (d.prepared or d.mixture):
+    raise ValueError("data.source=prepared needs data.prepared=<folder> (experiments/prepare_data.py --out) or "
+                     "data.mixture=folder=weight,folder=weight")
+  if d.prepared and d.mixture:
+    raise ValueError("give data.prepared or data.mixture, not both (a mixture lists every folder)")
   if d.batching not in ("dynamic", "bucket", "max"):
     raise ValueError(f"data.batching={d.batching!r} is not one of dynamic, bucket, max")
   if d.source == "files" and not d.train_files:

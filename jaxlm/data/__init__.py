@@ -1,12 +1,14 @@
-"""The data pipeline: documents -> tokenizer -> packed rows -> sharded, resumable batches.
+"""The data pipeline: documents -> tokenizer workers -> token shards on disk -> windows -> step-keyed batches.
 
   datasets = build_datasets(config.data, config.model.vocab_size, workdir, seed=config.train.seed)
-  train_iter = make_train_iterator(datasets.train, batch_size_per_process, seed, config.data.shuffle)
+  train_iter = make_pretraining_batches(datasets, batch_size_per_process, seed, config.data.shuffle)
   batch = next(train_iter)  # inputs, targets, segment_ids, positions: int32 [B, T]; loss_mask: float32 [B, T]
   state = get_loader_state(train_iter)  # JSON dict stored with the checkpoint; set_loader_state restores it
 
-Everything a run derives from its data is kept in the workdir: `tokenizer.json` (so a resumed run tokenizes
-identically) and `data_cache/packed-<hash>/` (so it does not tokenize again).
+Pretraining reads prepared corpora (jaxlm/data/prepare.py, shards.py): `data.source=prepared` names them, and
+`demo`, `files` and `hf` are prepared once into the shared cache (corpus_cache.py). The run keeps its tokenizer as
+`<workdir>/tokenizer.json`, so a resumed run, the evaluation scripts and generation read the same vocabulary.
+Fine-tuning sets stay in memory as packed rows (packing.py) behind the grain iterator of loader.py.
 """
 
 from __future__ import annotations
@@ -14,77 +16,110 @@ from __future__ import annotations
 import dataclasses
 import os
 
+import jax
 import tokenizers
 
 from jaxlm.config import DataConfig
+from jaxlm.data import corpus_cache
 from jaxlm.data.loader import eval_batches, get_loader_state, make_train_iterator, set_loader_state
-from jaxlm.data.packing import PackedSequences, build_packed
-from jaxlm.data.sources import read_documents
-from jaxlm.data.tokenizer import eos_id, get_tokenizer, load_tokenizer, train_bpe
+from jaxlm.data.mixture import PretrainingBatches
+from jaxlm.data.packing import PackedSequences
+from jaxlm.data.shards import TokenWindows, read_manifest
+from jaxlm.data.sources import read_documents, stream_documents
+from jaxlm.data.tokenizer import eos_id, get_tokenizer, load_tokenizer, save_tokenizer, train_bpe
 
 __all__ = [
-    "Datasets", "PackedSequences", "build_datasets", "eos_id", "eval_batches", "get_loader_state",
-    "get_tokenizer", "load_tokenizer", "make_train_iterator", "read_documents", "set_loader_state", "train_bpe",
+    "Datasets", "PackedSequences", "PretrainingBatches", "TokenWindows", "build_datasets", "eos_id", "eval_batches",
+    "get_loader_state", "get_tokenizer", "load_tokenizer", "make_pretraining_batches", "make_train_iterator",
+    "read_documents", "set_loader_state", "stream_documents", "train_bpe",
 ]
-
-CACHE_FOLDER = "data_cache"
 
 
 @dataclasses.dataclass
 class Datasets:
-  tokenizer: tokenizers.Tokenizer
+  tokenizer: tokenizers.Tokenizer | None  # None for a corpus another tool tokenized without a tokenizer.json
   eos_id: int
-  train: PackedSequences
-  eval: PackedSequences
-  stats: dict[str, float]  # flat numbers, logged at startup so an empty or mostly-padding pipeline is visible
+  train: list[TokenWindows]  # one per corpus of the mixture
+  weights: list[float]  # the mixture's weights in tokens, one per corpus
+  eval: TokenWindows  # the held-out windows of every corpus
+  folders: list[str]  # the prepared folders
+  stats: dict[str, float | str]  # flat, logged at startup and in report.md's data table
 
 
 def build_datasets(config: DataConfig, vocab_size: int, workdir: str | None, seed: int) -> Datasets:
-  """Reads, tokenizes and packs the train and eval data described by `config`.
-
-  Without `data.eval_files`, the last max(1, round(eval_fraction * n)) documents are held out for eval (the split
-  is by reading order, so it is the same in every process and every resumed run). `seed` is accepted so that
-  future sources that sample documents stay reproducible; the current ones are deterministic without it.
-  """
-  del seed  # reading, tokenizing and packing are deterministic; only the train iterator shuffles
-  hf_cache = None if workdir is None else os.path.join(workdir, CACHE_FOLDER, "hf")  # keeps datasets' cache inside
-  documents, read_stats = read_documents(config, "train", hf_cache)
-  if not documents:
-    raise ValueError(f"data.source={config.source} produced no documents ({read_stats['skipped_documents']} "
-                     f"skipped as empty or non-text); check the files, data.text_column and data.max_documents")
-  if config.eval_files:
-    train_documents = documents
-    eval_documents, eval_read_stats = read_documents(config, "eval", hf_cache)
-    if not eval_documents:
-      raise ValueError(f"data.eval_files produced no documents ({eval_read_stats['skipped_documents']} skipped); "
-                       f"check the files and data.text_column")
-  else:
-    if len(documents) < 2:
-      raise ValueError(f"data.source={config.source} produced 1 document; holding one out for eval needs >= 2; "
-                       f"add data or give data.eval_files")
-    held_out = min(len(documents) - 1, max(1, round(config.eval_fraction * len(documents))))
-    train_documents, eval_documents = documents[:-held_out], documents[-held_out:]
-    eval_read_stats = {"documents": 0, "bytes": 0, "skipped_documents": 0}
-
-  tokenizer = get_tokenizer(config, train_documents, vocab_size, workdir)  # trained on train documents only
-  cache_dir = None if workdir is None else os.path.join(workdir, CACHE_FOLDER)
-  train = build_packed(config, tokenizer, train_documents, cache_dir)
-  eval_ = build_packed(config, tokenizer, eval_documents, cache_dir)
-  if len(train) == 0:
-    raise ValueError(f"no train sequences from {len(train_documents)} documents; add data or check data.source")
-
-  stats = {
-      "documents": read_stats["documents"] + eval_read_stats["documents"],
-      "bytes": read_stats["bytes"] + eval_read_stats["bytes"],
-      "skipped_documents": read_stats["skipped_documents"] + eval_read_stats["skipped_documents"],
-      "train_documents": len(train_documents),
-      "eval_documents": len(eval_documents),
-      "vocab_size": tokenizer.get_vocab_size(with_added_tokens=True),
+  """The prepared corpora of `config` (preparing `demo`, `files` or `hf` data into the shared cache first)."""
+  del seed  # the corpora are fixed; only the batches depend on the seed
+  folders, weights = corpus_folders(config, vocab_size, workdir)
+  manifests = [read_manifest(f) for f in folders]
+  hashes = {m.get("tokenizer_sha256") for m in manifests}
+  if len(hashes) > 1:
+    raise ValueError(f"the corpora in data.mixture were tokenized by different tokenizers; prepare them all with "
+                     f"one --tokenizer ({', '.join(folders)})")
+  corpus_vocab = max(m["vocab_size"] for m in manifests)
+  if corpus_vocab > vocab_size:
+    raise ValueError(f"the corpus in {folders[0]!r} has token ids up to {corpus_vocab - 1} but "
+                     f"model.vocab_size={vocab_size}; set model.vocab_size >= {corpus_vocab}")
+  tokenizer = None
+  path = os.path.join(folders[0], manifests[0].get("tokenizer") or "tokenizer.json")
+  if os.path.isfile(path):
+    tokenizer = load_tokenizer(path)
+    if workdir is not None:  # the run's own copy, for resuming, evaluation and generation
+      save_tokenizer(tokenizer, os.path.join(workdir, "tokenizer.json"))
+  train = [TokenWindows(f, "train", config.seq_len) for f in folders]
+  eval_ = TokenWindows(folders, "eval", config.seq_len)
+  if len(eval_) == 0:
+    raise ValueError(f"the held-out split of {', '.join(folders)} has no window of data.seq_len + 1 = "
+                     f"{config.seq_len + 1} tokens ({eval_.corpus_tokens} tokens); raise data.eval_fraction, give "
+                     f"data.eval_files (prepare_data.py --eval_input) or lower data.seq_len")
+  read = lambda key: sum(m.get("read", {}).get(key, 0) for m in manifests)
+  stats: dict[str, float | str] = {
+      "prepared": ", ".join(folders),
+      "documents": sum(m["documents"] for m in manifests),
+      "bytes": sum(m.get("bytes", 0) for m in manifests),
+      "skipped_documents": read("skipped_documents"),
+      "train_documents": sum(t.documents for t in train),
+      "eval_documents": eval_.documents,
+      "vocab_size": corpus_vocab,
       "seq_len": config.seq_len,
-      "train_sequences": len(train),
-      "eval_sequences": len(eval_),
-      "train_tokens": train.num_tokens,
-      "eval_tokens": eval_.num_tokens,
-      "train_padding_fraction": train.num_padding / max(1, len(train) * config.seq_len),
+      "train_tokens": sum(t.corpus_tokens for t in train),
+      "eval_tokens": eval_.corpus_tokens,
+      "train_windows": sum(len(t) for t in train),
+      "eval_windows": len(eval_),
   }
-  return Datasets(tokenizer=tokenizer, eos_id=eos_id(tokenizer), train=train, eval=eval_, stats=stats)
+  capped = [m["capped"] for m in manifests if m.get("capped")]
+  if capped:
+    stats["capped_by"] = ", ".join(capped)
+  if len(folders) > 1:
+    stats["mixture"] = ", ".join(f"{os.path.basename(f.rstrip(os.sep))}={w:.4g}" for f, w in zip(folders, weights))
+  eos = manifests[0]["eos_id"]
+  return Datasets(tokenizer=tokenizer, eos_id=eos, train=train, weights=weights, eval=eval_, folders=folders,
+                  stats=stats)
+
+
+def corpus_folders(config: DataConfig, vocab_size: int, workdir: str | None) -> tuple[list[str], list[float]]:
+  """The prepared folders of a run and their mixture weights."""
+  if config.source != "prepared":
+    return [corpus_cache.prepared_folder(config, vocab_size, workdir)], [1.0]
+  if not config.mixture:
+    return [config.prepared], [1.0]
+  folders, weights = [], []
+  for entry in config.mixture.split(","):
+    folder, _, weight = entry.strip().rpartition("=")
+    try:
+      weights.append(float(weight))
+    except ValueError:
+      folder = ""
+    if not folder:
+      raise ValueError(f"data.mixture entry {entry!r} is not folder=weight; give data.mixture=a=0.7,b=0.3")
+    folders.append(folder)
+  return folders, weights
+
+
+def make_pretraining_batches(datasets: Datasets, batch_size_per_process: int, seed: int, shuffle: bool = True,
+                             process_index: int | None = None, process_count: int | None = None
+                             ) -> PretrainingBatches:
+  """The endless, step-keyed train batches of this process (see jaxlm/data/mixture.py)."""
+  return PretrainingBatches(
+      datasets.train, datasets.weights, batch_size_per_process, seed, shuffle,
+      jax.process_index() if process_index is None else process_index,
+      jax.process_count() if process_count is None else process_count)

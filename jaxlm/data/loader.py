@@ -23,6 +23,7 @@ import grain.python as gp
 import jax
 import numpy as np
 
+from jaxlm.data.mixture import PretrainingBatches
 from jaxlm.data.packing import PackedSequences
 
 # Rows are fetched in the consumer thread: worker processes and read threads only add IPC and GIL contention for a
@@ -77,6 +78,9 @@ def set_loader_state(iterator: gp.DatasetIterator, state: dict[str, Any]) -> Non
   """Moves a fresh iterator to `state`, so it yields exactly what the saved iterator would have yielded next."""
   if not isinstance(state, dict):
     raise TypeError(f"loader state must be the dict from get_loader_state, got {type(state).__name__}")
+  if isinstance(iterator, PretrainingBatches):  # checks the state itself: batch size, mixture history
+    iterator.set_state(state)
+    return
   current = iterator.get_state()
   if isinstance(current, bytes):
     iterator.set_state(json.dumps(state).encode("utf-8"))

@@ -17,20 +17,13 @@ Example i (every array has length T = seq_len):
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
-import shutil
-import tempfile
 from collections.abc import Sequence
 
 import numpy as np
 import tokenizers
 
-from jaxlm.config import DataConfig
-from jaxlm.data.tokenizer import eos_id as tokenizer_eos_id
 
-_FORMAT_VERSION = 1  # bump when the packed layout changes, so old caches are not reused
 _DOCS_PER_ENCODE = 4096  # documents per encode_batch call, bounding the memory of Encoding objects
 
 
@@ -125,43 +118,3 @@ def pack(tokenizer: tokenizers.Tokenizer, documents: Sequence[str], seq_len: int
   # Overlapping windows of T + 1 with stride T: a strided view, copied once into contiguous rows.
   rows = lambda a: np.lib.stride_tricks.sliding_window_view(a, seq_len + 1)[::seq_len].copy()
   return PackedSequences(rows(tokens), rows(segments))
-
-
-def build_packed(config: DataConfig, tokenizer: tokenizers.Tokenizer, documents: Sequence[str],
-                 cache_dir: str | None) -> PackedSequences:
-  """`pack` at `data.seq_len`, cached under `cache_dir/packed-<hash>` keyed by (tokenizer, documents, seq_len).
-
-  A resumed run (same workdir) loads the arrays instead of re-tokenizing. `cache_dir=None` disables the cache.
-  """
-  seq_len, eos_id = config.seq_len, tokenizer_eos_id(tokenizer)
-  if cache_dir is None:
-    return pack(tokenizer, documents, seq_len, eos_id)
-  path = os.path.join(cache_dir, f"packed-{cache_key(tokenizer, documents, seq_len, eos_id)}")
-  if os.path.isdir(path):
-    return PackedSequences.load(path)
-  packed = pack(tokenizer, documents, seq_len, eos_id)
-  # Write to a temporary folder and rename it into place: processes sharing a workdir may race to build it.
-  os.makedirs(cache_dir, exist_ok=True)
-  tmp = tempfile.mkdtemp(dir=cache_dir, prefix=".packed-tmp-")
-  try:
-    packed.save(tmp)
-    os.rename(tmp, path)
-  except OSError:
-    if not os.path.isdir(path):  # the rename lost no race: a real error
-      raise
-  finally:
-    if os.path.isdir(tmp):
-      shutil.rmtree(tmp)
-  return packed
-
-
-def cache_key(tokenizer: tokenizers.Tokenizer, documents: Sequence[str], seq_len: int, eos_id: int) -> str:
-  digest = hashlib.sha256()
-  header = {"version": _FORMAT_VERSION, "seq_len": seq_len, "eos_id": eos_id, "documents": len(documents)}
-  digest.update(json.dumps(header, sort_keys=True).encode())
-  digest.update(hashlib.sha256(tokenizer.to_str().encode()).digest())
-  for document in documents:
-    data = document.encode("utf-8")
-    digest.update(len(data).to_bytes(8, "little"))  # length prefix: ["ab", "c"] and ["a", "bc"] differ
-    digest.update(data)
-  return digest.hexdigest()[:20]

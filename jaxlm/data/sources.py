@@ -1,21 +1,26 @@
-"""Where documents come from: the embedded demo corpus, local files, or an HF dataset.
+"""Where documents come from, streamed: the embedded demo corpus, local files, or an HF dataset.
 
-`read_documents(config, split)` returns `(documents, stats)`: a list of non-empty strings in a deterministic order
-and flat counts (`documents`, `bytes`, `skipped_documents`) so that a pipeline that silently read nothing is visible.
+`stream_documents(config, split)` returns a `DocumentStream`: iterating it yields non-empty strings in a
+deterministic order, one at a time (nothing holds the corpus), and its `stats` count what was read (`documents`,
+`bytes`, `skipped_documents`) so that a pipeline that silently read nothing is visible. `read_documents` collects a
+stream into a list, for the fine-tuning sets that stay in memory.
 
 Sources (`data.source`):
   demo   the Python standard library's own `.py` files, one document per file; needs no network.
-  files  `data.train_files` / `data.eval_files`: `.txt` (each non-empty line is a document, like the HF `datasets`
-         "text" builder), `.jsonl`/`.json` and `.parquet` (the `data.text_column` of each row is a document).
-  hf     `datasets.load_dataset(data.hf_name, data.hf_config, split=data.hf_split)`; `hf_name` may be a hub name,
-         a local folder of data files, or a folder written by `Dataset.save_to_disk`.
+  files  `data.train_files` / `data.eval_files`: `.txt` (each non-empty line is a document, split as str.splitlines),
+         `.jsonl` (the `data.text_column` of each line's object), `.json` (JSON lines, or one array of objects) and
+         `.parquet`; `.txt`, `.jsonl` and `.json` may be compressed (`.gz`, `.zst`, `.bz2`, `.lz4`).
+  hf     an HF dataset: a folder written by `Dataset.save_to_disk` (memory-mapped), else
+         `datasets.load_dataset(data.hf_name, data.hf_config, split=data.hf_split, streaming=True)`: a hub name or a
+         local folder of data files, read without writing an Arrow copy.
 
-Caps: `data.max_documents` and `data.max_bytes` (UTF-8 bytes; 0 = no cap). The document that crosses the byte cap
-is truncated so the cap holds exactly.
+Caps: `data.max_documents` and `data.max_bytes` (UTF-8 bytes of document text; 0 = no cap). The document that
+crosses the byte cap is cut so the cap holds exactly; when a cap cuts the data the console says how much was read.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sysconfig
 from collections.abc import Iterable, Iterator
@@ -26,61 +31,90 @@ from jaxlm.config import DataConfig
 # Standard-library folders that are tests, GUIs or vendored code rather than representative library source.
 _DEMO_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "idlelib", "__pycache__",
                              "lib2to3", "turtledemo", "tkinter", "ensurepip", "config-3", "lib-dynload"})
-_LOADER_BY_SUFFIX = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
-_ROWS_PER_READ = 1024  # rows pulled per Arrow batch when iterating a datasets.Dataset column
+_COMPRESSIONS = (".gz", ".zst", ".bz2", ".lz4")  # decompressed by pyarrow's input streams, which ship with datasets
+_TEXT_SUFFIXES = (".txt", ".jsonl", ".json")
+_ROWS_PER_READ = 1024  # rows pulled per Arrow batch from Parquet and datasets
+_CHUNK = 1 << 22  # bytes read at a time from a text file
 _SNIFF_BYTES = 65536  # leading bytes searched for a NUL, the mark of a binary file
 
 
-def read_documents(config: DataConfig, split: str, cache_dir: str | None = None) -> tuple[list[str], dict[str, int]]:
-  """Reads the documents of `split` ("train" or "eval"; "eval" needs `data.eval_files`).
+class DocumentStream:
+  """An iterable of documents (non-empty str) with running counts; caps applied in reading order."""
 
-  `cache_dir` is where `datasets` writes its Arrow cache (JSONL, Parquet, HF sources); training passes a folder
-  inside the workdir so that a run writes nothing outside it. None = the `datasets` default (~/.cache).
-  """
+  def __init__(self, texts: Iterable[Any], max_documents: int = 0, max_bytes: int = 0, total_bytes: int = 0,
+               where: str = "the data"):
+    self._texts, self._max_documents, self._max_bytes = texts, max_documents, max_bytes
+    self.total_bytes = total_bytes  # size of the inputs on disk when known (0 = unknown), for the cap message
+    self.where = where
+    self.stats = {"documents": 0, "bytes": 0, "skipped_documents": 0}
+    self.capped = ""  # which cap cut the data, once one did
+
+  def __iter__(self) -> Iterator[str]:
+    stats, max_bytes = self.stats, self._max_bytes
+    for text in self._texts:
+      if not isinstance(text, str) or not text.strip():
+        stats["skipped_documents"] += 1
+        continue
+      size = len(text.encode("utf-8"))
+      if max_bytes and stats["bytes"] + size > max_bytes:
+        # Cut at a byte boundary and drop a split multi-byte character, so the cap holds exactly.
+        text = text.encode("utf-8")[: max_bytes - stats["bytes"]].decode("utf-8", errors="ignore")
+        size = len(text.encode("utf-8"))
+        if text.strip():
+          stats["documents"] += 1
+          stats["bytes"] += size
+          yield text
+        self._cut("data.max_bytes", max_bytes)
+        return
+      stats["documents"] += 1
+      stats["bytes"] += size
+      yield text
+      if self._max_documents and stats["documents"] >= self._max_documents:
+        self._cut("data.max_documents", self._max_documents)
+        return
+      if max_bytes and stats["bytes"] >= max_bytes:
+        self._cut("data.max_bytes", max_bytes)
+        return
+
+  def _cut(self, key: str, value: int) -> None:
+    of = f" of {self.total_bytes:,} bytes on disk" if self.total_bytes else ""
+    self.capped = f"{key}={value:,}"
+    print(f"{key}={value:,} cut {self.where}: read {self.stats['documents']:,} documents, "
+          f"{self.stats['bytes']:,} bytes of text{of}; set {key}=0 to read everything")
+
+
+def stream_documents(config: DataConfig, split: str) -> DocumentStream:
+  """The documents of `split` ("train" or "eval"; "eval" needs `data.eval_files`), streamed with the caps."""
   if split not in ("train", "eval"):
     raise ValueError(f"split={split!r} is not one of train, eval")
   if split == "eval" and not config.eval_files:
     raise ValueError("split='eval' needs data.eval_files; without them hold out data.eval_fraction of train")
   if split == "eval":
-    texts = _iter_files(config.eval_files, config.text_column, cache_dir)
+    paths = check_files(config.eval_files)
+    texts, size, where = iter_files(paths, config.text_column), _disk_bytes(paths), "data.eval_files"
   elif config.source == "demo":
-    texts = _iter_demo()
+    paths = demo_files()
+    texts, size, where = _iter_demo(paths), _disk_bytes(paths), "the demo corpus"
   elif config.source == "files":
     if not config.train_files:
       raise ValueError("data.source=files needs data.train_files (comma-separated paths)")
-    texts = _iter_files(config.train_files, config.text_column, cache_dir)
+    paths = check_files(config.train_files)
+    texts, size, where = iter_files(paths, config.text_column), _disk_bytes(paths), "data.train_files"
   elif config.source == "hf":
     if not config.hf_name:
       raise ValueError("data.source=hf needs data.hf_name (a dataset name or a local folder)")
-    texts = _iter_hf(config, cache_dir)
+    texts, size, where = iter_hf(config.hf_name, config.hf_config, config.hf_split, config.text_column), 0, \
+        f"data.hf_name={config.hf_name}"
   else:
-    raise ValueError(f"data.source={config.source!r} is not one of demo, files, hf")
-  return _collect(texts, config.max_documents, config.max_bytes)
+    raise ValueError(f"data.source={config.source!r} is not one of demo, files, hf, prepared")
+  return DocumentStream(texts, config.max_documents, config.max_bytes, size, where)
 
 
-def _collect(texts: Iterable[Any], max_documents: int, max_bytes: int) -> tuple[list[str], dict[str, int]]:
-  # Filters empty and non-string values (counted, never silent) and applies the caps in reading order.
-  documents: list[str] = []
-  total_bytes = skipped = 0
-  for text in texts:
-    if not isinstance(text, str) or not text.strip():
-      skipped += 1
-      continue
-    size = len(text.encode("utf-8"))
-    if max_bytes and total_bytes + size > max_bytes:
-      # Cut at a byte boundary and drop a split multi-byte character, so the cap holds exactly.
-      text = text.encode("utf-8")[: max_bytes - total_bytes].decode("utf-8", errors="ignore")
-      size = len(text.encode("utf-8"))
-      if text.strip():
-        documents.append(text)
-        total_bytes += size
-      break
-    documents.append(text)
-    total_bytes += size
-    if (max_documents and len(documents) >= max_documents) or (max_bytes and total_bytes >= max_bytes):
-      break
-  stats = {"documents": len(documents), "bytes": total_bytes, "skipped_documents": skipped}
-  return documents, stats
+def read_documents(config: DataConfig, split: str) -> tuple[list[str], dict[str, int]]:
+  """`stream_documents` collected into a list: for data sets that fit in memory (fine-tuning, samples)."""
+  stream = stream_documents(config, split)
+  documents = list(stream)
+  return documents, dict(stream.stats)
 
 
 def demo_files() -> list[str]:
@@ -95,50 +129,159 @@ def demo_files() -> list[str]:
   return paths
 
 
-def _iter_demo() -> Iterator[Any]:
-  for path in demo_files():
+def _iter_demo(paths: list[str]) -> Iterator[Any]:
+  for path in paths:
     with open(path, "rb") as f:
       raw = f.read()
     try:
       yield raw.decode("utf-8")
     except UnicodeDecodeError:
-      yield None  # counted as a skipped document by _collect
+      yield None  # counted as a skipped document
 
 
-def _iter_files(paths: Iterable[str], text_column: str, cache_dir: str | None = None) -> Iterator[Any]:
+def _disk_bytes(paths: Iterable[str]) -> int:
+  return sum(os.path.getsize(p) for p in paths)
+
+
+def check_files(paths: Iterable[str]) -> list[str]:
+  """Checks every path before any is read, so a typo in the last file fails before minutes of reading."""
   paths = list(paths)
-  for path in paths:  # check all paths first so a typo in the last file fails before minutes of reading
+  for path in paths:
     if not os.path.isfile(path):
       raise FileNotFoundError(f"data file {path!r} does not exist; fix data.train_files / data.eval_files")
     if os.path.getsize(path) == 0:
       raise ValueError(f"data file {path!r} is empty; remove it from data.train_files / data.eval_files")
-  for path in paths:
-    suffix = os.path.splitext(path)[1].lower()
-    if suffix == ".txt":
-      # Same split as the HF "text" builder (str.splitlines); empty lines become skipped documents.
-      with open(path, "rb") as f:
-        yield from _decode_text(f.read(), path).splitlines()
-    elif suffix in _LOADER_BY_SUFFIX:
-      import datasets  # imported lazily: it is slow to import and only these sources need it
+    kind = file_kind(path)
+    if kind is None:
+      raise ValueError(f"data file {path!r} has unsupported suffix {_suffix(path)!r}; use .txt, .jsonl, .json or "
+                       f".parquet (the text ones may end in {', '.join(_COMPRESSIONS)})")
+  return paths
 
-      if suffix != ".parquet":
-        with open(path, "rb") as f:
-          _check_not_binary(f.read(_SNIFF_BYTES), path)
-      try:
-        dataset = datasets.load_dataset(_LOADER_BY_SUFFIX[suffix], data_files=[path], split="train",
-                                        cache_dir=cache_dir)
-      except Exception as e:  # noqa: BLE001 (pyarrow, json and datasets each raise their own types)
-        cause = e.__cause__ or e
-        detail = (str(cause).strip().splitlines() or [""])[0][:200]
-        raise ValueError(f"data file {path!r} could not be read as {suffix[1:]} ({type(cause).__name__}: "
-                         f"{detail}); fix the file or remove it from the data files") from e
-      try:
-        yield from _iter_column(dataset, text_column, path)
-      except UnicodeDecodeError as e:  # Arrow keeps the bytes; decoding fails only when a value is read
-        raise ValueError(f"data file {path!r} is not UTF-8 (a value holds byte 0x{e.object[e.start]:02x}); "
-                         f"re-encode it, e.g. iconv -f latin1 -t utf-8") from None
+
+def _suffix(path: str) -> str:
+  root, suffix = os.path.splitext(path.lower())
+  if suffix in _COMPRESSIONS:
+    suffix = os.path.splitext(root)[1] + suffix
+  return suffix
+
+
+def file_kind(path: str) -> str | None:
+  """txt, jsonl, json or parquet by the file's suffix (a compression suffix after it allowed), else None."""
+  root, suffix = os.path.splitext(path.lower())
+  if suffix == ".parquet":
+    return "parquet"
+  if suffix in _COMPRESSIONS:
+    root, suffix = os.path.splitext(root)
+  return suffix[1:] if suffix in _TEXT_SUFFIXES else None
+
+
+def iter_files(paths: Iterable[str], text_column: str) -> Iterator[Any]:
+  """The texts of checked files in order (None or non-str values for rows without text: the stream skips them)."""
+  for path in paths:
+    kind = file_kind(path)
+    if kind == "parquet":
+      yield from _iter_parquet(path, text_column)
+    elif kind == "txt":
+      yield from _iter_lines(path, split_any=True)
     else:
-      raise ValueError(f"data file {path!r} has unsupported suffix {suffix!r}; use .txt, .jsonl, .json or .parquet")
+      yield from _iter_json(path, kind, text_column)
+
+
+def _open_stream(path: str):
+  import pyarrow as pa  # a dependency of datasets; reads compressed files by their suffix
+
+  return pa.input_stream(path, compression="detect")
+
+
+def _iter_lines(path: str, split_any: bool) -> Iterator[str]:
+  """The lines of a (possibly compressed) UTF-8 file, read in chunks: str.splitlines' breaks if `split_any`
+  (as the HF "text" builder), else only newlines (JSON lines, whose strings may hold other break characters)."""
+  import codecs
+
+  decoder = codecs.getincrementaldecoder("utf-8")()
+  offset, carry, first = 0, "", True
+  with _open_stream(path) as f:
+    while True:
+      raw = f.read(_CHUNK)
+      if first:
+        _check_not_binary(raw[:_SNIFF_BYTES], path)
+        first = False
+      try:
+        text = carry + decoder.decode(raw, final=not raw)
+      except UnicodeDecodeError as e:
+        at = offset + e.start - (len(e.object) - len(raw))  # the decoder may hold bytes of the previous chunk
+        raise ValueError(f"data file {path!r} is not UTF-8 (byte 0x{e.object[e.start]:02x} at offset {at}); "
+                         f"re-encode it, e.g. iconv -f latin1 -t utf-8") from None
+      offset += len(raw)
+      if not raw:
+        if text:
+          yield from (text.splitlines() if split_any else text.split("\n"))
+        return
+      if split_any:
+        lines = text.splitlines(keepends=True)
+        # The last piece is incomplete unless it ends with a break; a "\r" may be half of a "\r\n".
+        complete = lines and lines[-1].splitlines()[0] != lines[-1] and not lines[-1].endswith("\r")
+        carry = "" if complete else lines.pop() if lines else ""
+        yield from (line.splitlines()[0] for line in lines)
+      else:
+        lines = text.split("\n")
+        carry = lines.pop()
+        yield from lines
+
+
+def _iter_json(path: str, kind: str, text_column: str) -> Iterator[Any]:
+  if kind == "json" and _first_character(path) == "[":  # one JSON array: read whole (it cannot be streamed)
+    with _open_stream(path) as f:
+      raw = f.read()
+    try:
+      rows = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+      raise ValueError(f"data file {path!r} could not be read as json ({type(e).__name__}: "
+                       f"{str(e).splitlines()[0][:200]}); fix the file or remove it from the data files") from None
+    numbered = enumerate(rows, start=1)
+  else:
+    numbered = ((n, line) for n, line in enumerate(_iter_lines(path, split_any=False), start=1) if line.strip())
+  seen_column = False
+  columns: set[str] = set()
+  for number, row in numbered:
+    if isinstance(row, str):
+      try:
+        row = json.loads(row)
+      except ValueError as e:
+        raise ValueError(f"data file {path!r} could not be read as {kind} (line {number}: JSON parse error: "
+                         f"{str(e)[:200]}); fix the file or remove it from the data files") from None
+    if isinstance(row, dict):
+      if text_column in row:
+        seen_column = True
+      elif not seen_column:
+        columns.update(row)
+      yield row.get(text_column)
+    else:
+      yield None
+  if not seen_column:
+    raise ValueError(f"column {text_column!r} not found in {path!r}; columns are {sorted(columns)}; "
+                     f"set data.text_column")
+
+
+def _first_character(path: str) -> str:
+  with _open_stream(path) as f:
+    head = f.read(_SNIFF_BYTES).decode("utf-8", errors="ignore").lstrip()
+  return head[:1]
+
+
+def _iter_parquet(path: str, text_column: str) -> Iterator[Any]:
+  import pyarrow.parquet as pq
+
+  try:
+    parquet = pq.ParquetFile(path)
+  except Exception as e:  # noqa: BLE001 (pyarrow raises its own types)
+    raise ValueError(f"data file {path!r} could not be read as parquet ({type(e).__name__}: "
+                     f"{str(e).splitlines()[0][:200]}); fix the file or remove it from the data files") from None
+  names = parquet.schema_arrow.names
+  if text_column not in names:
+    raise ValueError(f"column {text_column!r} not found in {path!r}; columns are {names}; set data.text_column")
+  for batch in parquet.iter_batches(batch_size=_ROWS_PER_READ, columns=[text_column]):
+    yield from batch.column(0).to_pylist()
 
 
 def _check_not_binary(head: bytes, path: str) -> None:
@@ -148,35 +291,28 @@ def _check_not_binary(head: bytes, path: str) -> None:
                      f"(.txt, .jsonl) or .parquet")
 
 
-def _decode_text(raw: bytes, path: str) -> str:
-  _check_not_binary(raw[:_SNIFF_BYTES], path)
-  try:
-    return raw.decode("utf-8")
-  except UnicodeDecodeError as e:
-    raise ValueError(f"data file {path!r} is not UTF-8 (byte 0x{raw[e.start]:02x} at offset {e.start}); "
-                     f"re-encode it, e.g. iconv -f latin1 -t utf-8") from None
-
-
-def _iter_hf(config: DataConfig, cache_dir: str | None = None) -> Iterator[Any]:
+def iter_hf(name: str, config_name: str, split: str, text_column: str) -> Iterator[Any]:
+  """The text column of an HF dataset, streamed (see the module docstring)."""
   import datasets
 
-  name = config.hf_name
   saved_to_disk = any(os.path.isfile(os.path.join(name, f)) for f in ("state.json", "dataset_dict.json"))
-  if saved_to_disk:  # a folder written by Dataset.save_to_disk / DatasetDict.save_to_disk
+  if saved_to_disk:  # a folder written by Dataset.save_to_disk / DatasetDict.save_to_disk: memory-mapped Arrow
     dataset = datasets.load_from_disk(name)
     if isinstance(dataset, datasets.DatasetDict):
-      if config.hf_split not in dataset:
-        raise ValueError(f"data.hf_split={config.hf_split!r} is not in {name!r}; splits: {', '.join(dataset)}")
-      dataset = dataset[config.hf_split]
-  else:
-    dataset = datasets.load_dataset(name, config.hf_config or None, split=config.hf_split, cache_dir=cache_dir)
-  yield from _iter_column(dataset, config.text_column, name)
+      if split not in dataset:
+        raise ValueError(f"data.hf_split={split!r} is not in {name!r}; splits: {', '.join(dataset)}")
+      dataset = dataset[split]
+    _check_column(list(dataset.column_names), text_column, name)
+    for batch in dataset.select_columns([text_column]).iter(batch_size=_ROWS_PER_READ):
+      yield from batch[text_column]
+    return
+  dataset = datasets.load_dataset(name, config_name or None, split=split, streaming=True)
+  if dataset.column_names is not None:
+    _check_column(list(dataset.column_names), text_column, name)
+  for row in dataset:
+    yield row.get(text_column)
 
 
-def _iter_column(dataset: Any, column: str, where: str) -> Iterator[Any]:
-  if column not in dataset.column_names:
-    raise ValueError(f"column {column!r} not found in {where!r}; columns are {dataset.column_names}; "
-                     f"set data.text_column")
-  # Iterating one column in Arrow batches is far faster than dataset[i] row by row.
-  for batch in dataset.select_columns([column]).iter(batch_size=_ROWS_PER_READ):
-    yield from batch[column]
+def _check_column(columns: list[str], column: str, where: str) -> None:
+  if column not in columns:
+    raise ValueError(f"column {column!r} not found in {where!r}; columns are {columns}; set data.text_column")

@@ -68,6 +68,10 @@ def load_tokenizer(path: str) -> tokenizers.Tokenizer:
   return tokenizers.Tokenizer.from_file(path)
 
 
+def tokenizer_from_json(text: str) -> tokenizers.Tokenizer:
+  return tokenizers.Tokenizer.from_str(text)
+
+
 def eos_id(tokenizer: tokenizers.Tokenizer) -> int:
   """Id of the end-of-document token appended after every document."""
   for token in (EOS_TOKEN, *_OTHER_EOS_TOKENS):

@@ -50,7 +50,7 @@ def language_model_task(config: Config, workdir: str, mesh: Mesh, kernels: Kerne
   def finish(end: loop.RunEnd) -> loop.Report:
     summary = {**end.last, **end.eval, **end.facts, **{f"average_{k}": v for k, v in end.rates.items()}}
     sample = None
-    if config.log.sample_tokens:  # every process joins the jitted sampler; only process 0 writes the report
+    if config.log.sample_tokens and datasets.tokenizer is not None:  # every process joins the jitted sampler; only process 0 writes the report
       sample = sample_text(graphdef, features.model_params(end.state), datasets.tokenizer,
                            config.log.sample_prompt, config.log.sample_tokens, config.model.max_seq_len, t.seed,
                            datasets.eos_id)
@@ -58,7 +58,7 @@ def language_model_task(config: Config, workdir: str, mesh: Mesh, kernels: Kerne
 
   return loop.Task(
       title="Training run", state=state, state_shardings=state_shardings, train_step=train_step,
-      batches=data_lib.make_train_iterator(datasets.train, local_batch_size, t.seed, config.data.shuffle),
+      batches=data_lib.make_pretraining_batches(datasets, local_batch_size, t.seed, config.data.shuffle),
       count=lambda local_batch: counts,
       evaluate=lambda step, params: steps_lib.evaluate(eval_step, params, eval_batches, mesh),
       finish=finish, features=features)

@@ -123,7 +123,7 @@ def lm_task(workdir: str, config, *, calibration_batches: int, finetune_steps: i
   eval_batches = data_lib.eval_batches(datasets.eval, batch, max(1, min(max_eval_batches, len(datasets.eval) // batch)))
   # Shuffled training batches (the run's seed): the first rows in order would be a few neighbouring source files.
   def shuffled(seed, count):
-    iterator = data_lib.make_train_iterator(datasets.train, batch, seed, shuffle=True)
+    iterator = data_lib.make_pretraining_batches(datasets, batch, seed, shuffle=True)
     return [next(iterator) for _ in range(count)]
   first = shuffled(config.train.seed, max(calibration_batches, finetune_steps))  # calibration and order 0
   orders = [first[:finetune_steps]] + [shuffled(config.train.seed + k, finetune_steps)
