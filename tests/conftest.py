@@ -34,6 +34,14 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   _OWN_CACHE = os.environ["JAX_COMPILATION_CACHE_DIR"]
 else:
   _OWN_CACHE = None
+if "JAXLM_DATA_CACHE" not in os.environ:
+  # One shared cache of prepared corpora for the session (jaxlm/data/corpus_cache.py): the demo corpus is tokenized
+  # once, not once per run; its file lock lets both workers share it.
+  _owner = os.getppid() if os.environ.get("PYTEST_XDIST_WORKER") else os.getpid()
+  os.environ["JAXLM_DATA_CACHE"] = os.path.join(tempfile.gettempdir(), f"jaxlm-test-data-cache-{_owner}")
+  _OWN_DATA_CACHE = os.environ["JAXLM_DATA_CACHE"]
+else:
+  _OWN_DATA_CACHE = None
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
@@ -47,10 +55,12 @@ if _OWN_CACHE:  # in case a plugin imported jax before this file set the variabl
 
 
 def pytest_sessionfinish(session, exitstatus):
-  """The pytest process (not an xdist worker) removes the session's XLA cache."""
+  """The pytest process (not an xdist worker) removes the session's XLA and data caches."""
   del session, exitstatus
-  if _OWN_CACHE and not os.environ.get("PYTEST_XDIST_WORKER"):
-    shutil.rmtree(_OWN_CACHE, ignore_errors=True)
+  if not os.environ.get("PYTEST_XDIST_WORKER"):
+    for cache in (_OWN_CACHE, _OWN_DATA_CACHE):
+      if cache:
+        shutil.rmtree(cache, ignore_errors=True)
 
 
 # The files that take longest, started first: both xdist workers (--dist loadfile: one file to one worker) then end

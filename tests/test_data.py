@@ -81,9 +81,8 @@ def test_packing_invariants(tokenizer, seq_len):
   assert b["loss_mask"][b["targets"] == eos].sum() == len(DOCS)
 
 
-def test_packed_getitem_save_load_and_cache(tokenizer, tmp_path, monkeypatch):
-  config = DataConfig(seq_len=8)
-  packed = packing.build_packed(config, tokenizer, DOCS, str(tmp_path / "cache"))
+def test_packed_getitem_save_load(tokenizer, tmp_path):
+  packed = packing.pack(tokenizer, DOCS, 8, tok_lib.eos_id(tokenizer))
   row = packed[3]
   for key, value in packed.batch([3]).items():
     np.testing.assert_array_equal(row[key], value[0])
@@ -93,16 +92,6 @@ def test_packed_getitem_save_load_and_cache(tokenizer, tmp_path, monkeypatch):
   loaded = PackedSequences.load(str(tmp_path / "saved"))
   np.testing.assert_array_equal(loaded.tokens, packed.tokens)
   assert loaded.num_tokens == packed.num_tokens
-
-  # A second build with the same inputs reads the cache instead of tokenizing again.
-  monkeypatch.setattr(packing, "pack", lambda *a: pytest.fail("re-tokenized despite a cache hit"))
-  cached = packing.build_packed(config, tokenizer, DOCS, str(tmp_path / "cache"))
-  np.testing.assert_array_equal(cached.segments, packed.segments)
-  # Different documents or seq_len give a different cache key.
-  key = packing.cache_key(tokenizer, DOCS, 8, 0)
-  assert key != packing.cache_key(tokenizer, DOCS[:-1], 8, 0)
-  assert key != packing.cache_key(tokenizer, DOCS, 9, 0)
-  assert packing.cache_key(tokenizer, ["ab", "c"], 8, 0) != packing.cache_key(tokenizer, ["a", "bc"], 8, 0)
 
 
 # --- tokenizer -----------------------------------------------------------------------------------------------------
@@ -275,30 +264,31 @@ def test_eval_batches_deterministic_sharded_and_wrapping():
 
 # --- build_datasets ------------------------------------------------------------------------------------------------
 
-def test_build_datasets_files_with_holdout_and_resume(tmp_path):
+def test_build_datasets_files_with_holdout_and_resume(tmp_path, monkeypatch):
+  monkeypatch.setenv("JAXLM_DATA_CACHE", str(tmp_path / "cache"))
   train_file = tmp_path / "train.jsonl"
   train_file.write_text("\n".join(json.dumps({"text": d}) for d in DOCS + [""]))
-  config = DataConfig(source="files", train_files=(str(train_file),), seq_len=16, eval_fraction=0.25)
+  config = DataConfig(source="files", train_files=(str(train_file),), seq_len=4, eval_fraction=0.25, workers=1)
   workdir = str(tmp_path / "run")
   data = build_datasets(config, vocab_size=300, workdir=workdir, seed=0)
   assert isinstance(data, Datasets) and data.eos_id == 0
   s = data.stats
   assert (s["documents"], s["skipped_documents"], s["train_documents"], s["eval_documents"]) == (24, 1, 18, 6)
-  assert s["train_sequences"] == len(data.train) > 0 and s["eval_sequences"] == len(data.eval) > 0
-  assert s["train_tokens"] == data.train.num_tokens > 0 and 0 <= s["train_padding_fraction"] < 1
+  assert s["train_windows"] == len(data.train[0]) > 0 and s["eval_windows"] == len(data.eval) > 0
   assert os.path.isfile(os.path.join(workdir, "tokenizer.json"))
-  packed_folders = [n for n in os.listdir(os.path.join(workdir, "data_cache")) if n.startswith("packed-")]
-  assert len(packed_folders) == 2  # train and eval packed arrays (beside hf/, the datasets Arrow cache)
-  # Eval holds the last documents, so its first target row starts inside DOCS[18].
-  assert data.eval.tokens[0, 0] == data.tokenizer.encode(DOCS[18]).ids[0]
+  # Every 4th document is held out, from the 2nd on: documents 1, 5, 9, ...; the eval stream starts with DOCS[1].
+  first = data.tokenizer.encode(DOCS[1]).ids
+  np.testing.assert_array_equal(data.eval.rows([0])[0][0, :len(first[:5])], first[:5])
 
-  again = build_datasets(config, vocab_size=300, workdir=workdir, seed=0)
-  np.testing.assert_array_equal(again.train.tokens, data.train.tokens)
-  assert again.stats == s
+  # Another workdir on the same data reads the same shards from the shared cache, without tokenizing again.
+  monkeypatch.setattr("jaxlm.data.prepare.tokenize_shard", lambda *a: pytest.fail("tokenized again"))
+  again = build_datasets(config, vocab_size=300, workdir=str(tmp_path / "other"), seed=0)
+  assert again.folders == data.folders and again.stats == s
 
 
-def test_build_datasets_errors(tmp_path):
+def test_build_datasets_errors(tmp_path, monkeypatch):
+  monkeypatch.setenv("JAXLM_DATA_CACHE", str(tmp_path / "cache"))
   empty = tmp_path / "empty.jsonl"
   empty.write_text(json.dumps({"text": ""}) + "\n")
-  with pytest.raises(ValueError, match="produced no documents"):
-    build_datasets(DataConfig(source="files", train_files=(str(empty),)), 300, None, 0)
+  with pytest.raises(ValueError, match="no documents to train on"):
+    build_datasets(DataConfig(source="files", train_files=(str(empty),), workers=1), 300, None, 0)

@@ -112,8 +112,7 @@ def test_a_workdir_that_is_a_file(tmp_path):  # row 15
 
 
 def _read(path, **data_kw):
-  return sources.read_documents(DataConfig(source="files", train_files=(str(path),), **data_kw), "train",
-                                cache_dir=str(path.parent / "hf_cache"))
+  return sources.read_documents(DataConfig(source="files", train_files=(str(path),), **data_kw), "train")
 
 
 def _write(path, content: bytes) -> None:
@@ -131,7 +130,7 @@ def _write(path, content: bytes) -> None:
     ("rows.jsonl", b'{"body": "a"}\n{"body": "b"}\n', ValueError,
      r"column 'text' not found in '.*rows.jsonl'; columns are \['body'\]; set data.text_column"),  # row 21
     ("broken.jsonl", b'{"text": "a"}\n{"text": oops}\n', ValueError,
-     r"'.*broken.jsonl' could not be read as jsonl \(ArrowInvalid: JSON parse error"),  # row 22
+     r"'.*broken.jsonl' could not be read as jsonl \(line 2: JSON parse error"),  # row 22
     ("table.csv", b"text\nhello\n", ValueError, r"unsupported suffix '.csv'; use .txt, .jsonl"),  # row 23
 ], ids=["missing", "empty", "binary", "non-utf8-txt", "non-utf8-jsonl", "no-text-column", "bad-json", "csv"])
 def test_bad_data_files_are_one_line_errors(tmp_path, name, content, error, message):
@@ -151,14 +150,18 @@ def test_rows_without_text_are_skipped_and_counted(tmp_path):  # row 24
   assert documents == ["one", "two"] and stats["skipped_documents"] == 3
 
 
-def test_a_huge_single_line_is_capped_and_packed(tmp_path):  # row 25
+def test_a_huge_single_line_is_capped_and_packed(tmp_path, monkeypatch, capsys):  # row 25
+  monkeypatch.setenv("JAXLM_DATA_CACHE", str(tmp_path / "cache"))
   path = tmp_path / "one_line.txt"
   path.write_text("alpha beta gamma delta " * 200_000)  # 4.6 MB, no newline
-  config = DataConfig(source="files", train_files=(str(path),), seq_len=16, max_bytes=40_000, eval_fraction=0.5,
-                      eval_files=(str(path),))
+  config = DataConfig(source="files", train_files=(str(path),), seq_len=16, max_bytes=40_000, eval_files=(str(path),),
+                      workers=1)
   datasets = build_datasets(config, 320, str(tmp_path / "run"), seed=0)
   assert datasets.stats["bytes"] == 80_000 and datasets.stats["documents"] == 2  # train + eval copy, each capped
-  assert datasets.stats["train_sequences"] > 100
+  assert datasets.stats["train_windows"] > 100
+  # The cap is never silent: the console says what was read of how much.
+  assert "data.max_bytes=40,000 cut data.train_files: read 1 documents, 40,000 bytes of text of 4,600,000 bytes" \
+      in capsys.readouterr().out
 
 
 def test_too_little_data_for_one_batch():  # row 26

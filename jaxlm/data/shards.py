@@ -63,7 +63,8 @@ class TokenWindows:
         if count == 0:
           continue
         self._tokens.append(_open_tokens(folder, shard, manifest["dtype"]))
-        self._ends.append(np.load(_path(folder, shard["ends_file"]), mmap_mode="r", allow_pickle=False))
+        ends_path = _path(folder, shard["ends_file"])
+        self._ends.append(np.load(ends_path, mmap_mode="r", allow_pickle=False))
         windows.append(count)
     self._first = np.concatenate([[0], np.cumsum(windows, dtype=np.int64)])  # [shards + 1] first window of each
     self.num_tokens = len(self) * seq_len  # target slots; every one holds a real token
