@@ -55,7 +55,17 @@ def main(argv):
   inputs, eval_inputs = _expand(_INPUT.value, "--input"), _expand(_EVAL_INPUT.value, "--eval_input")
   if bool(inputs) == bool(_HF_NAME.value):
     raise ValueError("give the documents with --input=<file or glob> or --hf_name=<dataset>, one of the two")
-  if inputs and all(foreign_shards.detect(p) for p in inputs + eval_inputs):
+  kinds = [foreign_shards.detect(p) for p in inputs + eval_inputs]
+  if any(kinds):
+    if not all(kinds):
+      text = next(p for p, kind in zip(inputs + eval_inputs, kinds) if not kind)
+      raise ValueError(f"{text!r} is not a pre-tokenized shard like the other inputs; give tokenized shards (llm.c "
+                       f".bin, datatrove .ds) or text, not both, and no .ds.index/.ds.metadata files in the globs")
+    ignored = [f"--{f.name}" for f in (_EVAL_FRACTION, _MAX_DOCUMENTS, _MAX_BYTES, _WORKERS, _HF_NAME, _SHARD_MB)
+               if flags.FLAGS[f.name].present]
+    if ignored:
+      raise ValueError(f"{', '.join(ignored)} apply to text only; pre-tokenized shards are indexed in place as they "
+                       f"are (give the held-out shards with --eval_input)")
     manifest = foreign_shards.index_prepared(inputs, eval_inputs, out, tokenizer=_TOKENIZER.value,
                                              eos_id=_EOS_ID.value)
   else:
@@ -98,7 +108,7 @@ def _summary(out: str, manifest: dict, seconds: float) -> None:
         f"{len(manifest['shards'])} shards; train {splits['train']['tokens']:,} tokens, eval "
         f"{splits['eval']['tokens']:,} tokens; {seconds:.1f} s")
   print(f"train on it: python experiments/train_lm.py --config=<config> --config.data.source=prepared "
-        f"--config.data.prepared={out} --config.model.vocab_size={max(manifest['vocab_size'], 1)}+ --workdir=<run>")
+        f"--config.data.prepared={out} --workdir=<run>  (model.vocab_size >= {manifest['vocab_size']})")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Test set-up: 4 simulated CPU devices, strict rank promotion and one XLA compilation cache for the session, before
 anything imports jax."""
 
+import contextlib
 import os
 import re
 import shutil
@@ -89,15 +90,70 @@ def xla_flags_without_device_count(loop_emitters: bool = True) -> str:
 
 def load_script(relative_path: str):
   """A script under experiments/ or benchmarks/ as the module `script_<name>`, loaded once per process. Its folder
-  never goes on sys.path, where experiments/lm_eval.py would shadow the lm-eval package."""
-  import importlib.util  # noqa: PLC0415
-  name = "script_" + os.path.splitext(os.path.basename(relative_path))[0]
+  never goes on sys.path, where experiments/lm_eval.py would shadow the lm-eval package. A script that defines absl
+  flags when imported is refused: absl's FLAGS are one per process, and flags left there (a required --workdir) fail
+  the absl parse of whichever test file `make test` happens to run next in that worker; see `script_with_flags`."""
+  from absl import flags  # noqa: PLC0415
+  name = _script_name(relative_path)
   if name not in sys.modules:
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    spec = importlib.util.spec_from_file_location(name, os.path.join(root, relative_path))
-    sys.modules[name] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sys.modules[name])
+    _exec_script(relative_path)
+    if defined := [flag.name for flag in flags.FLAGS.flags_by_module_dict().get(name, [])]:
+      _forget_script(name)
+      raise RuntimeError(f"{relative_path} defines absl flags when imported (--{', --'.join(defined)}): load it with "
+                         "`with conftest.script_with_flags(...)`, which removes them again")
   return sys.modules[name]
+
+
+@contextlib.contextmanager
+def script_with_flags(relative_path: str):
+  """A script that defines absl flags when imported (experiments/generate.py, train_lm.py, ...) as `load_script` would
+  load it, for the length of a `with`. On the way out the flag values parsed inside are undone, the script's own
+  flags are deleted and the module is forgotten, so absl's process-global FLAGS are left as found. The flags that its
+  imports define (absl.logging's, grain's, orbax's) stay: those modules stay imported and read them."""
+  from absl import flags  # noqa: PLC0415
+  from absl.testing import flagsaver  # noqa: PLC0415
+  name = _script_name(relative_path)
+  if name in sys.modules:
+    raise RuntimeError(f"{relative_path} is loaded already: one `script_with_flags` at a time")
+  parsed = flags.FLAGS.is_parsed()
+  module = _exec_script(relative_path)
+  saved = flagsaver.save_flag_values()
+  try:
+    yield module
+  finally:
+    # Restores the saved values; flags defined inside the `with` (by a lazy import) are kept, not deleted.
+    flagsaver.restore_flag_values({**flagsaver.save_flag_values(), **saved})
+    _forget_script(name)
+    if not parsed and flags.FLAGS.is_parsed():
+      flags.FLAGS.unparse_flags()
+
+
+def _script_name(relative_path: str) -> str:
+  return "script_" + os.path.splitext(os.path.basename(relative_path))[0]
+
+
+def _exec_script(relative_path: str):
+  import importlib.util  # noqa: PLC0415
+  name = _script_name(relative_path)
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  spec = importlib.util.spec_from_file_location(name, os.path.join(root, relative_path))
+  sys.modules[name] = importlib.util.module_from_spec(spec)
+  try:
+    spec.loader.exec_module(sys.modules[name])
+  except BaseException:
+    _forget_script(name)
+    raise
+  return sys.modules[name]
+
+
+def _forget_script(name: str) -> None:
+  """Deletes the absl flags that module `name` defined and drops the module."""
+  from absl import flags  # noqa: PLC0415
+  for flag in list(flags.FLAGS.flags_by_module_dict().get(name, [])):  # a copy: deleting a flag edits the list
+    for key in (flag.name, flag.short_name):
+      if key and key in flags.FLAGS:
+        delattr(flags.FLAGS, key)
+  sys.modules.pop(name, None)
 
 
 def write_token_corpus(path) -> None:

@@ -1,4 +1,4 @@
-"""Labelled data for fine-tuning: files through `datasets`, labels, bad rows, truncation, batching, resumption.
+"""Labelled data for fine-tuning: files through the streaming readers, labels, bad rows, truncation, batching, resumption.
 
 No model is built here: these run in seconds. The tokenizer is the real all-MiniLM-L6-v2 one (from its package).
 """
@@ -34,7 +34,7 @@ def _config(train, eval_=None, **kw):
 
 
 def _build(config, tokenizer, tmp_path):
-  return cd.build_classification_data(config, tokenizer, seed=0, cache_dir=str(tmp_path / "cache"))
+  return cd.build_classification_data(config, tokenizer, seed=0)
 
 
 def test_string_labels_stats_and_truncation(tokenizer, tmp_path):

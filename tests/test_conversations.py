@@ -67,7 +67,7 @@ def test_the_training_mask_is_encode_conversations_mask(setup, tmp_path):
                                     ("", conversations.pair_messages(pair["prompt"], pair["response"]))):
     config = DataConfig(source="files", train_files=(train,), eval_files=(train,), messages_column=messages_column,
                         seq_len=0)
-    data = instr_data.build_instruction_data(config, tokenizer, 0, None, MODEL.max_seq_len, checkpoint)
+    data = instr_data.build_instruction_data(config, tokenizer, 0, MODEL.max_seq_len, checkpoint)
     ids, mask = chat.encode_conversation(checkpoint, messages)
     ((inputs, targets, loss_mask),) = _segments(data.train)
     np.testing.assert_array_equal(inputs, ids[:-1])
@@ -82,7 +82,7 @@ def test_the_training_mask_is_encode_conversations_mask(setup, tmp_path):
   seq_len = int(np.argmax(mask)) + 2
   config = DataConfig(source="files", train_files=(train,), eval_files=(train,), messages_column="messages",
                       seq_len=seq_len)
-  data = instr_data.build_instruction_data(config, tokenizer, 0, None, MODEL.max_seq_len, checkpoint)
+  data = instr_data.build_instruction_data(config, tokenizer, 0, MODEL.max_seq_len, checkpoint)
   ((inputs, targets, loss_mask),) = _segments(data.train)
   assert data.stats["truncated_pairs"] == 2  # the train and the eval copy
   np.testing.assert_array_equal(targets, ids[1:seq_len + 1])

@@ -276,8 +276,8 @@ def test_build_datasets_files_with_holdout_and_resume(tmp_path, monkeypatch):
   assert (s["documents"], s["skipped_documents"], s["train_documents"], s["eval_documents"]) == (24, 1, 18, 6)
   assert s["train_windows"] == len(data.train[0]) > 0 and s["eval_windows"] == len(data.eval) > 0
   assert os.path.isfile(os.path.join(workdir, "tokenizer.json"))
-  # Every 4th document is held out, from the 2nd on: documents 1, 5, 9, ...; the eval stream starts with DOCS[1].
-  first = data.tokenizer.encode(DOCS[1]).ids
+  # Every 4th document is held out, from the first on: documents 0, 4, 8, ...; the eval stream starts with DOCS[0].
+  first = data.tokenizer.encode(DOCS[0]).ids
   np.testing.assert_array_equal(data.eval.rows([0])[0][0, :len(first[:5])], first[:5])
 
   # Another workdir on the same data reads the same shards from the shared cache, without tokenizing again.

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import load_script
+from conftest import script_with_flags
 from flax import nnx
 
 from jaxlm.config import MeshConfig, ModelConfig
@@ -200,13 +200,19 @@ def test_sample_tokens_keeps_its_contract():
   assert len(out) == 16 and out[:15] == list(range(5, 20))  # prompt cut to max_len - 1, then one new token
 
 
-def test_experiment_script_loads_the_latest_checkpoint(tmp_path):
+@pytest.fixture
+def generate_script():
+  """experiments/generate.py, whose absl flags (a required --workdir among them) are removed again afterwards: absl's
+  FLAGS are one per process, shared with whichever test files `make test` runs in this worker."""
+  with script_with_flags("experiments/generate.py") as script:
+    yield script
+
+
+def test_experiment_script_loads_the_latest_checkpoint(tmp_path, generate_script):
   from jaxlm import data as data_lib
   from jaxlm.config import Config, DataConfig, TrainConfig
   from jaxlm.training import optim
   from jaxlm.training.checkpoint import Checkpointer
-
-  script = load_script("experiments/generate.py")  # loaded once per process: its absl flags are defined once
 
   config = Config(model=GPT2, data=DataConfig(seq_len=16), mesh=MeshConfig(data=1),
                   train=TrainConfig(steps=1, warmup_steps=0))
@@ -220,25 +226,23 @@ def test_experiment_script_loads_the_latest_checkpoint(tmp_path):
   (tmp_path / "config.json").write_text(json.dumps(dataclasses.asdict(config)))
   data_lib.train_bpe(["def f(x):\n  return x\n"] * 20, GPT2.vocab_size, str(tmp_path / "tokenizer.json"))
 
-  loaded_config, loaded_graphdef, loaded, tokenizer, step = script.load_run(str(tmp_path))
+  loaded_config, loaded_graphdef, loaded, tokenizer, step = generate_script.load_run(str(tmp_path))
   assert step == 3 and loaded_config.model == config.model
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(loaded), jax.device_get(params))
   assert loaded_graphdef == graphdef
   assert len(generate.generate(loaded_graphdef, loaded, [tokenizer.encode("def ").ids], 1)[0]) == 1
 
 
-def test_experiment_script_chats_under_the_workdirs_template(tmp_path):
+def test_experiment_script_chats_under_the_workdirs_template(tmp_path, generate_script):
   """--chat: the prompt becomes a user turn under the workdir's template and the sample stops at its end of turn."""
   from absl import flags
-  test_experiment_script_loads_the_latest_checkpoint(tmp_path)  # a workdir with a checkpoint and a tokenizer
+  # A workdir with a checkpoint and a tokenizer.
+  test_experiment_script_loads_the_latest_checkpoint(tmp_path, generate_script)
   template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}<|endoftext|>{% endfor %}<assistant>"
   (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
-  script = load_script("experiments/generate.py")
+  # The fixture undoes this parse afterwards.
   flags.FLAGS(["generate", f"--workdir={tmp_path}", "--chat", "--prompt=def", "--max_new_tokens=4",
                "--temperature=0", f"--output={tmp_path / 'chat.json'}"])
-  try:
-    script.main([])
-  finally:
-    flags.FLAGS.unparse_flags()
+  generate_script.main([])
   text = json.loads((tmp_path / "chat.json").read_text())["sample_0_text"]
   assert text.startswith("<user>def<assistant>")  # decoded without its special tokens

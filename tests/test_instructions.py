@@ -62,7 +62,7 @@ def _data_config(files, **overrides) -> DataConfig:
 
 
 def test_loss_is_exactly_zero_on_prompt_tokens_and_counts_every_response_token(files, tokenizer):
-  data = instr_data.build_instruction_data(_data_config(files, seq_len=32), tokenizer, 0, None, 64)
+  data = instr_data.build_instruction_data(_data_config(files, seq_len=32), tokenizer, 0, 64)
   rows = data.train.rows
   assert data.train.num_tokens == sum(len(r) + 1 for r in _encoded_responses(files[0], tokenizer))  # + each EOS
   for row in range(len(data.train)):
@@ -96,7 +96,7 @@ def _encoded_responses(path, tokenizer):
 
 @pytest.mark.parametrize("flavour", ["gpt2", "llama"])
 def test_packed_pairs_give_the_logits_of_each_pair_alone(files, tokenizer, flavour):
-  data = instr_data.build_instruction_data(_data_config(files, seq_len=40), tokenizer, 0, None, 64)
+  data = instr_data.build_instruction_data(_data_config(files, seq_len=40), tokenizer, 0, 64)
   rows = data.train.rows
   row = int(np.argmax([len(set(s) - {0}) for s in rows["segment_ids"]]))  # the row holding the most pairs
   segments = sorted(set(rows["segment_ids"][row]) - {0})
@@ -154,14 +154,14 @@ def test_seq_len_from_the_data_and_the_truncation_warning(files, tokenizer):
                   "raise data.seq_len (the model has 512 positions) or set it to 0 to choose it from the data")
   assert "no more positions (128)" in seq_lengths.truncation_warning(10, 100, 128, 128, chosen=True)
 
-  data = instr_data.build_instruction_data(_data_config(files, seq_len=0), tokenizer, 0, None, 64)
+  data = instr_data.build_instruction_data(_data_config(files, seq_len=0), tokenizer, 0, 64)
   prompts = [tokenizer.encode(json.loads(line)["prompt"]).ids for line in open(files[0])]
   full = [len(p) + len(r) for p, r in zip(prompts, _encoded_responses(files[0], tokenizer))]
   assert data.seq_len == seq_lengths.choose_seq_len(np.array(full), 64, at_least=max(map(len, prompts)) + 1)
   assert data.stats["truncated_pairs"] == 0 and data.stats["seq_len"] == data.seq_len
 
   tight = max(map(len, prompts)) + 1  # room for one response token after the longest prompt
-  cut = instr_data.build_instruction_data(_data_config(files, seq_len=tight), tokenizer, 0, None, 64)
+  cut = instr_data.build_instruction_data(_data_config(files, seq_len=tight), tokenizer, 0, 64)
   assert cut.stats["truncated_pairs"] > 0 and cut.train.rows["inputs"].shape[1] == tight
   # A cut pair keeps its prompt and fills the row with the start of its response, without an EOS.
   assert not cut.train.rows["loss_mask"][cut.train.rows["targets"] == cut.eos_id].all()
@@ -170,12 +170,12 @@ def test_seq_len_from_the_data_and_the_truncation_warning(files, tokenizer):
 def test_bad_input_is_one_line_and_deletes_nothing(files, tokenizer, tmp_path, tiny_gpt2_folder):
   with pytest.raises(ValueError, match=r"data.prompt_column='question' is not a column of '.*train.jsonl'; its "
                                        r"columns are \['prompt', 'response'\]"):
-    instr_data.build_instruction_data(_data_config(files, prompt_column="question"), tokenizer, 0, None, 64)
+    instr_data.build_instruction_data(_data_config(files, prompt_column="question"), tokenizer, 0, 64)
   with pytest.raises(ValueError, match=r"data.response_column='answer' is not a column"):
-    instr_data.build_instruction_data(_data_config(files, response_column="answer"), tokenizer, 0, None, 64)
+    instr_data.build_instruction_data(_data_config(files, response_column="answer"), tokenizer, 0, 64)
   with pytest.raises(ValueError, match=r"the prompt of row \d+ of '.*train.jsonl' is \d+ tokens, which leaves no "
                                        r"room for its response in data.seq_len=4; raise data.seq_len"):
-    instr_data.build_instruction_data(_data_config(files, seq_len=4), tokenizer, 0, None, 64)
+    instr_data.build_instruction_data(_data_config(files, seq_len=4), tokenizer, 0, 64)
   empty = _write_jsonl(tmp_path / "gaps.jsonl", [*_pairs(3, 5), {"prompt": "x", "response": " "}])
   data = instr_data.build_instruction_data(DataConfig(source="files", train_files=(empty,), seq_len=32), tokenizer,
                                            0, None, 64)

@@ -49,7 +49,7 @@ def test_shards_hold_exactly_the_tokenizers_output_and_eos(tokenizer, tmp_path):
   eos = tok_lib.eos_id(tokenizer)
   expected = [tokenizer.encode(d, add_special_tokens=False).ids + [eos] for d in DOCS]
   held = [i for i in range(len(DOCS)) if prepare.held_out(i, 0.1)]
-  assert len(held) == 6 and held[0] == 4  # every 10th document, from the 5th on
+  assert held == [0, 10, 20, 30, 40, 50]  # the first document, then every 10th
   assert _decoded(tmp_path / "c", "train") == [e for i, e in enumerate(expected) if i not in held]
   assert _decoded(tmp_path / "c", "eval") == [expected[i] for i in held]
   assert manifest["dtype"] == "uint16" and manifest["documents"] == len(DOCS)

@@ -114,8 +114,8 @@ def _run_config(tmp_path, steps, **train_kw):
 
 def test_nonfinite_steps_are_skipped_bit_for_bit_counted_and_stop_the_run(tmp_path, monkeypatch):
   """Step 3 (NaN) is skipped alone; steps 5 (inf) and 6 (NaN) make 2 in a row, which stops the run at step 6."""
-  make_iterator = data_lib.make_train_iterator
-  monkeypatch.setattr(data_lib, "make_train_iterator",
+  make_iterator = data_lib.make_pretraining_batches
+  monkeypatch.setattr(data_lib, "make_pretraining_batches",
                       lambda *a, **k: _PoisonedIterator(make_iterator(*a, **k), {3: np.nan, 5: np.inf, 6: np.nan}))
   config = _run_config(tmp_path, steps=9, max_consecutive_nonfinite=2)
   workdir = tmp_path / "run"

@@ -23,6 +23,7 @@ import numpy as np
 from flax import nnx
 
 from jaxlm.data import classification as cls_data
+from jaxlm.data import sources
 
 TEACHER_LOGITS = "teacher_logits"
 
@@ -36,17 +37,19 @@ def read_texts(files: list[str] | tuple[str, ...], data_config: Any, tokenizer: 
       raise FileNotFoundError(f"distillation file {path!r} does not exist; give files of unlabelled task text")
   config = dataclasses.replace(data_config, train_files=tuple(files))
   texts, pairs = [], []
-  for where, dataset in cls_data.read_rows(config, "train"):
-    columns = [c for c in (config.text_column, config.text_pair_column) if c]
-    for column in columns:
-      if column not in dataset.column_names:
-        raise ValueError(f"column {column!r} not found in {where!r}; columns are {dataset.column_names}; the "
-                         "distillation files need the task's text column(s) (data.text_column)")
-    rows = zip(*(dataset[c] for c in columns))
-    for row in rows:
-      if all(isinstance(v, str) and v.strip() for v in row):
-        texts.append(row[0])
-        pairs.append(row[1] if len(row) > 1 else None)
+  columns = {config.text_column: "data.text_column"}
+  if config.text_pair_column:
+    columns[config.text_pair_column] = "data.text_pair_column"
+  try:
+    for _, table, _ in cls_data.read_rows(config, "train", columns):
+      for row in table:
+        values = [row[c] for c in columns]
+        if all(isinstance(v, str) and v.strip() for v in values):
+          texts.append(values[0])
+          pairs.append(values[1] if len(values) > 1 else None)
+  except sources.MissingColumn as e:  # the column is the task's: the files are what to change
+    raise ValueError(f"column {e.column!r} not found in {e.where!r}; columns are {e.found}; the distillation files "
+                     "need the task's text column(s) (data.text_column)") from None
   if not texts:
     raise ValueError(f"the distillation files {list(files)} hold no non-empty text in column {config.text_column!r}")
   examples, _ = cls_data.tokenize(tokenizer, texts, pairs if config.text_pair_column else None, seq_len)

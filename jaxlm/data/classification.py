@@ -1,18 +1,19 @@
 """Labelled examples for sequence classification: rows -> class ids -> token ids -> padded, resumable batches.
 
-  data = build_classification_data(config.data, tokenizer, seed, cache_dir)
+  data = build_classification_data(config.data, tokenizer, seed)
   loader = ClassificationLoader(data.train, global_batch, seed, config.data.batching)  # endless, resumable
   batch = next(loader)  # input_ids, attention_mask, token_type_ids: int32 [B_local, L]; labels int32 [B_local];
                         # weights float32 [B_local] (0 marks a filler row of a last, partial eval batch)
 
-Sources (through `datasets`): local `.csv`/`.tsv`/`.jsonl`/`.json`/`.parquet` files (`data.train_files`,
-`data.eval_files`), or `data.hf_name` (a hub name when online, a local dataset folder, or a `save_to_disk` folder)
-with `data.hf_split` and `data.hf_eval_split`. Without eval files or an eval split, a seeded random
-`data.eval_fraction` of the rows is held out (random, not the last rows: labelled files are often sorted by class).
+Sources (read by jaxlm/data/sources.py's streaming readers, held in memory, never capped): local
+`.csv`/`.tsv`/`.jsonl`/`.json`/`.parquet` files (`data.train_files`, `data.eval_files`), or `data.hf_name` (a hub name
+when online or a local folder of data files, streamed; a `save_to_disk` folder, memory-mapped) with `data.hf_split`
+and `data.hf_eval_split`. Without eval files or an eval split, a seeded random `data.eval_fraction` of the rows is
+held out (random, not the last rows: labelled files are often sorted by class).
 
 Rows: `data.text_column` (and `data.text_pair_column` for pairs) and `data.label_column`. Labels are integer ids or
-strings. Class names are `data.labels` when given, else the names of an HF `ClassLabel` column, else the sorted
-training labels (strings) or 0..max (ints).
+strings (a CSV/TSV label column whose every non-empty cell is a number holds numbers). Class names are `data.labels`
+when given, else the names of an HF `ClassLabel` column, else the sorted training labels (strings) or 0..max (ints).
 Handling of bad rows, every case counted in the statistics or raised as a one-line error:
   * empty, missing or non-string text, missing label: the row is skipped and counted (`skipped_empty_text`,
     `skipped_missing_label`);
@@ -30,11 +31,11 @@ most `data.seq_len`), so short texts do not pay for long ones and at most log2(s
 
 from __future__ import annotations
 
-import codecs
 import dataclasses
 import json
 import math
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -42,13 +43,10 @@ import numpy as np
 import tokenizers
 
 from jaxlm.config import DataConfig
-from jaxlm.data import seq_lengths
+from jaxlm.data import seq_lengths, sources
 
-_LOADER_BY_SUFFIX = {".csv": "csv", ".tsv": "csv", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
-_TEXT_SUFFIXES = (".csv", ".tsv", ".jsonl", ".json")
 _MIN_PAD = 16  # smallest padded length; batch lengths are powers of two from here up to data.seq_len
 _BUCKET_WINDOW = 16  # batches per window whose examples are sorted by length (bucket batching)
-_CHUNK_BYTES = 1 << 20
 
 
 @dataclasses.dataclass
@@ -87,94 +85,47 @@ class ClassificationData:
 # ----------------------------------------------------------------------------------------------- reading rows
 
 
-def read_rows(config: DataConfig, split: str, cache_dir: str | None = None) -> list[tuple[str, Any]]:
-  """[(where, datasets.Dataset)] of `split` ("train" or "eval"); `where` names the file or dataset in errors.
+def read_rows(config: DataConfig, split: str, columns: dict[str, str]) -> list[tuple[str, Iterator[dict], Any]]:
+  """[(where, rows, features)] of `split` ("train" or "eval"): `rows` streams dicts of `columns` (each wanted column
+  -> the setting that names it, for the `sources.MissingColumn` error); `where` names the file or dataset in errors;
+  `features` are an HF dataset's (a ClassLabel names the classes), else {}.
 
   Returns an empty list for eval when no eval files or eval split are configured."""
-  import datasets  # noqa: PLC0415 (slow to import)
-
   files = config.train_files if split == "train" else config.eval_files
   if files:
-    for path in files:  # every path first, so a typo in the last file fails before minutes of reading
-      _check_file(path)
-    return [(path, _load_file(path, cache_dir)) for path in files]
+    return [(path, sources.iter_rows([path], columns), {})
+            for path in sources.check_files(files, sources.TABLE_KINDS)]
   if config.source == "hf" and (split == "train" or config.hf_eval_split):
-    name, hf_split = config.hf_name, config.hf_split if split == "train" else config.hf_eval_split
-    if any(os.path.isfile(os.path.join(name, f)) for f in ("state.json", "dataset_dict.json")):
-      dataset = datasets.load_from_disk(name)
-      if isinstance(dataset, datasets.DatasetDict):
-        if hf_split not in dataset:
-          raise ValueError(f"split {hf_split!r} is not in {name!r}; splits: {', '.join(dataset)}; set "
-                           f"data.hf_split / data.hf_eval_split")
-        dataset = dataset[hf_split]
-    else:
-      dataset = datasets.load_dataset(name, config.hf_config or None, split=hf_split, cache_dir=cache_dir)
-    return [(f"{name}[{hf_split}]", dataset)]
+    hf_split, setting = ((config.hf_split, "data.hf_split") if split == "train" else
+                         (config.hf_eval_split, "data.hf_eval_split"))
+    dataset = sources.open_hf(config.hf_name, config.hf_config, hf_split, setting)
+    where = f"{config.hf_name}[{hf_split}]"
+    return [(where, sources.iter_hf_rows(dataset, columns, where), getattr(dataset, "features", None) or {})]
   if split == "train":
     raise ValueError("fine-tuning needs data.train_files (.csv, .tsv, .jsonl, .parquet) or data.source=hf with "
                      "data.hf_name")
   return []
 
 
-def _check_file(path: str) -> None:
-  if not os.path.isfile(path):
-    raise FileNotFoundError(f"data file {path!r} does not exist; fix data.train_files / data.eval_files")
-  if os.path.getsize(path) == 0:
-    raise ValueError(f"data file {path!r} is empty; remove it from data.train_files / data.eval_files")
-  suffix = os.path.splitext(path)[1].lower()
-  if suffix not in _LOADER_BY_SUFFIX:
-    raise ValueError(f"data file {path!r} has unsupported suffix {suffix!r}; use {', '.join(_LOADER_BY_SUFFIX)}")
-  if suffix in _TEXT_SUFFIXES:  # Arrow and pandas report bad bytes without the offset; find it here
-    decoder, offset = codecs.getincrementaldecoder("utf-8")(), 0
-    with open(path, "rb") as f:
-      while chunk := f.read(_CHUNK_BYTES):
-        if b"\0" in chunk:
-          raise ValueError(f"data file {path!r} looks binary (a NUL byte at offset {offset + chunk.index(0)}); "
-                           f"give UTF-8 text or .parquet")
-        try:
-          decoder.decode(chunk)
-        except UnicodeDecodeError as e:
-          raise ValueError(f"data file {path!r} is not UTF-8 (byte 0x{chunk[e.start]:02x} at offset "
-                           f"{offset + e.start}); re-encode it, e.g. iconv -f latin1 -t utf-8") from None
-        offset += len(chunk)
-
-
-def _load_file(path: str, cache_dir: str | None) -> Any:
-  import datasets  # noqa: PLC0415
-
-  suffix = os.path.splitext(path)[1].lower()
-  kwargs = {"delimiter": "\t"} if suffix == ".tsv" else {}
-  try:
-    return datasets.load_dataset(_LOADER_BY_SUFFIX[suffix], data_files=[path], split="train", cache_dir=cache_dir,
-                                 **kwargs)
-  except Exception as e:  # noqa: BLE001 (pyarrow, pandas and datasets each raise their own types)
-    cause = e.__cause__ or e
-    detail = (str(cause).strip().splitlines() or [""])[0][:200]
-    raise ValueError(f"data file {path!r} could not be read as {suffix[1:]} ({type(cause).__name__}: {detail}); "
-                     f"fix the file or remove it from the data files") from e
-
-
-def _columns(where: str, dataset: Any, config: DataConfig) -> dict[str, list]:
-  wanted = {"text": config.text_column, "label": config.label_column}
-  if config.text_pair_column:
-    wanted["pair"] = config.text_pair_column
-  setting = {"text": "data.text_column", "label": "data.label_column", "pair": "data.text_pair_column"}
-  for key, column in wanted.items():
-    if column not in dataset.column_names:
-      raise ValueError(f"column {column!r} not found in {where!r}; columns are {dataset.column_names}; "
-                       f"set {setting[key]}")
-  try:
-    return {key: dataset[column] for key, column in wanted.items()}
-  except UnicodeDecodeError as e:  # Arrow keeps the bytes; decoding fails only when a value is read
-    raise ValueError(f"{where!r} is not UTF-8 (a value holds byte 0x{e.object[e.start]:02x}); re-encode it, e.g. "
-                     f"iconv -f latin1 -t utf-8") from None
+def _numbers(cells: list[Any]) -> list[Any]:
+  """A CSV column's cells as ints, else floats, when every non-empty one reads as such (as pandas types a column),
+  so that label ids 0..K-1 are ids, not names sorted as text; else the cells as they are."""
+  filled = {c.strip() for c in cells if isinstance(c, str) and c.strip()}
+  for kind in (int, float):
+    try:
+      values = {c: kind(c) for c in filled}
+    except ValueError:
+      continue
+    return [values.get(c.strip()) if isinstance(c, str) else c for c in cells]
+  return cells
 
 
 # ----------------------------------------------------------------------------------------------- labels
 
 
 def _as_label(value: Any) -> int | str | float | None:
-  """An int id, a string name, or None (missing). Floats appear when pandas reads an int column with gaps."""
+  """An int id, a string name, or None (missing). Floats appear where an int column has gaps (pandas, Arrow) or a
+  file writes ids as 1.0."""
   if value is None or isinstance(value, bool):
     return None if value is None else int(value)
   if isinstance(value, (int, np.integer)):
@@ -282,8 +233,7 @@ def tokenize(tokenizer: tokenizers.Tokenizer, texts: list[str], pairs: list[str]
 
 
 def build_classification_data(config: DataConfig, tokenizer: tokenizers.Tokenizer, seed: int,
-                              cache_dir: str | None = None, vocab_size: int | None = None,
-                              max_positions: int = 512) -> ClassificationData:
+                              vocab_size: int | None = None, max_positions: int = 512) -> ClassificationData:
   """Reads, validates, splits and tokenizes the labelled rows described by `config` (module docstring).
   data.seq_len=0 chooses the length from the training rows' tokenized lengths (`jaxlm.data.seq_lengths.choose_seq_len`,
   at most `max_positions`)."""
@@ -292,18 +242,24 @@ def build_classification_data(config: DataConfig, tokenizer: tokenizers.Tokenize
                      f"vocabulary holds {vocab_size}; use the tokenizer that came with init_from")
   skipped = {"skipped_empty_text": 0, "skipped_missing_label": 0}
   label_feature_names: list[str] = []  # an HF ClassLabel column names its classes (e.g. glue/sst2)
+  columns = {config.text_column: "data.text_column", config.label_column: "data.label_column"}
+  if config.text_pair_column:
+    columns[config.text_pair_column] = "data.text_pair_column"
 
   def rows_of(split: str) -> list[tuple[str, int, str, str | None, int | str]]:
     rows = []
-    for where, dataset in read_rows(config, split, cache_dir):
-      columns = _columns(where, dataset, config)
-      feature = getattr(dataset, "features", {}).get(config.label_column)
+    for where, table, features in read_rows(config, split, columns):
+      feature = features.get(config.label_column)
       if split == "train" and getattr(feature, "names", None) and not label_feature_names:
         label_feature_names.extend(str(n) for n in feature.names)
-      pairs = columns.get("pair")
-      for i, (text, raw_label) in enumerate(zip(columns["text"], columns["label"])):
-        pair = pairs[i] if pairs is not None else None
-        if not _is_text(text) or (pairs is not None and not _is_text(pair)):
+      table = list(table)
+      labels = [row[config.label_column] for row in table]
+      if sources.file_kind(where) in ("csv", "tsv"):  # `where` is the file's path
+        labels = _numbers(labels)
+      for i, (row, raw_label) in enumerate(zip(table, labels)):
+        text = row[config.text_column]
+        pair = row[config.text_pair_column] if config.text_pair_column else None
+        if not _is_text(text) or (config.text_pair_column and not _is_text(pair)):
           skipped["skipped_empty_text"] += 1
           continue
         label = _as_label(raw_label)

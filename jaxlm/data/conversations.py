@@ -2,7 +2,7 @@
 conversation (a list of {role, content} turns, several exchanges, an optional system turn), and prompt/response
 pairs wrapped as one user turn and one assistant turn.
 
-  rows, skipped = read_conversations(config.data, "train", cache_dir)   # [(where, row, messages)]
+  rows, skipped = read_conversations(config.data, "train")   # [(where, row, messages)]
   tokens, weights, prompt, text = encode(folder, messages)
 
 The ids and weights are `jaxlm.data.chat.encode_conversation`'s: the conversation as the template writes it, weight 1
@@ -19,16 +19,14 @@ from jaxlm.data import chat
 from jaxlm.data import classification as cls_data
 
 
-def read_conversations(config: DataConfig, split: str, cache_dir: str | None
-                       ) -> tuple[list[tuple[str, int, list[dict]]], int]:
+def read_conversations(config: DataConfig, split: str) -> tuple[list[tuple[str, int, list[dict]]], int]:
   """[(where, row, messages)] of `split`, each message reduced to its role and content, and the number of rows
   skipped for having no assistant turn with content. A turn that is not {role, content} strings is a ValueError."""
   key, column = "data.messages_column", config.messages_column
   rows, skipped = [], 0
-  for where, dataset in cls_data.read_rows(config, split, cache_dir):
-    if column not in dataset.column_names:
-      raise ValueError(f"{key}={column!r} is not a column of {where!r}; its columns are {dataset.column_names}")
-    for i, conversation in enumerate(dataset[column]):
+  for where, table, _ in cls_data.read_rows(config, split, {column: key}):
+    for i, row in enumerate(table):
+      conversation = row[column]
       if not isinstance(conversation, list):
         raise ValueError(f"row {i + 1} of {where!r}: {key}={column!r} holds a {type(conversation).__name__}, not a "
                          f"list of {{role, content}} turns")

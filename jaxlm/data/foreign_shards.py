@@ -13,9 +13,10 @@ points at them: manifest.json lists each file by absolute path with the byte `of
                      is [EOT] [a b EOT] [c d EOT] [e]. Each document then ends with the separator, as a prepared
                      document ends with its EOS; the leading separator is a one-token document, and a document that
                      llm.c cut at the file's end is two documents, one in each file.
-  datatrove (.ds)    the raw tokens (uint16, or uint32 when .ds.metadata's first line ends in "|4") beside
-                     .ds.index, the documents' ends as little-endian uint64 token positions (DocumentTokenizer's
-                     TokenizedFile), used as they are.
+  datatrove (.ds)    the raw tokens (uint16, or uint32 when .ds.metadata's first line ends in "|4"; without it, the
+                     file's size over the index's token count says which) beside .ds.index, the documents' ends as
+                     little-endian uint64 token positions (DocumentTokenizer's TokenizedFile), used as they are.
+                     DocumentTokenizer appends the EOS to every document, so the token they all end with is the EOS.
 
 Indexing reads each file once, in chunks (memory stays flat for multi-GB files), for the document ends, the largest
 id (the vocabulary size, without a tokenizer) and a sha256 of the token bytes; `verify` re-reads any prepared folder
@@ -58,7 +59,8 @@ def index_prepared(train_paths: Sequence[str], eval_paths: Sequence[str], out: s
 
   `tokenizer` (a tokenizer.json or a folder holding one) is copied into `out` and gives the vocabulary size;
   without it the vocabulary is the largest id + 1. `eos_id` replaces the format's separator (llm.c) or the token
-  every document ends with (datatrove). A finished `out` indexed from the same inputs is returned as it is.
+  every document ends with (datatrove; where they differ, the tokenizer's EOS). A finished `out` indexed from the
+  same inputs is returned as it is.
   """
   if not train_paths:
     raise ValueError("no pre-tokenized files to train on: give --input=<.bin or .ds files>")

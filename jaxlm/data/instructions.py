@@ -1,7 +1,7 @@
 """Prompt/response pairs and conversations for decoder instruction tuning: rows -> token ids with a loss weight per
 token -> rows of whole examples, packed apart.
 
-  data = build_instruction_data(config.data, tokenizer, seed, cache_dir, max_positions, chat_folder)
+  data = build_instruction_data(config.data, tokenizer, seed, max_positions, chat_folder)
   loader = make_train_iterator(data.train, batch_size_per_process, seed, shuffle)   # jaxlm.data's grain loader
   batch = next(loader)  # inputs, targets, segment_ids, positions: int32 [B, T]; loss_mask: float32 [B, T]
 
@@ -16,8 +16,9 @@ With a chat template in `chat_folder` (the checkpoint's tokenizer folder), every
 template (jaxlm/data/conversations.py): a pair becomes one user and one assistant turn, and `data.messages_column`
 reads whole conversations; the loss is then on each assistant turn's content and its end-of-turn token. Without a
 template pairs keep the layout above, and `data.messages_column` is a one-line error.
-Sources: `.csv`/`.tsv`/`.jsonl`/`.parquet` files or an HF dataset, read as for classification (data.train_files,
-data.eval_files or a seeded data.eval_fraction held out), columns `data.prompt_column` and `data.response_column`.
+Sources: `.csv`/`.tsv`/`.jsonl`/`.json`/`.parquet` files or an HF dataset, read as for classification
+(data.train_files, data.eval_files or a seeded data.eval_fraction held out), columns `data.prompt_column` and
+`data.response_column`.
 Bad input: a missing column or a prompt that fills data.seq_len by itself is a one-line error naming the key or the
 row; a row with an empty prompt or response is skipped and counted; a pair longer than data.seq_len keeps its prompt
 and the start of its response (counted, and warned about above `jaxlm.data.seq_lengths.TRUNCATION_WARNING_RATE`); a
@@ -27,7 +28,9 @@ training examples (`jaxlm.data.seq_lengths.choose_seq_len`), long enough for eve
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -36,7 +39,7 @@ import tokenizers
 from jaxlm.config import DataConfig
 from jaxlm.data import chat
 from jaxlm.data import classification as cls_data
-from jaxlm.data import conversations, seq_lengths
+from jaxlm.data import conversations, seq_lengths, sources
 from jaxlm.data.tokenizer import eos_id as tokenizer_eos_id
 
 
@@ -136,15 +139,13 @@ def eval_batches(packed: PackedPairs, global_batch: int, process_index: int, pro
 # ----------------------------------------------------------------------------------------------- reading pairs
 
 
-def read_pairs(config: DataConfig, split: str, cache_dir: str | None) -> tuple[list[tuple[str, int, str, str]], int]:
+def read_pairs(config: DataConfig, split: str) -> tuple[list[tuple[str, int, str, str]], int]:
   """[(where, row, prompt, response)] of `split` and the number of rows skipped for an empty prompt or response."""
   rows, skipped = [], 0
-  for where, dataset in cls_data.read_rows(config, split, cache_dir):
-    for key, column in (("data.prompt_column", config.prompt_column),
-                        ("data.response_column", config.response_column)):
-      if column not in dataset.column_names:
-        raise ValueError(f"{key}={column!r} is not a column of {where!r}; its columns are {dataset.column_names}")
-    for i, (prompt, response) in enumerate(zip(dataset[config.prompt_column], dataset[config.response_column])):
+  columns = {config.prompt_column: "data.prompt_column", config.response_column: "data.response_column"}
+  for where, table, _ in cls_data.read_rows(config, split, columns):
+    for i, row in enumerate(table):
+      prompt, response = row[config.prompt_column], row[config.response_column]
       if not (isinstance(prompt, str) and prompt.strip() and isinstance(response, str) and response.strip()):
         skipped += 1
         continue
@@ -152,8 +153,17 @@ def read_pairs(config: DataConfig, split: str, cache_dir: str | None) -> tuple[l
   return rows, skipped
 
 
-def build_instruction_data(config: DataConfig, tokenizer: tokenizers.Tokenizer, seed: int, cache_dir: str | None,
-                           max_positions: int, chat_folder: str | None = None) -> InstructionData:
+@contextlib.contextmanager
+def _naming_the_setting() -> Iterator[None]:
+  """Instruction data's wording of a missing column (`sources.MissingColumn`): the setting first, as it is written."""
+  try:
+    yield
+  except sources.MissingColumn as e:
+    raise ValueError(f"{e.setting}={e.column!r} is not a column of {e.where!r}; its columns are {e.found}") from None
+
+
+def build_instruction_data(config: DataConfig, tokenizer: tokenizers.Tokenizer, seed: int, max_positions: int,
+                           chat_folder: str | None = None) -> InstructionData:
   """Reads, splits, tokenizes and packs the pairs or conversations described by `config` (module docstring);
   `chat_folder` is the checkpoint's tokenizer folder, whose chat template (if any) formats every example."""
   eos = tokenizer_eos_id(tokenizer)
@@ -163,8 +173,9 @@ def build_instruction_data(config: DataConfig, tokenizer: tokenizers.Tokenizer, 
                      f"{chat_folder or 'the tokenizer'!r} has none (chat_template.jinja or tokenizer_config.json's "
                      "chat_template); use a checkpoint with one, or prompt/response pairs (data.messages_column='')")
   read = conversations.read_conversations if config.messages_column else read_pairs
-  train_rows, skipped = read(config, "train", cache_dir)
-  eval_rows, eval_skipped = read(config, "eval", cache_dir)
+  with _naming_the_setting():
+    train_rows, skipped = read(config, "train")
+    eval_rows, eval_skipped = read(config, "eval")
   skipped += eval_skipped
   if not train_rows:
     columns = (repr(config.messages_column) + " with an assistant turn" if config.messages_column else

@@ -9,11 +9,12 @@ A prepared folder (read by jaxlm/data/shards.py):
                              tokens[ends[i-1]:ends[i]]
   eval-00000.tokens.npy ...  the held-out documents, in shards of their own
 
-The reader cuts the document stream into batches of about `shard_bytes` of text, in reading order; batch i becomes
-shard i (train-i and, with an eval fraction, eval-i). The cut depends on the documents alone, so 1 and N workers write
-the same files. With an eval fraction f, every 1/f-th document of the stream is held out (`held_out`), decided by its
-place in reading order, so it is reproducible and the same for any number of workers. An interrupted prepare, run again, skips the shards it
-finished (each is written to a temporary name, renamed, then recorded in `.done/`); the manifest is written last.
+The reader cuts the document stream into batches of about `shard_bytes` characters of text, in reading order; batch
+i becomes shard i (train-i and, with an eval fraction, eval-i). The cut depends on the documents alone, so 1 and N
+workers write the same files. With an eval fraction f, every 1/f-th document of the stream is held out (`held_out`),
+decided by its place in reading order: reproducible, and the same for any number of workers. An interrupted prepare,
+run again, skips the shards it finished (each is written to a temporary name, renamed, then recorded in `.done/`);
+the manifest is written last.
 """
 
 from __future__ import annotations
@@ -58,12 +59,13 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 
 def held_out(index: int, eval_fraction: float) -> bool:
-  """True when the `index`-th document of the stream belongs to the eval split: evenly spaced documents, one in
-  every 1 / eval_fraction, the first of them halfway into the first such stretch (so 1 / (2 eval_fraction)
-  documents already give one). Decided in reading order, so any number of workers holds out the same documents."""
+  """True when the `index`-th document of the stream belongs to the eval split: the first document, then one in every
+  1 / eval_fraction, evenly spaced (so even a small corpus has one). Decided by the place in reading order, so any
+  number of workers holds out the same documents."""
   if eval_fraction <= 0:
     return False
-  return math.floor((index + 1) * eval_fraction + 0.5) > math.floor(index * eval_fraction + 0.5)
+  phase = 1 - eval_fraction  # puts the first held-out document at index 0
+  return math.floor((index + 1) * eval_fraction + phase) > math.floor(index * eval_fraction + phase)
 
 
 def prepare(documents: Iterable[str], out: str, tokenizer_json: str, eos_id: int, vocab_size: int, *,
@@ -102,7 +104,9 @@ def prepare(documents: Iterable[str], out: str, tokenizer_json: str, eos_id: int
   results = _run(streams, out, spec, workers, shard_bytes, progress)
   shards = sorted((s for r in results for s in r["shards"]), key=lambda s: (s["split"] != "train", s["name"]))
   if not any(s["documents"] for s in shards if s["split"] == "train"):
-    raise ValueError("no documents to train on were read; check the inputs, the text column and the caps")
+    held = sum(s["documents"] for s in shards if s["split"] == "eval")
+    raise ValueError(f"no documents to train on were read ({held} held out for eval); check the inputs, the text "
+                     f"column and the caps" + ("; a corpus this small needs eval files" if held else ""))
   splits = {split: {k: sum(s[k] for s in shards if s["split"] == split) for k in ("documents", "tokens", "bytes")}
             for split in ("train", "eval")}
   manifest = {
@@ -237,7 +241,8 @@ def tokenize_shard(job: dict[str, Any], tokenizer: Any = None) -> dict[str, Any]
       size += len(documents[stop])
       stop += 1
     texts = documents[start:stop]
-    for number, (text, encoding) in enumerate(zip(texts, encode(texts, add_special_tokens=False)), job["first"] + start):
+    encodings = encode(texts, add_special_tokens=False)
+    for number, (text, encoding) in enumerate(zip(texts, encodings), job["first"] + start):
       split = "eval" if job["stream"] == "eval" or held_out(number, job["eval_fraction"]) else "train"
       ids = np.empty(len(encoding.ids) + 1, dtype=dtype)
       ids[:-1] = encoding.ids

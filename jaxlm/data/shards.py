@@ -91,8 +91,10 @@ class TokenWindows:
       start = int(index - self._first[shard]) * self.seq_len
       tokens[row] = self._tokens[shard][start:start + width]
       ends = self._ends[shard]
-      first, last = np.searchsorted(ends, [start, start + width - 1], side="right")
-      document = np.searchsorted(ends[first:last + 1], start + span, side="right")  # 0 = the window's first
+      # Search with the ends' own dtype: a mixed uint64/int64 search converts the whole array to float64.
+      first, last = np.searchsorted(ends, np.array([start, start + width - 1], ends.dtype), side="right")
+      near = np.asarray(ends[first:last + 1], np.int64)  # the few ends inside the window
+      document = np.searchsorted(near, start + span, side="right")  # 0 = the window's first
       segments[row] = document + 1
     return tokens, segments
 
@@ -112,6 +114,10 @@ def _open_tokens(folder: str, shard: dict[str, Any], dtype: str) -> np.ndarray:
   if path.endswith(".npy"):
     tokens = np.load(path, mmap_mode="r", allow_pickle=False)
   else:  # a file another tool wrote: raw tokens after a header of `offset` bytes (jaxlm/data/foreign_shards.py)
+    needed = shard.get("offset", 0) + shard["tokens"] * np.dtype(dtype).itemsize
+    if os.path.getsize(path) < needed:
+      raise ValueError(f"shard {path!r} holds {os.path.getsize(path)} bytes but the manifest needs {needed}; the file "
+                       f"changed since it was indexed: index it again with experiments/prepare_data.py")
     tokens = np.memmap(path, dtype=np.dtype(dtype).newbyteorder("<"), mode="r", offset=shard.get("offset", 0),
                        shape=(shard["tokens"],))
   if tokens.shape != (shard["tokens"],):

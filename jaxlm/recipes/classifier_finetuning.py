@@ -131,8 +131,7 @@ def classification_task(config: Config, workdir: str, mesh: Mesh, kernels: Kerne
   if d.seq_len > model_config.max_seq_len:
     raise ValueError(f"data.seq_len={d.seq_len} exceeds the model's {model_config.max_seq_len} positions; lower "
                      f"data.seq_len (longer texts are cut and counted)")
-  data = cls_data.build_classification_data(d, pretrained.tokenizer, t.seed,
-                                            os.path.join(workdir, "data_cache", "hf"), model_config.vocab_size,
+  data = cls_data.build_classification_data(d, pretrained.tokenizer, t.seed, model_config.vocab_size,
                                             model_config.max_seq_len)
   # The defaults that fit the data (jaxlm/recipes/data_defaults.py): steps from train.epochs, seq_len from the tokenized
   # lengths.

@@ -150,8 +150,8 @@ def instruction_task(config: Config, workdir: str, mesh: Mesh, kernels: Kernels)
   decoder = load_decoder(config, mesh)
   model_config = decoder.model_config
   _check_seq_len(d.seq_len, model_config)
-  data = instr_data.build_instruction_data(d, decoder.tokenizer, t.seed, os.path.join(workdir, "data_cache", "hf"),
-                                           model_config.max_seq_len, decoder.chat_folder)
+  data = instr_data.build_instruction_data(d, decoder.tokenizer, t.seed, model_config.max_seq_len,
+                                           decoder.chat_folder)
   derived_steps, chosen_seq_len = t.steps == 0, d.seq_len == 0
   t = data_defaults.resolve_learning_rate(t, config.lora.rank)
   t, d = data_defaults.resolve_steps(t, len(data.train)), dataclasses.replace(d, seq_len=data.seq_len)

@@ -160,8 +160,7 @@ def classifier_task(workdir: str, config, *, calibration_batches: int, finetune_
     raise ValueError(f"{folder} holds no sequence classifier")
   tokenizer = cls_data.load_checkpoint_tokenizer(folder)
   d = config.data
-  data = cls_data.build_classification_data(d, tokenizer, config.train.seed, os.path.join(workdir, "data_cache", "hf"),
-                                            model.config.vocab_size)
+  data = cls_data.build_classification_data(d, tokenizer, config.train.seed, model.config.vocab_size)
   batch = config.train.batch_size
   eval_batches = cls_data.eval_batches(data.eval, batch, d.seq_len, d.batching)
   train_batches = cls_data.eval_batches(data.train, batch, d.seq_len, d.batching)
