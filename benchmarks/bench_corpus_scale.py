@@ -31,7 +31,8 @@ _PART = flags.DEFINE_enum("part", "prepare", ["prepare", "loader", "train"], "wh
 _SIZES = flags.DEFINE_list("sizes_mb", ["200", "2000"], "corpus sizes in MB of JSONL text")
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/corpus_bench", "corpora, prepared folders and runs")
 _WORKERS = flags.DEFINE_list("workers", ["1", "2"], "prepare worker counts to compare")
-_ENCODE_MB = flags.DEFINE_integer("encode_mb", 200, "MB of the corpus the in-process encode_batch baseline reads")
+_ENCODE_MB = flags.DEFINE_integer("encode_mb", 200, "MB of the corpus the in-process encode_batch baseline reads "
+                                  "(0 = no baseline)")
 _BATCH = flags.DEFINE_integer("batch", 64, "loader: global batch in sequences")
 _SEQ_LEN = flags.DEFINE_integer("seq_len", 1024, "loader: tokens per sequence")
 _OUT = flags.DEFINE_string("out", "benchmarks/results", "folder for the JSON result")
@@ -133,11 +134,15 @@ def encode_batch_baseline(size_mb: int) -> dict:
       size += len(line)
       if size >= _ENCODE_MB.value * 1_000_000:
         break
-  started, tokens = time.time(), 0
-  for start in range(0, len(texts), 1024):
-    tokens += sum(len(e.ids) for e in tok.encode_batch(texts[start:start + 1024], add_special_tokens=False))
-  seconds = time.time() - started
-  return {"tokens": tokens, "seconds": seconds, "tokens_per_sec": tokens / seconds, "mb": size / 1e6}
+  result = {"mb": size / 1e6}
+  for name in ("encode_batch", "encode_batch_fast"):  # _fast skips the character offsets, as prepare does
+    encode = getattr(tok, name)
+    started, tokens = time.time(), 0
+    for start in range(0, len(texts), 1024):
+      tokens += sum(len(e.ids) for e in encode(texts[start:start + 1024], add_special_tokens=False))
+    seconds = time.time() - started
+    result[name] = {"tokens": tokens, "seconds": seconds, "tokens_per_sec": tokens / seconds}
+  return result
 
 
 def part_prepare() -> dict:
@@ -145,12 +150,13 @@ def part_prepare() -> dict:
   for size in map(int, _SIZES.value):
     corpus(size)
     tokenizer()
-    row = {"encode_batch_one_process": encode_batch_baseline(size)}
+    row = {"one_process": encode_batch_baseline(size)} if _ENCODE_MB.value else {}
     for workers in map(int, _WORKERS.value):
       row[f"prepare_{workers}_workers"] = prepared(size, workers, fresh=True)[1]
-    base = row["encode_batch_one_process"]["tokens_per_sec"]
-    for workers in map(int, _WORKERS.value):
-      row[f"prepare_{workers}_workers"]["vs_encode_batch"] = row[f"prepare_{workers}_workers"]["tokens_per_sec"] / base
+      for name in ("encode_batch", "encode_batch_fast"):
+        if row.get("one_process"):
+          row[f"prepare_{workers}_workers"][f"vs_{name}"] = (row[f"prepare_{workers}_workers"]["tokens_per_sec"]
+                                                             / row["one_process"][name]["tokens_per_sec"])
     result["sizes_mb"][size] = row
     print(json.dumps({size: row}, indent=1))
   return result
@@ -214,6 +220,10 @@ def main(argv):
   result["command"] = "python " + " ".join(sys.argv)
   os.makedirs(_OUT.value, exist_ok=True)
   path = os.path.join(_OUT.value, f"corpus_scale_{_PART.value}.json")
+  if os.path.isfile(path) and "sizes_mb" in result:  # runs of other sizes are kept beside this one's
+    kept = json.load(open(path)).get("sizes_mb", {})
+    result["sizes_mb"] = {**kept, **{str(k): v for k, v in result["sizes_mb"].items()}}
+    result["commands"] = sorted(set(json.load(open(path)).get("commands", [])) | {"python " + " ".join(sys.argv)})
   with open(path, "w") as f:
     json.dump(result, f, indent=1)
   print(json.dumps(result, indent=1))

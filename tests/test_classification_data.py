@@ -1,4 +1,5 @@
-"""Labelled data for fine-tuning: files through the streaming readers, labels, bad rows, truncation, batching, resumption.
+"""Labelled data for fine-tuning: files through the streaming readers (jaxlm/data/sources.py), labels, bad rows,
+truncation, batching, resumption.
 
 No model is built here: these run in seconds. The tokenizer is the real all-MiniLM-L6-v2 one (from its package).
 """
@@ -33,7 +34,7 @@ def _config(train, eval_=None, **kw):
   return DataConfig(source="files", train_files=(train,), eval_files=(eval_,) if eval_ else (), seq_len=16, **kw)
 
 
-def _build(config, tokenizer, tmp_path):
+def _build(config, tokenizer):
   return cd.build_classification_data(config, tokenizer, seed=0)
 
 
@@ -42,7 +43,7 @@ def test_string_labels_stats_and_truncation(tokenizer, tmp_path):
   train = _csv(tmp_path / "train.csv", [("good film", "pos"), ("bad film", "neg"), ("", "pos"), ("fine", ""),
                                         (long_text, "pos"), ("awful", "neg")])
   eval_ = _csv(tmp_path / "eval.csv", [("great", "pos"), ("poor", "neg")])
-  data = _build(_config(train, eval_), tokenizer, tmp_path)
+  data = _build(_config(train, eval_), tokenizer)
   assert data.class_names == ["neg", "pos"]
   assert data.train.labels.tolist() == [1, 0, 1, 0] and data.eval.labels.tolist() == [1, 0]
   s = data.stats
@@ -62,7 +63,7 @@ def test_text_pairs_jsonl_and_parquet_int_labels(tokenizer, tmp_path):
   pq.write_table(pa.Table.from_pylist(rows[:3]), tmp_path / "eval.parquet")
   config = _config(str(tmp_path / "train.jsonl"), str(tmp_path / "eval.parquet"), text_column="premise",
                    text_pair_column="hypothesis", label_column="y")
-  data = _build(config, tokenizer, tmp_path)
+  data = _build(config, tokenizer)
   assert data.class_names == ["0", "1", "2"] and data.eval.labels.tolist() == [0, 1, 2]
   types = data.train.token_type_ids[0, : data.train.lengths[0]]
   assert types[0] == 0 and types[-1] == 1  # sentence B is type 1
@@ -87,7 +88,7 @@ def test_bad_rows_are_one_line_errors(tokenizer, tmp_path, rows, eval_rows, over
   train = _csv(tmp_path / "train.csv", rows)
   eval_ = _csv(tmp_path / "eval.csv", eval_rows) if eval_rows else None
   with pytest.raises(ValueError, match=message) as error:
-    _build(dataclasses.replace(_config(train, eval_), **overrides), tokenizer, tmp_path)
+    _build(dataclasses.replace(_config(train, eval_), **overrides), tokenizer)
   assert "\n" not in str(error.value)
 
 
@@ -95,21 +96,21 @@ def test_bad_files_are_one_line_errors(tokenizer, tmp_path):
   latin1 = tmp_path / "latin1.csv"
   latin1.write_bytes("text,label\ncaf\xe9 au lait,food\n".encode("latin-1"))
   with pytest.raises(ValueError, match=r"is not UTF-8 \(byte 0xe9 at offset 14\); re-encode it"):
-    _build(_config(str(latin1)), tokenizer, tmp_path)
+    _build(_config(str(latin1)), tokenizer)
   with pytest.raises(FileNotFoundError, match="does not exist; fix data.train_files"):
-    _build(_config(str(tmp_path / "missing.csv")), tokenizer, tmp_path)
+    _build(_config(str(tmp_path / "missing.csv")), tokenizer)
   (tmp_path / "empty.csv").write_text("")
   with pytest.raises(ValueError, match="is empty"):
-    _build(_config(str(tmp_path / "empty.csv")), tokenizer, tmp_path)
+    _build(_config(str(tmp_path / "empty.csv")), tokenizer)
   (tmp_path / "x.xlsx").write_text("a")
   with pytest.raises(ValueError, match="unsupported suffix '.xlsx'"):
-    _build(_config(str(tmp_path / "x.xlsx")), tokenizer, tmp_path)
+    _build(_config(str(tmp_path / "x.xlsx")), tokenizer)
 
 
 def test_held_out_rows_are_a_seeded_random_fraction(tokenizer, tmp_path):
   # Sorted by class, as labelled files often are: the last rows alone would hold one class only.
   train = _csv(tmp_path / "train.csv", [(f"text {i}", "a" if i < 50 else "b") for i in range(100)])
-  data = _build(_config(train, eval_fraction=0.2), tokenizer, tmp_path)
+  data = _build(_config(train, eval_fraction=0.2), tokenizer)
   assert len(data.eval) == 20 and len(data.train) == 80 and 0 < data.eval.labels.sum() < 20
 
 
@@ -172,7 +173,7 @@ def test_hf_dataset_folder_with_class_label_names(tokenizer, tmp_path):
                         for name, (s, y) in splits.items()}).save_to_disk(str(tmp_path / "ds"))
   config = DataConfig(source="hf", hf_name=str(tmp_path / "ds"), hf_split="train", hf_eval_split="validation",
                       text_column="sentence", seq_len=16)
-  data = _build(config, tokenizer, tmp_path)
+  data = _build(config, tokenizer)
   # The ClassLabel names the classes, also "neu", which the training split never uses.
   assert data.class_names == ["neg", "neu", "pos"] and data.eval.labels.tolist() == [1, 0]
   assert data.stats["train_label/neu"] == 0 and data.stats["eval_label/neu"] == 1

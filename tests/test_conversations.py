@@ -89,7 +89,7 @@ def test_the_training_mask_is_encode_conversations_mask(setup, tmp_path):
   np.testing.assert_array_equal(loss_mask, mask[1:seq_len + 1])
   with pytest.raises(ValueError, match=r"the turns before the first assistant reply of row 1 of '.*train.jsonl' is "
                                        rf"{seq_len - 2} tokens, which leaves no room for a reply in data.seq_len="):
-    instr_data.build_instruction_data(DataConfig(**{**vars(config), "seq_len": seq_len - 2}), tokenizer, 0, None,
+    instr_data.build_instruction_data(DataConfig(**{**vars(config), "seq_len": seq_len - 2}), tokenizer, 0,
                                       MODEL.max_seq_len, checkpoint)
 
 
@@ -100,7 +100,7 @@ def test_messages_column_without_a_chat_template_is_a_one_line_error(setup, tmp_
   config = DataConfig(source="files", train_files=(setup["train"],), messages_column="messages")
   with pytest.raises(ValueError, match=r"^data.messages_column='messages' needs a chat template, and '.*plain' has "
                                        r"none \(chat_template.jinja or tokenizer_config.json's chat_template\)") as e:
-    instr_data.build_instruction_data(config, load_tokenizer(str(plain)), 0, None, 96, str(plain))
+    instr_data.build_instruction_data(config, load_tokenizer(str(plain)), 0, 96, str(plain))
   assert "\n" not in str(e.value)
 
 

@@ -178,7 +178,7 @@ def test_bad_input_is_one_line_and_deletes_nothing(files, tokenizer, tmp_path, t
     instr_data.build_instruction_data(_data_config(files, seq_len=4), tokenizer, 0, 64)
   empty = _write_jsonl(tmp_path / "gaps.jsonl", [*_pairs(3, 5), {"prompt": "x", "response": " "}])
   data = instr_data.build_instruction_data(DataConfig(source="files", train_files=(empty,), seq_len=32), tokenizer,
-                                           0, None, 64)
+                                           0, 64)
   assert data.stats["skipped_empty_pairs"] == 1 and data.stats["train_pairs"] + data.stats["eval_pairs"] == 3
 
   workdir = tmp_path / "run"
