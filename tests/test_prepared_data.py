@@ -128,7 +128,7 @@ def _ids(batches: PretrainingBatches, step: int):
 
 def test_each_window_once_per_epoch_and_resume_across_shards_and_epochs(tokenizer, tmp_path):
   corpus = _corpus(tokenizer, tmp_path / "c", DOCS)
-  assert len(corpus) > 40 and len(corpus._tokens) > 3  # several shards
+  assert len(corpus) > 40 and len(corpus._shards) > 3  # several shards
   batches = PretrainingBatches([corpus], [1.0], 4, seed=1)
   epoch_steps = len(corpus) // 4
   seen = [w for s in range(3 * epoch_steps + 3) for _, w in batches.windows(s)]

@@ -1,7 +1,8 @@
 """The shard store: a prepared corpus (jaxlm/data/prepare.py) read as fixed windows of seq_len + 1 tokens.
 
-Shards stay on disk, memory-mapped; nothing is read until a batch asks for its windows, so memory and start-up time
-do not grow with the corpus. Shard s of n tokens holds floor((n - 1) / T) windows with stride T that overlap by one
+Shards stay on disk and a batch reads only its windows, with positioned reads (os.pread) rather than a memory map:
+a map counts every page a run has touched toward the process's RSS, which would then grow as training sweeps the
+corpus; read pages stay in the kernel's page cache either way. Memory and start-up time do not grow with the corpus. Shard s of n tokens holds floor((n - 1) / T) windows with stride T that overlap by one
 token (the target of a window's last input is the next window's first input), as jaxlm/data/packing.py cuts rows;
 the shard's last partial window is not used. Segment ids come from the document ends at batch time:
 
@@ -48,8 +49,7 @@ class TokenWindows:
       raise ValueError(f"data.seq_len={seq_len} must be >= 1")
     folders = [folders] if isinstance(folders, str) else list(folders)
     self.seq_len = seq_len
-    self._tokens: list[np.ndarray] = []
-    self._ends: list[np.ndarray] = []
+    self._shards: list[_Shard] = []
     windows = []
     self.documents = self.corpus_tokens = 0
     for folder in folders:
@@ -60,12 +60,9 @@ class TokenWindows:
         self.documents += shard["documents"]
         self.corpus_tokens += shard["tokens"]
         count = (shard["tokens"] - 1) // seq_len if shard["tokens"] > seq_len else 0
-        if count == 0:
-          continue
-        self._tokens.append(_open_tokens(folder, shard, manifest["dtype"]))
-        ends_path = _path(folder, shard["ends_file"])
-        self._ends.append(np.load(ends_path, mmap_mode="r", allow_pickle=False))
-        windows.append(count)
+        if count:
+          self._shards.append(_Shard(folder, shard, manifest["dtype"]))
+          windows.append(count)
     self._first = np.concatenate([[0], np.cumsum(windows, dtype=np.int64)])  # [shards + 1] first window of each
     self.num_tokens = len(self) * seq_len  # target slots; every one holds a real token
 
@@ -86,41 +83,90 @@ class TokenWindows:
     tokens = np.empty((len(indices), width), np.int32)
     segments = np.empty((len(indices), width), np.int32)
     shard_of = np.searchsorted(self._first, indices, side="right") - 1
-    span = np.arange(width, dtype=np.int64)
     for row, (index, shard) in enumerate(zip(indices, shard_of)):
       start = int(index - self._first[shard]) * self.seq_len
-      tokens[row] = self._tokens[shard][start:start + width]
-      ends = self._ends[shard]
-      # Search with the ends' own dtype: a mixed uint64/int64 search converts the whole array to float64.
-      first, last = np.searchsorted(ends, np.array([start, start + width - 1], ends.dtype), side="right")
-      near = np.asarray(ends[first:last + 1], np.int64)  # the few ends inside the window
-      document = np.searchsorted(near, start + span, side="right")  # 0 = the window's first
-      segments[row] = document + 1
+      tokens[row] = self._shards[shard].tokens(start, width)
+      document = self._shards[shard].documents(start, width)
+      segments[row] = document - document[0] + 1
     return tokens, segments
 
   def batch(self, indices: Sequence[int] | np.ndarray) -> dict[str, np.ndarray]:
     return make_examples(*self.rows(indices))
 
 
+_BLOCK = 512  # document ends per block of the in-memory index: 8 bytes kept per 512 documents
+
+
+class _Shard:
+  """One shard's tokens and document ends on disk, read by position."""
+
+  def __init__(self, folder: str, shard: dict[str, Any], dtype: str):
+    self.tokens_path = _path(folder, shard["tokens_file"])
+    self.dtype = np.dtype(dtype).newbyteorder("<")
+    if not os.path.isfile(self.tokens_path):
+      raise FileNotFoundError(f"shard {self.tokens_path!r} listed in {folder}/{prepare.MANIFEST} is missing; "
+                              f"prepare the corpus again")
+    if self.tokens_path.endswith(".npy"):
+      self.tokens_offset = _npy_data_offset(self.tokens_path, self.dtype, shard["tokens"])
+    else:  # a file another tool wrote: raw tokens after a header of `offset` bytes (jaxlm/data/foreign_shards.py)
+      self.tokens_offset = shard.get("offset", 0)
+      needed = self.tokens_offset + shard["tokens"] * self.dtype.itemsize
+      if os.path.getsize(self.tokens_path) < needed:
+        raise ValueError(f"shard {self.tokens_path!r} holds {os.path.getsize(self.tokens_path)} bytes but the "
+                         f"manifest needs {needed}; the file changed since it was indexed: index it again with "
+                         f"experiments/prepare_data.py")
+    self.ends_path = _path(folder, shard["ends_file"])
+    self.documents_count = shard["documents"]
+    self.ends_offset = _npy_data_offset(self.ends_path, np.dtype("<u8"), self.documents_count)
+    self._index: np.ndarray | None = None  # every _BLOCK-th document end, built on first use
+
+  def tokens(self, start: int, count: int) -> np.ndarray:
+    size = self.dtype.itemsize
+    return np.frombuffer(_read(self.tokens_path, self.tokens_offset + start * size, count * size), self.dtype)
+
+  def documents(self, start: int, count: int) -> np.ndarray:
+    """The document number of each of tokens start ... start + count - 1 (numbered from the shard's first)."""
+    if self._index is None:
+      self._index = self._block_index()
+    positions = np.arange(start, start + count, dtype=np.int64)
+    first, last = np.searchsorted(self._index, positions[[0, -1]], side="right")  # blocks of the first, last token
+    begin, end = first * _BLOCK, min((last + 1) * _BLOCK, self.documents_count)
+    ends = np.frombuffer(_read(self.ends_path, self.ends_offset + begin * 8, (end - begin) * 8), "<u8")
+    return begin + np.searchsorted(ends.astype(np.int64), positions, side="right")
+
+  def _block_index(self) -> np.ndarray:
+    chunk = _BLOCK * 8192  # entries per read: a multiple of the block, so every chunk starts on a block
+    index = []
+    for begin in range(0, self.documents_count, chunk):
+      count = min(chunk, self.documents_count - begin)
+      ends = np.frombuffer(_read(self.ends_path, self.ends_offset + begin * 8, count * 8), "<u8")
+      index.append(ends[_BLOCK - 1::_BLOCK].astype(np.int64))
+    return np.concatenate(index) if index else np.zeros(0, np.int64)
+
+
+def _read(path: str, offset: int, size: int) -> bytes:
+  fd = os.open(path, os.O_RDONLY)
+  try:
+    data = os.pread(fd, size, offset)
+  finally:
+    os.close(fd)
+  if len(data) != size:
+    raise ValueError(f"{path!r} ended early (read {len(data)} of {size} bytes at offset {offset}); the shard is "
+                     f"truncated: prepare the corpus again")
+  return data
+
+
+def _npy_data_offset(path: str, dtype: np.dtype, count: int) -> int:
+  """Where the data of a 1-D .npy file starts, after checking its dtype and length (never unpickles)."""
+  with open(path, "rb") as f:
+    version = np.lib.format.read_magic(f)
+    read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+    shape, _, found = read_header(f)
+    if found.newbyteorder("<") != dtype.newbyteorder("<") or shape != (count,):
+      raise ValueError(f"{path!r} holds {found} {shape}, the manifest says {dtype} ({count},); prepare the corpus "
+                       f"again")
+    return f.tell()
+
+
 def _path(folder: str, name: str) -> str:
   return name if os.path.isabs(name) else os.path.join(folder, name)
-
-
-def _open_tokens(folder: str, shard: dict[str, Any], dtype: str) -> np.ndarray:
-  path = _path(folder, shard["tokens_file"])
-  if not os.path.isfile(path):
-    raise FileNotFoundError(f"shard {path!r} listed in {folder}/{prepare.MANIFEST} is missing; prepare the corpus "
-                            f"again")
-  if path.endswith(".npy"):
-    tokens = np.load(path, mmap_mode="r", allow_pickle=False)
-  else:  # a file another tool wrote: raw tokens after a header of `offset` bytes (jaxlm/data/foreign_shards.py)
-    needed = shard.get("offset", 0) + shard["tokens"] * np.dtype(dtype).itemsize
-    if os.path.getsize(path) < needed:
-      raise ValueError(f"shard {path!r} holds {os.path.getsize(path)} bytes but the manifest needs {needed}; the file "
-                       f"changed since it was indexed: index it again with experiments/prepare_data.py")
-    tokens = np.memmap(path, dtype=np.dtype(dtype).newbyteorder("<"), mode="r", offset=shard.get("offset", 0),
-                       shape=(shard["tokens"],))
-  if tokens.shape != (shard["tokens"],):
-    raise ValueError(f"shard {path!r} holds {tokens.shape} tokens but the manifest says {shard['tokens']}; prepare "
-                     f"the corpus again")
-  return tokens
