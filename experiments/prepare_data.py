@@ -35,7 +35,7 @@ _OUT = flags.DEFINE_string("out", None, "folder for the shards and manifest.json
 _WORKERS = flags.DEFINE_integer("workers", 0, "tokenizer processes (0 = one per core)")
 _EVAL_FRACTION = flags.DEFINE_float("eval_fraction", 0.001, "share of documents held out for eval (evenly spaced "
                                     "in reading order); ignored with --eval_input")
-_SHARD_MB = flags.DEFINE_integer("shard_mb", 64, "text per shard, in millions of characters")
+_SHARD_MB = flags.DEFINE_integer("shard_mb", 32, "text per shard, in millions of characters")
 _MAX_DOCUMENTS = flags.DEFINE_integer("max_documents", 0, "cap on documents read (0 = no cap)")
 _MAX_BYTES = flags.DEFINE_integer("max_bytes", 0, "cap on bytes of text read (0 = no cap)")
 _EOS_ID = flags.DEFINE_integer("eos_id", None, "pre-tokenized inputs: the document separator's id (default: the "

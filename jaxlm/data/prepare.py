@@ -39,8 +39,9 @@ MANIFEST = "manifest.json"
 TOKENIZER = "tokenizer.json"
 _DONE = ".done"
 JOB_FILE = ".prepare.json"  # present while a prepare is unfinished
-_ENCODE_BYTES = 1 << 20  # text per encode_batch call: bounds the memory of the tokenizer's Encoding objects
-DEFAULT_SHARD_BYTES = 64 << 20
+_ENCODE_BYTES = 4 << 20  # text per encode_batch call: big enough to keep its threads busy, small enough to bound
+                        # the memory of its Encoding objects
+DEFAULT_SHARD_BYTES = 32_000_000  # characters of text per shard (prepare_data.py --shard_mb)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -44,6 +44,7 @@ DOCUMENT_KINDS = ("txt", "jsonl", "json", "parquet")  # pretraining's files: doc
 TABLE_KINDS = ("csv", "tsv", "jsonl", "json", "parquet")  # fine-tuning's files: rows with named columns
 _ROWS_PER_READ = 1024  # rows pulled per Arrow batch from Parquet and datasets
 _CHUNK = 1 << 22  # bytes read at a time from a text file
+_ROWS_TO_FIND_A_COLUMN = 10_000  # JSON rows read before a column that none of them has is an error
 _SNIFF_BYTES = 65536  # leading bytes searched for a NUL, the mark of a binary file
 
 
@@ -287,6 +288,8 @@ def _iter_json(path: str, kind: str, columns: dict[str, str]) -> Iterator[dict[s
       found.update(dict.fromkeys(row))
       unseen = {column: setting for column, setting in unseen.items() if column not in row}
     yield {column: row.get(column) for column in columns}
+    if unseen and number >= _ROWS_TO_FIND_A_COLUMN:  # a wrong column name fails early, not after a 40 GB file
+      break
   if unseen:
     column, setting = next(iter(unseen.items()))
     raise MissingColumn(column, setting, path, list(found))
