@@ -221,3 +221,34 @@ def test_training_from_a_prepared_folder_and_a_mixture(tokenizer, tmp_path):
     build_datasets(DataConfig(source="prepared", mixture=f"{tmp_path / 'a'}", seq_len=8), 300, None, 0)
   with pytest.raises(FileNotFoundError, match="is not a prepared corpus"):
     build_datasets(DataConfig(source="prepared", prepared=str(tmp_path), seq_len=8), 300, None, 0)
+
+
+def test_prepare_data_command_on_compressed_jsonl_and_parquet(tokenizer, tmp_path):
+  import gzip
+  import subprocess
+  import sys
+
+  import pyarrow as pa
+  import pyarrow.parquet as pq
+
+  with gzip.open(tmp_path / "a.jsonl.gz", "wt", encoding="utf-8") as f:
+    f.write("\n".join(json.dumps({"text": d}) for d in DOCS[:30]))
+  pq.write_table(pa.table({"text": DOCS[30:]}), tmp_path / "b.parquet")
+  tokenizer.save(str(tmp_path / "tokenizer.json"))
+  out = tmp_path / "prepared"
+  command = [sys.executable, "experiments/prepare_data.py", f"--input={tmp_path}/*.jsonl.gz",
+             f"--input={tmp_path / 'b.parquet'}", f"--tokenizer={tmp_path / 'tokenizer.json'}", f"--out={out}",
+             "--workers=2", "--eval_fraction=0.1"]
+  env = dict(os.environ, JAXLM_NO_HUGE_PAGES="1")
+  result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=os.path.dirname(os.path.dirname(
+      os.path.abspath(__file__))))
+  assert result.returncode == 0, result.stderr
+  assert "60 documents" in result.stdout and "--config.data.prepared=" in result.stdout
+  eos = tok_lib.eos_id(tokenizer)
+  expected = [tokenizer.encode(d, add_special_tokens=False).ids + [eos] for d in DOCS]
+  assert _decoded(out, "train") + _decoded(out, "eval") == \
+      [e for i, e in enumerate(expected) if not prepare.held_out(i, 0.1)] + \
+      [e for i, e in enumerate(expected) if prepare.held_out(i, 0.1)]
+  verified = subprocess.run(command[:2] + [f"--out={out}", "--verify"], capture_output=True, text=True, env=env,
+                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  assert verified.returncode == 0 and "every shard matches" in verified.stdout
