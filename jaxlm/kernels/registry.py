@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from jaxlm.config import KernelsConfig
 from jaxlm.kernels import attention as xla_attention
-from jaxlm.kernels import cpu, gpu, ring_attention, weights, xla
+from jaxlm.kernels import cpu, gpu, mosaic_grouped, ring_attention, weights, xla
 from jaxlm.kernels import cross_entropy as chunked_ce
 
 ALL = ("cpu", "gpu", "tpu")
@@ -135,6 +135,8 @@ IMPLEMENTATIONS: dict[str, tuple[Implementation, ...]] = {
         # On a mesh the MoE layer calls these per device inside shard_map, so they need no sharding rule.
         Implementation("blas", ("cpu",), ("float32",), missing=_compiler_missing),
         Implementation("tokamax", ("gpu", "tpu"), missing=gpu.tokamax_unavailable),
+        # jax's Mosaic GPU kernels (Hopper, 16-bit operands) with jaxlm's VJP; shapes they refuse run ragged_dot.
+        Implementation("mosaic", ("gpu",), ("bfloat16", "float16"), missing=mosaic_grouped.unavailable),
     ),
 }
 
@@ -142,6 +144,7 @@ IMPLEMENTATIONS: dict[str, tuple[Implementation, ...]] = {
 # because it is the only one that takes split sequences (and is unfit without them); other implementations ahead of
 # the reference are those measured faster on that platform (docs/performance.md has the measurements): nothing yet
 # on TPUs, and the tokamax kernels are not faster on a GPU (or do not run there), so `auto` does not pick them.
+# The `mosaic` grouped matmul is not measured yet (benchmarks/gpu_checks.sh: ab_moe, grouped_matmul), so not either.
 AUTO: dict[str, dict[str, tuple[str, ...]]] = {
     "attention": {"cpu": ("ring", "cpu_fused", "causal_blocks", "xla"), "gpu": ("ring", "cudnn", "xla"),
                   "tpu": ("ring", "xla")},
@@ -155,9 +158,10 @@ AUTO: dict[str, dict[str, tuple[str, ...]]] = {
 # kernels.remat: what a block saves for the backward pass ("none" saves everything, no recomputation).
 REMAT_POLICIES = {
     "full": None,  # save nothing inside a block: least memory, one extra forward
-    # keep matmul outputs (XLA's dots and the CPU kernels' named custom calls), recompute elementwise ops
+    # keep matmul outputs (XLA's dots and the named outputs of jaxlm's kernel calls), recompute elementwise ops
     "dots": jax.checkpoint_policies.save_from_both_policies(
-        jax.checkpoint_policies.checkpoint_dots, jax.checkpoint_policies.save_only_these_names(cpu.CHECKPOINT_NAME)),
+        jax.checkpoint_policies.checkpoint_dots,
+        jax.checkpoint_policies.save_only_these_names(cpu.CHECKPOINT_NAME, mosaic_grouped.CHECKPOINT_NAME)),
 }
 
 
@@ -292,6 +296,8 @@ class Kernels:
       return cpu.grouped_matmul(x_MK, w_GKN, group_sizes_G)
     if self.grouped_matmul == "tokamax":
       return gpu.tokamax_ragged_dot(x_MK, w_GKN, group_sizes_G)
+    if self.grouped_matmul == "mosaic":
+      return mosaic_grouped.grouped_matmul(x_MK, w_GKN, group_sizes_G)
     return jax.lax.ragged_dot(x_MK, w_GKN, group_sizes_G)
 
   def cross_entropy_sums(self, x_ND, table_VD, targets_N, weights_N,
