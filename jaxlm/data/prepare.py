@@ -15,6 +15,9 @@ workers write the same files. With an eval fraction f, every 1/f-th document of 
 decided by its place in reading order: reproducible, and the same for any number of workers. An interrupted prepare,
 run again, skips the shards it finished (each is written to a temporary name, renamed, then recorded in `.done/`);
 the manifest is written last.
+
+Why not datatrove's tokenization step, which HF prepares FineWeb with: its shards follow its tasks (one output per
+task and input file), so the files depend on how the job was split; here they depend on the documents alone.
 """
 
 from __future__ import annotations
