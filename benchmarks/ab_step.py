@@ -13,12 +13,17 @@ steps per round, in turn, for --rounds rounds; --torch adds torch.compile's GPT-
 more contender. Prints the median milliseconds per step, the speed-up over the baseline, tokens/s, MFU (model
 FLOPs of jaxlm.training.telemetry.flops_per_token over the device's peak: the bf16 datasheet peak on accelerators, a
 measured matmul rate on the CPU) and CPU-seconds per step, and writes <workdir>/ab.json when --workdir is given.
+--hlo also counts each variant's custom calls by target in its compiled step (e.g. `__cublas$lt$matmul$f8`, the fp8
+GEMMs of kernels.matmul=fp8) into ab.json and prints them, and writes the HLO text to <workdir>/hlo/<name>.txt.gz.
 Like every script it runs with huge pages for glibc's malloc (jaxlm.cli; JAXLM_NO_HUGE_PAGES=1 runs without).
 """
 
 from __future__ import annotations
 
+import collections
+import gzip
 import os
+import re
 import resource
 import statistics
 import time
@@ -42,6 +47,8 @@ _WARMUP_STEPS = flags.DEFINE_integer(
     "after another contender ran is slower (cold caches), which would favour whoever runs later in a round")
 _TORCH = flags.DEFINE_bool("torch", False, "add torch.compile's GPT-2 step of the baseline's shape")
 _WORKDIR = flags.DEFINE_string("workdir", None, "where ab.json goes (optional)")
+_HLO = flags.DEFINE_bool("hlo", False, "count each variant's custom calls in its compiled step; with --workdir, also "
+                         "write its HLO text to <workdir>/hlo/<name>.txt.gz")
 
 
 def _literal(text: str):
@@ -102,6 +109,11 @@ class TorchStep:
     self.step.run(steps)
 
 
+def custom_calls(hlo_text: str) -> dict[str, int]:
+  """How many custom calls of each target the compiled HLO holds (cuBLAS GEMMs, cuDNN attention, FFI kernels)."""
+  return dict(collections.Counter(re.findall(r'custom_call_target="([^"]+)"', hlo_text)))
+
+
 def _first_line(error: Exception) -> str:
   return f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:300]}"
 
@@ -148,6 +160,16 @@ def main(argv):
       contender.run(_STEPS.value)
       seconds[name].append((time.perf_counter() - wall) / _STEPS.value)
       cpu[name].append((cpu_seconds() - busy) / _STEPS.value)
+  calls = {}
+  for name, contender in contenders.items():
+    if _HLO.value and isinstance(contender, JaxStep):
+      text = contender.step.as_text()
+      calls[name] = custom_calls(text)
+      print(f"{name} custom calls: {calls[name]}")
+      if _WORKDIR.value:
+        os.makedirs(os.path.join(_WORKDIR.value, "hlo"), exist_ok=True)
+        with gzip.open(os.path.join(_WORKDIR.value, "hlo", f"{name}.txt.gz"), "wt") as f:
+          f.write(text)
   base = next(iter(variants))
   baseline_tokens_per_sec = [contenders[base].tokens_per_step / x for x in seconds[base]]
   rows = {}
@@ -165,6 +187,8 @@ def main(argv):
                   "paired_interval_coverage": coverage,
                   "tokens_per_sec": tokens_per_sec, "mfu": tokens_per_sec * contenders[name].flops_per_token / peak,
                   "cpu_sec_per_step": statistics.median(cpu[name]), "rounds_sec": s}
+    if name in calls:
+      rows[name]["custom_calls"] = calls[name]
   for name, row in rows.items():
     print(f"{name:24s} {row['step_sec'] * 1e3:8.1f} ms/step (min {row['step_sec_min'] * 1e3:.1f})  "
           f"x{row['speedup']:.3f} (paired x{row['paired_speedup']:.3f}, {row['paired_interval_coverage']:.0%} "

@@ -148,12 +148,13 @@ class ModelConfig:
 @dataclasses.dataclass(frozen=True)
 class KernelsConfig:
   """How the model is executed: none of these change the function it computes (each implementation is tested equal
-  to the reference). Each op and execution choice takes `auto` or a name the kernel registry lists for it
-  (jaxlm/kernels/registry.py: IMPLEMENTATIONS, EXECUTION); `auto` picks the fastest tested one for the platform,
-  compute dtype and mesh. The resolved choice is printed at start-up and written to config.json."""
+  to the reference) but matmul=fp8, which rounds the weight matmuls' operands to 8 bits. Each op and execution
+  choice takes `auto` or a name the kernel registry lists for it (jaxlm/kernels/registry.py: IMPLEMENTATIONS,
+  EXECUTION); `auto` picks the fastest tested one for the platform, compute dtype and mesh. The resolved choice is
+  printed at start-up and written to config.json."""
   attention: str = "auto"
   attention_block: int = _ranged(32, 1)  # queries per block of causal_blocks and cpu_fused
-  matmul: str = "auto"  # the weight matmuls
+  matmul: str = "auto"  # the weight matmuls (fp8: in float8 on Ada/Hopper GPUs, an explicit choice only)
   cross_entropy: str = "auto"
   cross_entropy_chunk: int = _ranged(0, 0, note="0 = auto")  # tokens per chunk of the chunked cross-entropy; 0 = auto
   norm: str = "auto"  # LayerNorm / RMSNorm

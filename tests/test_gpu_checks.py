@@ -12,7 +12,8 @@ from conftest import xla_flags_without_device_count
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = ("profile_gpt2/profile.json",
-           "ab_kernels/ab.json", "ab_fp16/ab.json", "ab_moe/ab.json", "qlora_7b/step_memory.json", "int8.json")
+           "ab_kernels/ab.json", "ab_fp16/ab.json", "ab_moe/ab.json", "qlora_7b/step_memory.json", "int8.json",
+           "decode_int8/gpt2.json", "decode_int8/llama_1b.json")
 
 
 def test_every_part_runs_on_tiny_shapes(tmp_path):
@@ -24,10 +25,15 @@ def test_every_part_runs_on_tiny_shapes(tmp_path):
                         env=env, capture_output=True, text=True, timeout=600)
   log = (out / "log.txt").read_text()
   exits = [line for line in log.splitlines() if line.startswith("=== ") and ": exit " in line]
-  assert len(exits) == 6 and all(line.endswith("exit 0") for line in exits), (exits, done.stdout[-3000:])
+  assert len(exits) == 7 and all(line.endswith("exit 0") for line in exits), (exits, done.stdout[-3000:])
   for path in RESULTS:
     assert (out / path).exists(), (path, log[-3000:])
   memory = json.loads((out / "qlora_7b" / "step_memory.json").read_text())
+  for name in ("gpt2", "llama_1b"):  # bf16 against both int8 modes, a ratio and a verdict line each
+    decode = json.loads((out / "decode_int8" / f"{name}.json").read_text())
+    assert set(decode["ratios"]) == {"batch2/int8_weight_only_vs_bf16", "batch2/int8_w8a8_dynamic_vs_bf16"}, decode
+    assert len(decode["verdict"]) == 2 and decode["rows"]["batch2"]["bf16"]["tokens_per_sec"] > 0
+    assert decode["param_bytes"]["int8_weight_only"] < 0.6 * decode["param_bytes"]["bf16"]
   assert memory["lora"] == "rank 64 base nf4" and memory["predicted_peak_bytes"] > 0
   fp16 = json.loads((out / "ab_fp16" / "ab.json").read_text())
   assert "fp16" in json.dumps(fp16)

@@ -2,7 +2,8 @@
 jaxlm/compress/smoothquant.py): quantize -> dequantize error bounds, quantized forwards close to the float model
 (GPT-2, Llama, BERT classifier; weight-only, static and dynamic W8A8), SmoothQuant smoothing that keeps the float
 function and helps where an input channel is an outlier, int8 checkpoints that round trip onto a mesh and run through
-the same generate code, and the errors for bad input."""
+the same generate code, weight-only decoding (its matmul reads the converted int8 values and scales the dot's output;
+the generate program takes int8 weights), and the errors for bad input."""
 
 import dataclasses
 import functools
@@ -307,3 +308,66 @@ def test_a_weight_only_int8_weight_applies_its_smoothing_factor():
   got = weight.contract("td,df->tf", jnp.asarray(x), jnp.einsum)
   expected = (x * smooth) @ np.asarray(qwix.dequantize(weight.q))
   np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_weight_only_matmul_reads_converted_int8_and_scales_the_dot_output():
+  """The weight-only matmul is `x @ (int8 -> x's dtype)` with the per-channel scale on the dot's output: the only
+  weight-shaped arrays it forms are the converted int8 values (and, on the CPU, their barrier), never a scaled float
+  weight, so XLA:GPU can fuse the convert into its GEMM and a decoding step reads int8 bytes."""
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.normal(size=(2, 3, 16)), jnp.float32)
+  w = jnp.asarray(rng.normal(size=(16, 4, 8)) * rng.uniform(0.1, 5, (1, 4, 8)), jnp.float32)
+  weight = int8.Int8Weight(int8.quantize_array(w, (0,)))
+  contract = lambda x, weight: weight.contract("btd,dhk->bthk", x, jnp.einsum)  # noqa: E731
+  np.testing.assert_allclose(contract(x, weight), jnp.einsum("btd,dhk->bthk", x, weight.dequantize()),
+                             rtol=1e-5, atol=1e-5)
+  jaxpr = jax.make_jaxpr(contract)(x, weight).jaxpr
+  weight_shaped = [e.primitive.name for e in jaxpr.eqns if any(v.aval.shape == w.shape for v in e.outvars)]
+  assert weight_shaped in (["convert_element_type"], ["convert_element_type", "optimization_barrier"]), weight_shaped
+  convert = next(e for e in jaxpr.eqns if e.primitive.name == "convert_element_type" and e.outvars[0].aval.shape ==
+                 w.shape)
+  assert convert.invars[0].aval.dtype == jnp.int8
+  assert any(e.primitive.name == "mul" and e.outvars[0].aval.shape == (2, 3, 4, 8) for e in jaxpr.eqns)
+  # Fused q/k/v: one int8 weight for one matmul, the same function as the three; static input scales stay apart.
+  others = [int8.Int8Weight(int8.quantize_array(w * s, (0,))) for s in (0.5, 2.0)]
+  fused = int8.Int8Weight.concatenate([weight, *others], axis=1)
+  assert fused.q.qvalue.dtype == jnp.int8 and fused.shape == (16, 12, 8)
+  np.testing.assert_allclose(contract(x, fused), jnp.concatenate([contract(x, v) for v in [weight, *others]], axis=2),
+                             rtol=1e-6, atol=1e-6)
+  static = [v.replace(mode="w8a8", act_scale=jnp.ones(())) for v in (weight, *others)]
+  assert int8.Int8Weight.concatenate(static, axis=1) is None
+  assert int8.Int8Weight.concatenate([weight, weight], axis=0) is None  # the contracted axis: one scale across it
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _decode_logits(graphdef, params, tokens):
+  """Logits of a prefill of all but the last 3 tokens, then 3 one-token decoding steps (generation's path)."""
+  model = nnx.merge(graphdef, params)
+  cache = model.init_cache(tokens.shape[0], tokens.shape[1])
+  outs = []
+  for start, stop in ((0, tokens.shape[1] - 3), *((t, t + 1) for t in range(tokens.shape[1] - 3, tokens.shape[1]))):
+    logits, cache = model.decode(tokens[:, start:stop], cache)
+    outs.append(logits)
+  return jnp.concatenate(outs, axis=1)
+
+
+def test_weight_only_decoding_is_near_float_and_its_program_takes_int8_weights():
+  model = _model("gpt2")
+  qmodel = quantization_lib.quantize(model, "weight_only")
+  graphdef, params = nnx.split(qmodel)
+  ref = _decode_logits(*nnx.split(model), TOKENS[:, :8])
+  out = _decode_logits(graphdef, params, TOKENS[:, :8])
+  assert 0 < _rel_error(out, ref) < 0.02
+  np.testing.assert_allclose(out, _decode_logits(*nnx.split(_dequantized_float_model(qmodel, model)), TOKENS[:, :8]),
+                             rtol=1e-4, atol=1e-5)
+  # The jitted program generate runs takes every quantized weight as int8 and no float copy of any: the int8
+  # bytes are what its decoding steps read.
+  lowered = generate.lower(graphdef, params, [[1, 2, 3], [4, 5]], 4)
+  inputs = jax.tree.leaves(lowered.args_info[0][0])  # the params argument (the graphdef is static)
+  float_weights = [v.get_value() for path, v in nnx.to_flat_state(nnx.state(model))
+                   if int8.quantizable(path, v) is not None]
+  assert sorted(a.shape for a in inputs if a.dtype == jnp.int8) == sorted(w.shape for w in float_weights)
+  assert not {a.shape for a in inputs if a.dtype != jnp.int8} & {w.shape for w in float_weights}
+  assert "xi8>" in lowered.as_text().split("func.func public @main")[1].split("{")[0]  # the entry's signature
+  assert (generate.generate(graphdef, params, [[1, 2, 3], [4, 5]], 4) ==
+          generate.generate(*nnx.split(_dequantized_float_model(qmodel, model)), [[1, 2, 3], [4, 5]], 4))

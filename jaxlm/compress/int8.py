@@ -8,10 +8,11 @@ Three stand-ins for a float weight (jaxlm.kernels.weights: the model's kernels h
 and `Probe` (a float weight whose input statistics are recorded; jaxlm.compress.calibration).
 
 What is qwix and what is ours. From qwix (0.1.8): the quantized array (`qwix.QArray`), `qwix.quantize` (per-channel
-absmax), `qwix.dequantize`, `qwix.einsum` (weight-only on accelerators: XLA fuses the dequantize into the dot) and
-qwix's einsum parser for the per-token axes. Ours, for speed on the CPU (see `_int8_dot` and
-`Int8Weight.contract`): the int8 x int8 -> int32 dot of our plain contractions, and materialising a weight-only
-layer's float weight before its dot.
+absmax), `qwix.dequantize`, `qwix.einsum` (for a contraction that is not a plain one: none of jaxlm's layers) and
+qwix's einsum parser for the per-token axes. Ours, for the plain contractions of our layers (see `_int8_dot` and
+`_weight_only_dot`): the int8 x int8 -> int32 dot (qwix's layout ran slowly on the CPU), and the weight-only dot as
+`x @ (int8 -> x's dtype)` with the per-channel scale on the dot's output, so that decoding reads int8 weight bytes
+(qwix scales the weight before its dot); on the CPU that converted weight is materialised first.
 Ours, because qwix's model-level PTQ (`quantize_model` + `PtqProvider`) can not serve these models: (1) it replaces
 each weight inside the module that uses it during a first call, but our blocks run under `jax.lax.scan` on modules
 rebuilt by `nnx.merge` inside the scan body, so the replacement is lost and `quantize_params` finds no quantized
@@ -25,6 +26,7 @@ any parameter; and calibration (jaxlm/compress/calibration.py) reads the per-lay
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import flax
@@ -80,13 +82,12 @@ class Int8Weight:
   def contract(self, subscripts: str, x: jax.Array, matmul, **kwargs) -> jax.Array:
     kwargs.pop("precision", None)
     lhs = _quantize_input(subscripts, x, self)
-    if isinstance(lhs, qwix.QArray):
-      dims = _dot_dims(subscripts, x.ndim, self.ndim)
-      if dims is not None:
+    dims = _dot_dims(subscripts, x.ndim, self.ndim)
+    if dims is not None:
+      if isinstance(lhs, qwix.QArray):
         return _int8_dot(lhs, self.q, dims, kwargs.get("preferred_element_type") or x.dtype)
-    elif jax.default_backend() == "cpu":
-      # Weight-only on the CPU: XLA fuses the dequantize into the dot and then runs a loop slower than its f32
-      # GEMM; the barrier materialises this layer's float weight first. Accelerators keep qwix's fused path.
+      return _weight_only_dot(subscripts, lhs, self.q, dims, matmul, **kwargs)
+    if not isinstance(lhs, qwix.QArray) and jax.default_backend() == "cpu":  # as _weight_only_dot, on the CPU
       return matmul(subscripts, lhs, jax.lax.optimization_barrier(qwix.dequantize(self.q)), **kwargs)
     return qwix.einsum(subscripts, lhs, self.q, **kwargs)
 
@@ -94,6 +95,20 @@ class Int8Weight:
     """Embedding rows: the int8 rows and their scales gathered, then dequantized."""
     rows = jnp.take(self.q.qvalue, ids, axis=0)
     return rows.astype(self.q.scale.dtype) * jnp.take(self.q.scale, ids, axis=0)
+
+  @classmethod
+  def concatenate(cls, weights: list["Int8Weight"], axis: int) -> "Int8Weight | None":
+    """One weight for one matmul (fused q/k/v): the int8 values and their per-channel scales joined along the
+    output `axis`, so a decoding step reads the three projections' int8 bytes in one matmul, as the float model
+    does. None where one matmul cannot serve them all: a contracted `axis` (one scale across it), static input
+    scales (one per weight) or SmoothQuant factors kept on the weight."""
+    first = weights[0]
+    if any(w.mode != first.mode or w.act_scale is not None or w.smooth is not None or w.q.zero_point is not None
+           or w.q.scale.shape[axis] != w.q.shape[axis] for w in weights):
+      return None
+    q = dataclasses.replace(first.q, qvalue=jnp.concatenate([w.q.qvalue for w in weights], axis=axis),
+                            scale=jnp.concatenate([w.q.scale for w in weights], axis=axis))
+    return cls(q, None, first.mode, None)
 
 
 class _FloatStandIn:
@@ -245,6 +260,27 @@ def _dot_dims(eq: str, lhs_ndim: int, rhs_ndim: int) -> tuple[tuple[int, ...], t
   if out != "".join([c for c in lhs if c not in contracted] + [c for c in rhs if c not in contracted]):
     return None
   return tuple(lhs.index(c) for c in contracted), tuple(rhs.index(c) for c in contracted)
+
+
+def _weight_only_dot(subscripts: str, x: jax.Array, w: qwix.QArray, dims, matmul, **kwargs) -> jax.Array:
+  """x times the int8 values converted to x's dtype, then each output channel times its f32 scale.
+
+  The weight-only matmul, written so that the int8 array is what a step reads: the dot's weight operand is a bare
+  convert of the int8 values (exact: |q| <= 127 fits the significand of bf16 and f16), the form XLA:GPU's Triton
+  GEMM fusion takes as an s8 operand (whether it does at decoding's shapes: benchmarks/bench_decode.py), and the
+  scale, one per output channel, multiplies the dot's output instead of the weight, so no scaled float weight is
+  ever formed. The dot itself is the float model's (same dtypes and `preferred_element_type`). On the CPU the
+  converted weight is materialised behind a barrier first: fused into the dot, XLA:CPU runs a loop slower than its
+  GEMM (and the BLAS kernel, kernels.matmul=blas, needs a plain array)."""
+  values = w.qvalue.astype(x.dtype)
+  if jax.default_backend() == "cpu":
+    values = jax.lax.optimization_barrier(values)
+  result_dtype = kwargs.get("preferred_element_type") or x.dtype
+  acc = matmul(subscripts, x, values, **kwargs)
+  lhs_c, rhs_c = dims
+  rhs_free = [a for a in range(w.ndim) if a not in rhs_c]
+  scale = w.scale.astype(jnp.float32).reshape([1] * (x.ndim - len(lhs_c)) + [w.scale.shape[a] for a in rhs_free])
+  return (acc.astype(jnp.float32) * scale).astype(result_dtype)
 
 
 def _int8_dot(x: qwix.QArray, w: qwix.QArray, dims, result_dtype) -> jax.Array:

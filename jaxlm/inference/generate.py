@@ -7,6 +7,9 @@ is prefilled in one call, then each step appends one token per row. Padding slot
 token attends to them, and positions count from each row's first real token, so a padded row computes exactly what
 it would alone (checked in tests/test_generate.py).
 
+Int8 weights (jaxlm.compress.quantization) enter the program as int8, so a step reads their int8 bytes, not a float
+copy (`lower` gives the program and its inputs; benchmarks/bench_decode.py times it against bf16 weights).
+
 `kv_cache="int8"` keeps the cache as int8 with one scale per token and KV head (jaxlm.models.kv_cache.KVCache): about
 half the bytes of a bf16 cache and a quarter of an f32 one, for a small change in the logits (docs/optimization.md
 has the measured agreement with the float cache). The default stays the float cache, which is exact.
@@ -14,6 +17,7 @@ has the measured agreement with the float cache). The default stays the float ca
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any, Sequence
 
@@ -115,6 +119,36 @@ def generate(graphdef: nnx.GraphDef, params: Any, prompts: Sequence[Sequence[int
   training state): the decode then runs on that mesh, with the batch and KV heads split like activations.
   `kv_cache`: "float" (the compute dtype) or "int8"; either works with float or int8 weights
   (jaxlm.compress.quantization)."""
+  args, kwargs, mesh = _program(graphdef, params, prompts, max_new_tokens, temperature=temperature, top_k=top_k,
+                                top_p=top_p, stop_tokens=stop_tokens, seed=seed, pad_id=pad_id, kv_cache=kv_cache)
+  with _on(mesh):
+    out = _generate(*args, **kwargs)
+  results, stops = [], set(stop_tokens)
+  for row in np.asarray(jax.device_get(out)).tolist():
+    hits = [i for i, t in enumerate(row) if t in stops]
+    results.append(row[:hits[0] + 1] if hits else row)
+  return results
+
+
+def lower(graphdef: nnx.GraphDef, params: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+          **settings) -> jax.stages.Lowered:
+  """The program `generate` runs for these arguments (same keywords), lowered but not run: its inputs show what
+  each step reads (int8 weights enter it as int8: jaxlm.compress.quantization) and `.compile().as_text()` what XLA
+  made of it."""
+  args, kwargs, mesh = _program(graphdef, params, prompts, max_new_tokens, **settings)
+  with _on(mesh):
+    return _generate.lower(*args, **kwargs)
+
+
+def _on(mesh: Mesh | None):
+  """The mesh as the current one (so the models' activation constraints apply), or nothing on one device."""
+  return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
+
+
+def _program(graphdef, params, prompts, max_new_tokens, *, temperature: float = 0.0, top_k: int = 0,
+             top_p: float = 1.0, stop_tokens: Sequence[int] = (), seed: int = 0, pad_id: int = 0,
+             kv_cache: str = "float") -> tuple[tuple, dict, Mesh | None]:
+  """(arguments, keywords, mesh or None) of the jitted `_generate` call for `generate`'s arguments, checked."""
   if not prompts or any(len(p) == 0 for p in prompts):
     raise ValueError("generate needs at least one prompt and no empty prompt")
   if kv_cache not in KV_CACHES:
@@ -133,18 +167,11 @@ def generate(graphdef: nnx.GraphDef, params: Any, prompts: Sequence[Sequence[int
   stop_ids[:len(stop_tokens)] = list(stop_tokens)
   mesh = mesh_of(params)
   kwargs = dict(max_new_tokens=max_new_tokens, kv_cache=kv_cache)
+  if mesh is not None:  # the result replicated on every host
+    kwargs["out_sharding"] = sharding.replicated(mesh)
   args = (graphdef, params, tokens, pads, jax.random.key(seed), np.float32(temperature), np.int32(top_k),
           np.float32(top_p), stop_ids, np.int32(pad_id))
-  if mesh is None:
-    out = _generate(*args, **kwargs)
-  else:
-    with jax.set_mesh(mesh):  # so the models' activation constraints apply; the result is replicated on every host
-      out = _generate(*args, **kwargs, out_sharding=sharding.replicated(mesh))
-  results, stops = [], set(stop_tokens)
-  for row in np.asarray(jax.device_get(out)).tolist():
-    hits = [i for i, t in enumerate(row) if t in stops]
-    results.append(row[:hits[0] + 1] if hits else row)
-  return results
+  return args, kwargs, mesh
 
 
 def kv_cache_bytes(graphdef: nnx.GraphDef, params: Any, batch: int, slots: int, kv_cache: str = "float") -> int:

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from jaxlm.config import KernelsConfig
 from jaxlm.kernels import attention as xla_attention
-from jaxlm.kernels import cpu, gpu, mosaic_grouped, ring_attention, weights, xla
+from jaxlm.kernels import cpu, fp8, gpu, mosaic_grouped, ring_attention, weights, xla
 from jaxlm.kernels import cross_entropy as chunked_ce
 
 ALL = ("cpu", "gpu", "tpu")
@@ -118,6 +118,8 @@ IMPLEMENTATIONS: dict[str, tuple[Implementation, ...]] = {
     "matmul": (
         Implementation("xla", ALL),
         Implementation("blas", ("cpu",), ("float32",), one_device=True, missing=_compiler_missing),
+        # Quantizes (e4m3 forward, e5m2 gradients, per-tensor scales): close to, not equal to, the reference.
+        Implementation("fp8", ("gpu",), ("bfloat16",), missing=fp8.unavailable),
     ),
     "cross_entropy": (
         Implementation("logits", ALL, softcap=True),
@@ -144,7 +146,8 @@ IMPLEMENTATIONS: dict[str, tuple[Implementation, ...]] = {
 # because it is the only one that takes split sequences (and is unfit without them); other implementations ahead of
 # the reference are those measured faster on that platform (docs/performance.md has the measurements): nothing yet
 # on TPUs, and the tokamax kernels are not faster on a GPU (or do not run there), so `auto` does not pick them.
-# The `mosaic` grouped matmul is not measured yet (benchmarks/gpu_checks.sh: ab_moe, grouped_matmul), so not either.
+# The `mosaic` grouped matmul is not measured yet (benchmarks/gpu_checks.sh: ab_moe, grouped_matmul), so not either;
+# nor is the `fp8` matmul (ab_fp8), which also changes the numbers: it is only ever an explicit choice.
 AUTO: dict[str, dict[str, tuple[str, ...]]] = {
     "attention": {"cpu": ("ring", "cpu_fused", "causal_blocks", "xla"), "gpu": ("ring", "cudnn", "xla"),
                   "tpu": ("ring", "xla")},
@@ -221,9 +224,14 @@ class Kernels:
     """An activation x weight contraction. A weight that is not a plain array (jaxlm.kernels.weights) contracts
     itself, with this method for the plain arrays it holds."""
     if weights.is_stand_in(w):
-      return w.contract(subscripts, x, self.einsum, **kwargs)
+      # fp8 is for float weights in training: a stand-in's (quantized, frozen or adapted) arrays keep the reference.
+      return w.contract(subscripts, x, xla.einsum if self.matmul == "fp8" else self.einsum, **kwargs)
     if self.matmul == "blas":
       return cpu.einsum(subscripts, x, w)
+    # Contractions asking for f32 results (the output head's logits, the cross-entropy's gradients) stay in bf16, as
+    # torchtitan keeps the output layer out of float8.
+    if self.matmul == "fp8" and not kwargs:
+      return fp8.einsum(subscripts, x, w)
     return xla.einsum(subscripts, x, w, **kwargs)
 
   def lookup(self, table_ND, ids) -> jax.Array:
@@ -247,9 +255,9 @@ class Kernels:
     if name in ("causal_blocks", "cpu_fused") and not causal:
       raise ValueError(f"kernels.attention={name} skips the blocks a causal mask hides; this model's attention is "
                        "not causal: use kernels.attention=auto or xla")
-    if name == "causal_blocks":
+    if name == "causal_blocks":  # products of activations: never in fp8
       return xla_attention.causal_block_attention(q_BTHK, k_BSGK, v_BSGK, mask_BTS, self.attention_block,
-                                                  self.einsum)
+                                                  xla.einsum if self.matmul == "fp8" else self.einsum)
     if name == "cpu_fused":
       return cpu.fused_attention(q_BTHK, k_BSGK, v_BSGK, mask_BTS, self.attention_block)
     if name == "recompute":

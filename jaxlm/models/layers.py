@@ -182,7 +182,7 @@ class Attention(nnx.Module):
       fused = weights.concatenate([c(self.w_q[...]), c(self.w_k[...]), c(self.w_v[...])], axis=1)  # N = H + 2G
     if fused is not None:
       q, k, v = self._fused_project(x_BTD, fused)
-    else:  # kernels.fuse_qkv=separate, or weights whose kind cannot be joined (int8)
+    else:  # kernels.fuse_qkv=separate, or weights that cannot be joined (int8 with static input scales)
       q = self._project(x_BTD, self.w_q, self.b_q, "act_heads")
       k = self._project(x_BTD, self.w_k, self.b_k, "act_kv_heads")
       v = self._project(x_BTD, self.w_v, self.b_v, "act_kv_heads")
