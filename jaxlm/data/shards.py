@@ -2,9 +2,11 @@
 
 Shards stay on disk and a batch reads only its windows, with positioned reads (os.pread) rather than a memory map:
 a map counts every page a run has touched toward the process's RSS, which would then grow as training sweeps the
-corpus; read pages stay in the kernel's page cache either way. Memory and start-up time do not grow with the corpus. Shard s of n tokens holds floor((n - 1) / T) windows with stride T that overlap by one
-token (the target of a window's last input is the next window's first input), as jaxlm/data/packing.py cuts rows;
-the shard's last partial window is not used. Segment ids come from the document ends at batch time:
+corpus; read pages stay in the kernel's page cache either way. Memory and start-up time do not grow with the corpus.
+
+Shard s of n tokens holds floor((n - 1) / T) windows with stride T that overlap by one token (the target of a
+window's last input is the next window's first input), as jaxlm/data/packing.py cuts rows; the shard's last partial
+window is not used. Segment ids come from the document ends at batch time:
 
   window w of shard s = tokens_s[w * T : w * T + T + 1],  segment = document number within the window, from 1
 

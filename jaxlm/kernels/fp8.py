@@ -31,20 +31,15 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jaxlm.kernels import gpu
+
 FORWARD = jnp.float8_e4m3fn  # activations and weights: 3 mantissa bits, max 448
 BACKWARD = jnp.float8_e5m2  # output gradients: 2 mantissa bits, max 57344
 
 
 def unavailable() -> str | None:
   """Why this machine cannot run fp8 GEMMs, or None (the registry adds what to use instead)."""
-  device = jax.devices()[0]
-  version = getattr(device.client, "platform_version", "cuda").lower()  # "cuda 12080", "rocm ..."
-  if "cuda" not in version:
-    return f"needs an NVIDIA GPU with fp8 tensor cores (this GPU runs {version})"
-  capability = getattr(device, "compute_capability", "0.0")
-  if float(capability) < 8.9:
-    return f"needs fp8 tensor cores, compute capability >= 8.9 (Ada, Hopper); this GPU has {capability}"
-  return None
+  return gpu.nvidia_missing("fp8 tensor cores, compute capability >= 8.9 (Ada, Hopper)", 8.9)
 
 
 def scale(x: jax.Array, dtype) -> jax.Array:

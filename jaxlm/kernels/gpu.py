@@ -16,6 +16,19 @@ from jaxlm.kernels import attention as xla_attention
 from jaxlm.kernels import cross_entropy as chunked_ce
 
 
+def nvidia_missing(needs: str, minimum: float, below: float = float("inf"), unknown: str = "0.0") -> str | None:
+  """Why the first device is not an NVIDIA GPU of compute capability in [minimum, below), or None; `needs` says
+  what the kernel needs, `unknown` is the capability assumed when the device does not report one."""
+  device = jax.devices()[0]
+  version = getattr(device.client, "platform_version", "cuda").lower()  # "cuda 12080", "rocm ..."
+  if "cuda" not in version:
+    return f"needs an NVIDIA GPU with {needs} (this GPU runs {version})"
+  capability = str(getattr(device, "compute_capability", unknown))
+  if not minimum <= float(capability) < below:
+    return f"needs {needs}; this GPU has compute capability {capability}"
+  return None
+
+
 def cudnn_attention(q_BTHK, k_BSGK, v_BSGK, mask_BTS, causal: bool) -> jax.Array:
   """cuDNN's flash attention (bf16/fp16, NVIDIA GPUs); see `attention.library_attention` for the mask contract."""
   return xla_attention.library_attention(q_BTHK, k_BSGK, v_BSGK, mask_BTS, causal, implementation="cudnn")

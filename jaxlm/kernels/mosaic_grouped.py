@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxlm.kernels import cpu
+from jaxlm.kernels import cpu, gpu
 
 CHECKPOINT_NAME = "mosaic_grouped_matmul"  # the output's name: remat=dots saves it like XLA's dot outputs
 BLOCK_K = 64  # contracted rows per pipeline step: 4 steps of 128 x 64 and 64 x 128 bf16 tiles fit shared memory
@@ -79,13 +79,9 @@ def unavailable() -> str | None:
   a jax that ships them."""
   if jax.default_backend() != "gpu":
     return f"needs an NVIDIA Hopper GPU (this backend: {jax.default_backend()})"
-  device = jax.devices()[0]
-  version = getattr(device.client, "platform_version", "cuda").lower()
-  if "cuda" not in version:
-    return f"needs an NVIDIA Hopper GPU (this GPU runs {version})"
-  capability = str(getattr(device, "compute_capability", "unknown"))
-  if not capability.startswith("9."):
-    return f"needs compute capability 9.x, a Hopper GPU such as the H100 or H200 (this GPU has {capability})"
+  missing = gpu.nvidia_missing("compute capability 9.x, a Hopper GPU such as the H100 or H200", 9.0, below=10.0)
+  if missing:
+    return missing
   try:
     from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu  # noqa: F401
   except Exception as e:  # pylint: disable=broad-except  # ImportError, or a module that fails on this jaxlib

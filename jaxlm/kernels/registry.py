@@ -38,13 +38,8 @@ def _compiler_missing() -> str | None:
 
 
 def _cudnn_missing() -> str | None:
-  device = jax.devices()[0]
-  version = getattr(device.client, "platform_version", "cuda").lower()  # "cuda 12080", "rocm ..."
-  if "cuda" not in version:
-    return f"needs an NVIDIA GPU with cuDNN (this GPU runs {version})"
   # cuDNN's fused (flash) attention needs Ampere or newer: a V100 (7.0) or T4 (7.5) keeps the XLA reference.
-  capability = getattr(device, "compute_capability", "8.0")
-  return None if float(capability) >= 8.0 else f"needs compute capability >= 8.0 (this GPU has {capability})"
+  return gpu.nvidia_missing("cuDNN's fused attention, compute capability >= 8.0", 8.0, unknown="8.0")
 
 
 class Target(NamedTuple):
