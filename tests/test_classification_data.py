@@ -1,4 +1,4 @@
-"""Labelled data for fine-tuning: files through the streaming readers (jaxlm/data/sources.py), labels, bad rows,
+"""Labelled data for fine-tuning: files through the streaming readers (jaxlm/data/files.py), labels, bad rows,
 truncation, batching, resumption.
 
 No model is built here: these run in seconds. The tokenizer is the real all-MiniLM-L6-v2 one (from its package).

@@ -23,7 +23,7 @@ import numpy as np
 from flax import nnx
 
 from jaxlm.data import classification as cls_data
-from jaxlm.data import sources
+from jaxlm.data.files import MissingColumn
 
 TEACHER_LOGITS = "teacher_logits"
 
@@ -47,7 +47,7 @@ def read_texts(files: list[str] | tuple[str, ...], data_config: Any, tokenizer: 
         if all(isinstance(v, str) and v.strip() for v in values):
           texts.append(values[0])
           pairs.append(values[1] if len(values) > 1 else None)
-  except sources.MissingColumn as e:  # the column is the task's: the files are what to change
+  except MissingColumn as e:  # the column is the task's: the files are what to change
     raise ValueError(f"column {e.column!r} not found in {e.where!r}; columns are {e.found}; the distillation files "
                      "need the task's text column(s) (data.text_column)") from None
   if not texts:

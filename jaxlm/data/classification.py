@@ -5,7 +5,7 @@
   batch = next(loader)  # input_ids, attention_mask, token_type_ids: int32 [B_local, L]; labels int32 [B_local];
                         # weights float32 [B_local] (0 marks a filler row of a last, partial eval batch)
 
-Sources (read by jaxlm/data/sources.py's streaming readers, held in memory, never capped): local
+Sources (read by jaxlm/data/files.py's and sources.py's streaming readers, held in memory, never capped): local
 `.csv`/`.tsv`/`.jsonl`/`.json`/`.parquet` files (`data.train_files`, `data.eval_files`), or `data.hf_name` (a hub name
 when online or a local folder of data files, streamed; a `save_to_disk` folder, memory-mapped) with `data.hf_split`
 and `data.hf_eval_split`. Without eval files or an eval split, a seeded random `data.eval_fraction` of the rows is
@@ -43,7 +43,7 @@ import numpy as np
 import tokenizers
 
 from jaxlm.config import DataConfig
-from jaxlm.data import seq_lengths, sources
+from jaxlm.data import files, seq_lengths, sources
 
 _MIN_PAD = 16  # smallest padded length; batch lengths are powers of two from here up to data.seq_len
 _BUCKET_WINDOW = 16  # batches per window whose examples are sorted by length (bucket batching)
@@ -87,14 +87,14 @@ class ClassificationData:
 
 def read_rows(config: DataConfig, split: str, columns: dict[str, str]) -> list[tuple[str, Iterator[dict], Any]]:
   """[(where, rows, features)] of `split` ("train" or "eval"): `rows` streams dicts of `columns` (each wanted column
-  -> the setting that names it, for the `sources.MissingColumn` error); `where` names the file or dataset in errors;
+  -> the setting that names it, for the `files.MissingColumn` error); `where` names the file or dataset in errors;
   `features` are an HF dataset's (a ClassLabel names the classes), else {}.
 
   Returns an empty list for eval when no eval files or eval split are configured."""
-  files = config.train_files if split == "train" else config.eval_files
-  if files:
-    return [(path, sources.iter_rows([path], columns), {})
-            for path in sources.check_files(files, sources.TABLE_KINDS)]
+  paths = config.train_files if split == "train" else config.eval_files
+  if paths:
+    return [(path, files.iter_rows([path], columns), {})
+            for path in files.check_files(paths, files.TABLE_KINDS)]
   if config.source == "hf" and (split == "train" or config.hf_eval_split):
     hf_split, setting = ((config.hf_split, "data.hf_split") if split == "train" else
                          (config.hf_eval_split, "data.hf_eval_split"))
@@ -254,7 +254,7 @@ def build_classification_data(config: DataConfig, tokenizer: tokenizers.Tokenize
         label_feature_names.extend(str(n) for n in feature.names)
       table = list(table)
       labels = [row[config.label_column] for row in table]
-      if sources.file_kind(where) in ("csv", "tsv"):  # `where` is the file's path
+      if files.file_kind(where) in ("csv", "tsv"):  # `where` is the file's path
         labels = _numbers(labels)
       for i, (row, raw_label) in enumerate(zip(table, labels)):
         text = row[config.text_column]

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from jaxlm.config import DataConfig
-from jaxlm.data import prepare, sources
+from jaxlm.data import files, prepare, sources
 from jaxlm.data import tokenizer as tokenizer_lib
 
 _CACHE_VERSION = 1  # bump when what a key covers changes
@@ -60,8 +60,8 @@ def prepared_folder(config: DataConfig, vocab_size: int, workdir: str | None, pr
 
 def describe_inputs(config: DataConfig) -> dict[str, Any]:
   """What identifies the documents of `config`: a changed file or option gives another cache entry."""
-  files = lambda paths: [{"path": os.path.abspath(p), "size": os.path.getsize(p), "mtime_ns": os.stat(p).st_mtime_ns}
-                         for p in sources.check_files(paths)]
+  stat = lambda paths: [{"path": os.path.abspath(p), "size": os.path.getsize(p), "mtime_ns": os.stat(p).st_mtime_ns}
+                         for p in files.check_files(paths)]
   described: dict[str, Any] = {"source": config.source, "max_documents": config.max_documents,
                                "max_bytes": config.max_bytes, "version": _CACHE_VERSION}
   if config.source == "demo":
@@ -71,7 +71,7 @@ def describe_inputs(config: DataConfig) -> dict[str, Any]:
   elif config.source == "files":
     if not config.train_files:
       raise ValueError("data.source=files needs data.train_files (comma-separated paths)")
-    described.update(train_files=files(config.train_files), text_column=config.text_column)
+    described.update(train_files=stat(config.train_files), text_column=config.text_column)
   elif config.source == "hf":
     if not config.hf_name:
       raise ValueError("data.source=hf needs data.hf_name (a dataset name or a local folder)")
@@ -82,7 +82,7 @@ def describe_inputs(config: DataConfig) -> dict[str, Any]:
   else:
     raise ValueError(f"data.source={config.source!r} is not one of demo, files, hf, prepared")
   if config.eval_files:
-    described.update(eval_files=files(config.eval_files), text_column=config.text_column)
+    described.update(eval_files=stat(config.eval_files), text_column=config.text_column)
   else:
     described.update(eval_fraction=config.eval_fraction)
   return described

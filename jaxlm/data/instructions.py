@@ -39,7 +39,7 @@ import tokenizers
 from jaxlm.config import DataConfig
 from jaxlm.data import chat
 from jaxlm.data import classification as cls_data
-from jaxlm.data import conversations, seq_lengths, sources
+from jaxlm.data import conversations, files, seq_lengths
 from jaxlm.data.tokenizer import eos_id as tokenizer_eos_id
 
 
@@ -155,10 +155,10 @@ def read_pairs(config: DataConfig, split: str) -> tuple[list[tuple[str, int, str
 
 @contextlib.contextmanager
 def _naming_the_setting() -> Iterator[None]:
-  """Instruction data's wording of a missing column (`sources.MissingColumn`): the setting first, as it is written."""
+  """Instruction data's wording of a missing column (`files.MissingColumn`): the setting first, as it is written."""
   try:
     yield
-  except sources.MissingColumn as e:
+  except files.MissingColumn as e:
     raise ValueError(f"{e.setting}={e.column!r} is not a column of {e.where!r}; its columns are {e.found}") from None
 
 
