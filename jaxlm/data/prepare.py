@@ -25,6 +25,7 @@ from __future__ import annotations
 import concurrent.futures as futures
 import dataclasses
 import hashlib
+import itertools
 import json
 import math
 import multiprocessing
@@ -158,9 +159,12 @@ def _run(streams, out: str, spec: Spec, workers: int, shard_bytes: int, progress
     bar.update(sum(s["bytes"] for s in result["shards"]) / 1e6)
 
   jobs = _jobs(streams, out, spec, shard_bytes)
-  if workers == 1:
+  ahead = list(itertools.islice(jobs, 2))
+  jobs = itertools.chain(ahead, jobs)
+  if workers == 1 or len(ahead) < 2:  # one shard: worker processes would only add their start-up
+    tokenizer = _load_tokenizer(out)
     for job in jobs:
-      finished(job if "shards" in job else tokenize_shard(job, _load_tokenizer(out)))
+      finished(job if "shards" in job else tokenize_shard(job, tokenizer))
   else:
     context = multiprocessing.get_context("spawn")  # no fork: the parent may hold JAX's threads
     threads = max(1, (os.cpu_count() or 1) // workers)
