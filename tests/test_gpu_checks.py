@@ -13,7 +13,7 @@ from conftest import xla_flags_without_device_count
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = ("profile_gpt2/profile.json",
            "ab_kernels/ab.json", "ab_fp16/ab.json", "ab_moe/ab.json", "qlora_7b/step_memory.json", "int8.json",
-           "decode_int8/gpt2.json", "decode_int8/llama_1b.json")
+           "decode_int8/gpt2.json")
 
 
 def test_every_part_runs_on_tiny_shapes(tmp_path):
@@ -29,7 +29,7 @@ def test_every_part_runs_on_tiny_shapes(tmp_path):
   for path in RESULTS:
     assert (out / path).exists(), (path, log[-3000:])
   memory = json.loads((out / "qlora_7b" / "step_memory.json").read_text())
-  for name in ("gpt2", "llama_1b"):  # bf16 against both int8 modes, a ratio and a verdict line each
+  for name in ("gpt2",):  # bf16 against both int8 modes, a ratio and a verdict line each
     decode = json.loads((out / "decode_int8" / f"{name}.json").read_text())
     assert set(decode["ratios"]) == {"batch2/int8_weight_only_vs_bf16", "batch2/int8_w8a8_dynamic_vs_bf16"}, decode
     assert len(decode["verdict"]) == 2 and decode["rows"]["batch2"]["bf16"]["tokens_per_sec"] > 0
