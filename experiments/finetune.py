@@ -1,10 +1,13 @@
-"""Fine-tune a pretrained model and evaluate it: a BERT encoder as a classifier (model.flavour=bert), or a GPT-2 /
-Llama decoder on prompt/response pairs or conversations (model.flavour=gpt2 or llama: instruction tuning).
+"""Fine-tune a pretrained model and evaluate it: a BERT encoder as a classifier (model.flavour=bert), a GPT-2 /
+Llama decoder on prompt/response pairs or conversations (model.flavour=gpt2 or llama: instruction tuning), or a
+decoder on preference pairs (preference.loss=dpo, ipo or simpo: preference tuning).
 
   python experiments/finetune.py --config=experiments/configs/finetune_bert.py --workdir=runs/ft \
       --config.data.train_files=train.csv --config.data.eval_files=test.csv --config.data.label_column=label
   python experiments/finetune.py --config=experiments/configs/finetune_instructions.py --workdir=runs/instruct \
       --config.init_from=path/to/hf_gpt2_folder --config.data.train_files=pairs.jsonl
+  python experiments/finetune.py --config=experiments/configs/finetune_preferences.py --workdir=runs/dpo \
+      --config.init_from=path/to/hf_decoder_folder --config.data.train_files=preferences.jsonl
 
 Writes metrics.jsonl, TensorBoard events, checkpoints/, eval.json and report.md into --workdir (a classifier also
 best_model/, a decoder hf_model/, both HF folders); re-running with the same --workdir resumes. See
@@ -17,7 +20,7 @@ from ml_collections import config_flags
 from jaxlm import cli
 from jaxlm import config as config_lib
 from jaxlm.parallel import distributed
-from jaxlm.recipes import classifier_finetuning, instruction_tuning
+from jaxlm.recipes import classifier_finetuning, instruction_tuning, preference_tuning
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file (experiments/configs/*.py)",
                                           lock_config=True)
@@ -32,11 +35,20 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint step at INFO
   config = config_lib.from_config_dict(_CONFIG.value)
   distributed.initialize()
-  tune = classifier_finetuning.finetune if config.model.flavour == "bert" else instruction_tuning.instruction_tune
+  if config.preference.loss:
+    tune = preference_tuning.preference_tune
+  else:
+    tune = classifier_finetuning.finetune if config.model.flavour == "bert" else instruction_tuning.instruction_tune
   result = tune(config, _WORKDIR.value, stop_at_step=_STOP_AT_STEP.value)
   if "preempted_at_step" in result:
     print(f"stopped by a signal after step {result['preempted_at_step']} (checkpoint saved); "
           f"re-run the same command to resume")
+    return
+  if config.preference.loss:
+    print(f"done: {config.preference.loss} eval_preference_loss {result['eval_preference_loss']:.4f}, "
+          f"eval_reward_accuracy {result['eval_reward_accuracy']:.3f} (before tuning "
+          f"{result.get('start_eval_reward_accuracy', float('nan')):.3f}) on {result['eval_pairs']} held-out pairs; "
+          f"eval.json, report.md and hf_model/ in {_WORKDIR.value}")
     return
   if config.model.flavour != "bert":
     examples = "conversations" if config.data.messages_column else "pairs"

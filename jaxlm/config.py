@@ -214,6 +214,8 @@ class DataConfig:
   # Fine-tuning (experiments/finetune.py; data.seq_len is then the longest tokenized example, longer ones are cut).
   prompt_column: str = "prompt"  # instruction tuning (a decoder's init_from): the column of the prompts
   response_column: str = "response"  # instruction tuning: the column of the responses (the only tokens with a loss)
+  chosen_column: str = "chosen"  # preference tuning: the preferred response (a string, or a list of messages)
+  rejected_column: str = "rejected"  # preference tuning: the dispreferred response, in the chosen column's form
   messages_column: str = ""  # instruction tuning on conversations: the column holding each record's list of
                              # {role, content} turns (optional system turn), written with init_from's chat template
                              # and the loss on the assistant turns only (jaxlm/data/conversations.py); "" = pairs.
@@ -300,6 +302,20 @@ class LoRAConfig:
   base: str = "float"  # storage of the frozen base (QLoRA): float | int8 (per output channel) | nf4 (4-bit NF4)
 
 
+PREFERENCE_LOSSES = ("dpo", "ipo", "simpo")
+
+
+@dataclasses.dataclass(frozen=True)
+class PreferenceConfig:
+  """Preference tuning of a decoder on (prompt, chosen, rejected) pairs (jaxlm/recipes/preference_tuning.py), with
+  the losses as TRL computes them (jaxlm/training/preference_loss.py)."""
+  loss: str = ""  # "" = off | dpo (sigmoid) | ipo (length-averaged log-probs) | simpo (reference-free)
+  beta: float = _ranged(0.1, 0, low_open=True)  # the reward scale (DPO, IPO's regulariser 1/(2 beta), SimPO)
+  label_smoothing: float = _ranged(0.0, 0, 0.5)  # dpo: the assumed rate of flipped labels (conservative DPO)
+  simpo_gamma: float = _ranged(0.5, 0)  # simpo: the target reward margin (TRL's simpo_gamma)
+  reference: str = ""  # dpo/ipo: "" = init_from's weights before tuning, or an HF folder / jaxlm run workdir
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
   model: ModelConfig = ModelConfig()
@@ -311,6 +327,7 @@ class Config:
   log: LogConfig = LogConfig()
   lora: LoRAConfig = LoRAConfig()
   loss_scale: LossScaleConfig = LossScaleConfig()
+  preference: PreferenceConfig = PreferenceConfig()
   init_from: str = ""  # fine-tuning: an HF checkpoint folder (config.json + safetensors) or a jaxlm run workdir
 
 
@@ -442,6 +459,14 @@ def validate(config: Config) -> None:
     raise ValueError(f"data.seq_len={d.seq_len} must be >= 1, or 0 to choose it from the data (fine-tuning)")
   validate_lora(config.lora)
   validate_loss_scale(config.loss_scale)
+  validate_preference(config.preference)
+
+
+def validate_preference(p: PreferenceConfig) -> None:
+  if p.loss and p.loss not in PREFERENCE_LOSSES:
+    raise ValueError(f"preference.loss={p.loss!r} is not one of {', '.join(PREFERENCE_LOSSES)} (or '' for off)")
+  if p.loss == "simpo" and p.reference:
+    raise ValueError(f"preference.loss=simpo needs no reference model; unset preference.reference={p.reference!r}")
 
 
 def validate_encoder_options(m: ModelConfig) -> None:

@@ -161,3 +161,22 @@ def _backward(chunk, shards, einsum, dtypes, residuals, cotangents):
 
 
 _fused.defvjp(_forward, _backward)
+
+
+def token_log_probs(x_ND: jax.Array, table_VD: jax.Array, targets_N: jax.Array, chunk: int, einsum=jnp.einsum,
+                    softcap=lambda logits: logits) -> jax.Array:
+  """log softmax(softcap(x_n @ table^T))[target_n] for every token, [N] in f32, `chunk` tokens per device at a time
+  (no [N, V] logits in memory). Forward only: preference losses sum these per response and take their gradient
+  through `fused_cross_entropy` with per-token weights (jaxlm/training/preference_loss.py)."""
+  n = x_ND.shape[0]
+  shards = _batch_shards(n)
+  chunk = min(chunk, n // shards)
+
+  def one_chunk(xs):
+    x_PCD, targets_PC = xs
+    logits_PCV = softcap(einsum("pcd,vd->pcv", x_PCD, table_VD, **_F32))
+    target_PC = jnp.take_along_axis(logits_PCV, targets_PC[..., None], axis=-1)[..., 0]
+    return target_PC - jax.nn.logsumexp(logits_PCV, axis=-1)
+
+  log_probs_KPC = jax.lax.map(one_chunk, (_blocks(x_ND, shards, chunk), _blocks(targets_N, shards, chunk)))
+  return _unblocks(log_probs_KPC, n)

@@ -316,6 +316,11 @@ class Kernels:
       return gpu.tokamax_cross_entropy(x_ND, table_VD, targets_N, weights_N, chunk=self.cross_entropy_chunk)
     return xla.cross_entropy_sums(x_ND, table_VD, targets_N, weights_N, self.einsum)
 
+  def token_log_probs(self, x_ND, table_VD, targets_N, logit_softcap: float = 0.0) -> jax.Array:
+    """log p(target_n) per token, [N] in f32, `cross_entropy_chunk` tokens at a time (forward only)."""
+    return chunked_ce.token_log_probs(x_ND, table_VD, targets_N, self.cross_entropy_chunk, self.einsum,
+                                      lambda logits: self.softcap(logits, logit_softcap))
+
 
 def validate_kernels(config: KernelsConfig) -> None:
   """Names the registry knows at all; whether one fits this platform, dtype and mesh is `resolve`'s check."""

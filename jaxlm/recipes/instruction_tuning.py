@@ -208,24 +208,15 @@ def instruction_task(config: Config, workdir: str, mesh: Mesh, kernels: Kernels)
     params = features.model_params(end.state)  # with LoRA: the adapted weights (lora.LoRAWeight values)
     examples = generated_examples(graphdef, params, decoder.tokenizer, data, config.log.sample_tokens,
                                   model_config, t.seed)
-    # Every process joins the gathers; process 0 writes. LoRA: hf_model/ holds the merged weights.
-    hf_weights.save_pretrained(nnx.merge(graphdef, params),
-                               os.path.join(workdir, HF_MODEL))  # merged one weight at a time
-    if jax.process_index() == 0:
-      decoder.tokenizer.save(os.path.join(workdir, HF_MODEL, "tokenizer.json"))
-      chat.copy_template(decoder.chat_folder, os.path.join(workdir, HF_MODEL))
-    result: dict[str, Any] = {f"start_{k}": v for k, v in _read_json(os.path.join(workdir, START_EVAL)).items()}
+    saved = save_tuned_decoder(graphdef, params, decoder, workdir, config)
+    result: dict[str, Any] = {f"start_{k}": v for k, v in read_json(os.path.join(workdir, START_EVAL)).items()}
     result.update({**latest, "step": t.steps, "seq_len": d.seq_len, "train_pairs": stats["train_pairs"],
                    "eval_pairs": stats["eval_pairs"], "train_rows": stats["train_rows"],
                    "final_train_loss": end.last.get("loss"), "init_from": config.init_from,
                    "wall_time_sec": end.facts["wall_time_sec"], "devices": jax.device_count()})
     result.update({k: v for k, v in end.rates.items() if k.endswith("_per_sec") or k == "mfu"})
     result.update(lora.state_bytes(end.state))  # per device: trainable params, optimizer state, frozen base
-    if config.lora.rank:  # the adapters as a PEFT folder (peft.PeftModel.from_pretrained loads it onto the base)
-      result.update(lora_rank=config.lora.rank, lora_alpha=config.lora.alpha, lora_targets=config.lora.targets,
-                    lora_base=config.lora.base)
-      peft_folders.save_adapters(nnx.merge(graphdef, params), os.path.join(workdir, ADAPTER),
-                            base_model_name_or_path=config.init_from)
+    result.update(saved)
     atomic_files.write_json_on_process_0(os.path.join(workdir, "eval.json"), result)
     summary = {**result, **{k: end.facts[k] for k in ("mesh", "device_kind", "peak_flops_per_device")}}
     return loop.Report(summary, result=result, data_stats=stats,
@@ -237,7 +228,24 @@ def instruction_task(config: Config, workdir: str, mesh: Mesh, kernels: Kernels)
       evaluate=evaluate_step, finish=finish, start=start, features=features)
 
 
-def _read_json(path: str) -> dict:
+def save_tuned_decoder(graphdef, params, decoder: Decoder, workdir: str, config: Config) -> dict:
+  """<workdir>/hf_model/ (an HF folder with the tokenizer and chat template; LoRA: the merged weights) and, with
+  LoRA, <workdir>/adapter/ (a PEFT folder); returns the LoRA settings for eval.json. Every process joins the
+  gathers; process 0 writes."""
+  hf_weights.save_pretrained(nnx.merge(graphdef, params), os.path.join(workdir, HF_MODEL))  # one weight at a time
+  if jax.process_index() == 0:
+    decoder.tokenizer.save(os.path.join(workdir, HF_MODEL, "tokenizer.json"))
+    chat.copy_template(decoder.chat_folder, os.path.join(workdir, HF_MODEL))
+  if not config.lora.rank:
+    return {}
+  # The adapters as a PEFT folder (peft.PeftModel.from_pretrained loads it onto the base).
+  peft_folders.save_adapters(nnx.merge(graphdef, params), os.path.join(workdir, ADAPTER),
+                             base_model_name_or_path=config.init_from)
+  return dict(lora_rank=config.lora.rank, lora_alpha=config.lora.alpha, lora_targets=config.lora.targets,
+              lora_base=config.lora.base)
+
+
+def read_json(path: str) -> dict:
   if not os.path.isfile(path):
     return {}
   with open(path) as f:

@@ -23,3 +23,12 @@ def write_json_on_process_0(path: str, obj: Any) -> None:
   import jax  # noqa: PLC0415  (only here: the rest of this module is plain file handling)
   if jax.process_index() == 0:
     write_json(path, obj)
+
+
+def write_arrays(path: str, **arrays) -> None:
+  """Numeric arrays as one .npz (plain .npy members: read back with allow_pickle=False)."""
+  import numpy as np  # noqa: PLC0415
+
+  with open(path + ".tmp", "wb") as f:
+    np.savez(f, **arrays)
+  os.replace(path + ".tmp", path)

@@ -1,0 +1,230 @@
+"""Preference pairs for decoder preference tuning (DPO and its kin): rows of (prompt, chosen, rejected) in TRL's
+formats -> token ids laid out as one [2, T] slot per pair, chosen first.
+
+  data = build_preference_data(config.data, tokenizer, seed, max_positions, chat_folder)
+  batch = data.train.batch(indices)  # inputs, targets, positions, segment_ids: int32 [B, 2, T];
+                                     # loss_mask: float32 [B, 2, T]; ref_logp: float32 [B, 2]; pair_weight: [B]
+
+Formats (TRL's preference datasets):
+  * standard: `prompt`, `chosen`, `rejected` strings (data.prompt_column, data.chosen_column, data.rejected_column);
+  * conversational: the same columns holding lists of {role, content} messages, written with the checkpoint's chat
+    template; the prompt's turns ending where the responses begin;
+  * implicit prompt: no prompt column; the prompt is what chosen and rejected share at their start (messages, or
+    text for strings).
+Tokens, as TRL's DPOTrainer makes them: a conversational pair is rendered whole, prompt + chosen and prompt +
+rejected, and the prompt is the rendered prompt with the generation prompt (cut to what the rendered chosen starts
+with); the prompt and each response are then tokenized apart without special tokens and joined, and each response
+ends with the checkpoint's EOS (tokenizer_config.json's eos_token, as transformers reads it). The loss is on the
+response tokens (EOS included) only.
+Too long: a pair whose prompt and longer response exceed data.seq_len + 1 tokens keeps the end of its prompt (at
+least the last half of the row's tokens, or the whole prompt if shorter), then the start of each response; such
+pairs are counted (`truncated_pairs`) and warned about above jaxlm.data.seq_lengths.TRUNCATION_WARNING_RATE. A row
+with an empty prompt, chosen or rejected response is skipped and counted. data.seq_len=0 chooses the length from
+the training pairs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import os
+from typing import Any
+
+import numpy as np
+import tokenizers
+
+from jaxlm.config import DataConfig
+from jaxlm.data import chat, files, seq_lengths
+from jaxlm.data import classification as cls_data
+from jaxlm.data.tokenizer import eos_id as tokenizer_eos_id
+
+
+@dataclasses.dataclass
+class Pair:
+  """One tokenized preference pair, before the layout: prompt ids, and each response's ids ending with EOS."""
+  prompt: list[int]
+  chosen: list[int]
+  rejected: list[int]
+  text: tuple[str, str, str]  # prompt, chosen and rejected as text (report.md)
+
+
+class PreferencePairs:
+  """[N, 2, T] rows of pairs (chosen at 0, rejected at 1); `batch(indices)` gathers B pairs. `rows["ref_logp"]`,
+  the reference model's summed response log-probabilities, is filled in before training (the recipe's start)."""
+
+  def __init__(self, rows: dict[str, np.ndarray]):
+    self.rows = rows
+
+  def __len__(self) -> int:
+    return self.rows["inputs"].shape[0]
+
+  def batch(self, indices) -> dict[str, np.ndarray]:
+    indices = np.asarray(indices, dtype=np.int64)
+    return {k: v[indices] for k, v in self.rows.items()}
+
+
+@dataclasses.dataclass
+class PreferenceData:
+  train: PreferencePairs
+  eval: PreferencePairs
+  eval_pairs: list[Pair]  # the held-out pairs as tokenized (generation in report.md)
+  seq_len: int
+  stop_ids: tuple[int, ...]  # EOS, and the chat template's end-of-turn tokens
+  stats: dict[str, Any]
+
+
+def lay_out(pairs: list[Pair], seq_len: int, pad_id: int) -> tuple[PreferencePairs, int]:
+  """The pairs as [N, 2, T] rows, each sequence the prompt then one response, cut by the module's rule; returns the
+  rows and how many pairs were cut."""
+  n, length = len(pairs), seq_len + 1  # tokens a row holds: its inputs and one more target
+  rows = {"inputs": np.full((n, 2, seq_len), pad_id, np.int32), "targets": np.full((n, 2, seq_len), pad_id, np.int32),
+          "positions": np.zeros((n, 2, seq_len), np.int32), "segment_ids": np.zeros((n, 2, seq_len), np.int32),
+          "loss_mask": np.zeros((n, 2, seq_len), np.float32), "ref_logp": np.zeros((n, 2), np.float32),
+          "pair_weight": np.ones(n, np.float32)}
+  cut = 0
+  for i, pair in enumerate(pairs):
+    prompt = pair.prompt
+    longest = max(len(pair.chosen), len(pair.rejected))
+    if len(prompt) + longest > length:
+      cut += 1
+      prompt = prompt[-max(length - longest, min(len(prompt), length // 2)):]
+    for j, response in enumerate((pair.chosen, pair.rejected)):
+      tokens = np.array([*prompt, *response][:length], np.int32)
+      k = len(tokens) - 1
+      rows["inputs"][i, j, :k], rows["targets"][i, j, :k] = tokens[:-1], tokens[1:]
+      rows["positions"][i, j, :k], rows["segment_ids"][i, j, :k] = np.arange(k), 1
+      rows["loss_mask"][i, j, len(prompt) - 1:k] = 1.0  # targets from the first response token on
+  return PreferencePairs(rows), cut
+
+
+# ----------------------------------------------------------------------------------------------- reading pairs
+
+
+def read_rows(config: DataConfig, split: str) -> list[tuple[str, int, Any, Any, Any]]:
+  """[(where, row, prompt or None, chosen, rejected)] of `split`; the prompt column is optional (implicit prompts)."""
+  columns = {config.chosen_column: "data.chosen_column", config.rejected_column: "data.rejected_column"}
+  out = []
+  for where, table, _ in cls_data.read_rows(config, split, {config.prompt_column: "data.prompt_column", **columns}):
+    try:
+      for i, row in enumerate(table):
+        out.append((where, i + 1, row[config.prompt_column], row[config.chosen_column], row[config.rejected_column]))
+    except files.MissingColumn as e:
+      if e.column != config.prompt_column:
+        raise ValueError(f"{e.setting}={e.column!r} is not a column of {e.where!r}; its columns are "
+                         f"{e.found}") from None
+      out = [r for r in out if r[0] != where]  # read the file again without the prompt: prompts are implicit
+      again = next(table for w, table, _ in cls_data.read_rows(config, split, columns) if w == where)
+      out.extend((where, i + 1, None, row[config.chosen_column], row[config.rejected_column])
+                 for i, row in enumerate(again))
+  return out
+
+
+def _messages(value: Any, where: str, row: int, setting: str) -> list[dict] | None:
+  """A cell as {role, content} messages, or None when it is a string."""
+  if isinstance(value, str) or value is None:
+    return None
+  if not isinstance(value, list) or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                            and isinstance(m.get("content"), str) for m in value):
+    raise ValueError(f"row {row} of {where!r}: {setting} holds neither a string nor a list of {{role, content}} "
+                     f"messages: {value!r}"[:300])
+  return [{"role": m["role"], "content": m["content"]} for m in value]
+
+
+def _shared_prefix(a, b):
+  """TRL's implicit prompt: the longest common start of two sequences (strings or message lists); for strings, a
+  space just before the split goes to the responses."""
+  n = sum(1 for _ in itertools.takewhile(lambda xy: xy[0] == xy[1], zip(a, b)))
+  if isinstance(a, str) and n and a[n - 1] == " ":
+    n -= 1
+  return a[:n], a[n:], b[n:]
+
+
+def _texts(record: tuple, template: chat.ChatTemplate | None) -> tuple[str, str, str] | None:
+  """(prompt, chosen, rejected) as the text TRL tokenizes, or None for a row with an empty part."""
+  where, row, prompt, chosen, rejected = record
+  c, r = _messages(chosen, where, row, "the chosen column"), _messages(rejected, where, row, "the rejected column")
+  if (c is None) != (r is None):
+    raise ValueError(f"row {row} of {where!r}: chosen and rejected must both be strings or both be message lists")
+  if c is None:  # standard: strings
+    if prompt is None:
+      prompt, chosen, rejected = _shared_prefix(chosen or "", rejected or "")
+    texts = (prompt, chosen, rejected)
+    return texts if all(isinstance(t, str) and t.strip() for t in texts) else None
+  if template is None:
+    raise ValueError(f"row {row} of {where!r} holds conversations, which need the checkpoint's chat template, and "
+                     "the tokenizer's folder has none (chat_template.jinja or tokenizer_config.json's chat_template)")
+  p = _messages(prompt, where, row, "the prompt column") if prompt is not None else None
+  if p is None and isinstance(prompt, str):
+    p = [{"role": "user", "content": prompt}]
+  if p is None:
+    p, c, r = _shared_prefix(c, r)
+  if not p or not c or not r:
+    return None
+  prompt_text = chat.render(template, p, add_generation_prompt=True)
+  with_chosen, with_rejected = chat.render(template, p + c), chat.render(template, p + r)
+  # What the generation prompt adds may differ from how the template writes the reply's start: keep the shared part.
+  prompt_text = "".join(x for x, _ in itertools.takewhile(lambda xy: xy[0] == xy[1], zip(prompt_text, with_chosen)))
+  return prompt_text, with_chosen[len(prompt_text):], with_rejected[len(prompt_text):]
+
+
+def response_end_id(tokenizer: tokenizers.Tokenizer, folder: str | None) -> int:
+  """The token TRL appends to each response: the checkpoint's `eos_token` (tokenizer_config.json), else the
+  tokenizer's end-of-document token."""
+  config_path = os.path.join(folder or "", chat.TOKENIZER_CONFIG_FILE)
+  if folder and os.path.isfile(config_path):
+    with open(config_path) as f:
+      token = json.load(f).get("eos_token")
+    token = token.get("content") if isinstance(token, dict) else token
+    if isinstance(token, str) and tokenizer.token_to_id(token) is not None:
+      return tokenizer.token_to_id(token)
+  return tokenizer_eos_id(tokenizer)
+
+
+def build_preference_data(config: DataConfig, tokenizer: tokenizers.Tokenizer, seed: int, max_positions: int,
+                          chat_folder: str | None = None) -> PreferenceData:
+  """Reads, splits, tokenizes and lays out the preference pairs described by `config` (module docstring)."""
+  template = chat.load(chat_folder) if chat_folder else None
+  eos = response_end_id(tokenizer, chat_folder)
+  splits, skipped = {}, 0
+  for split in ("train", "eval"):
+    texts = []
+    for record in read_rows(config, split):
+      t = _texts(record, template)
+      skipped += t is None
+      if t is not None:
+        texts.append(t)
+    splits[split] = texts
+  if not splits["train"]:
+    raise ValueError(f"the training data holds no pair with a non-empty prompt, chosen and rejected response "
+                     f"({skipped} rows skipped); check the files and data.prompt_column / chosen_column / "
+                     "rejected_column")
+  if not splits["eval"]:  # hold out a seeded random fraction
+    train = splits["train"]
+    if len(train) < 2:
+      raise ValueError("holding out eval pairs needs >= 2 training pairs; add data or give data.eval_files")
+    order = np.random.default_rng(seed).permutation(len(train))
+    held_out = min(len(train) - 1, max(1, round(config.eval_fraction * len(train))))
+    splits["eval"] = [train[i] for i in sorted(order[:held_out])]
+    splits["train"] = [train[i] for i in sorted(order[held_out:])]
+
+  def encode(texts: list[tuple[str, str, str]]) -> list[Pair]:
+    ids = lambda column: [e.ids for e in tokenizer.encode_batch([t[column] for t in texts],
+                                                                add_special_tokens=False)]
+    return [Pair(p, [*c, eos], [*r, eos], t) for p, c, r, t in zip(ids(0), ids(1), ids(2), texts)]
+
+  pairs = {split: encode(texts) for split, texts in splits.items()}
+  lengths = {split: np.array([len(p.prompt) + max(len(p.chosen), len(p.rejected)) - 1 for p in ps])
+             for split, ps in pairs.items()}
+  seq_len = config.seq_len or seq_lengths.choose_seq_len(lengths["train"], max_positions, at_least=2)
+  (train, train_cut), (eval_, eval_cut) = (lay_out(pairs[s], seq_len, eos) for s in ("train", "eval"))
+  every = np.concatenate(list(lengths.values()))
+  stats: dict[str, Any] = {
+      "train_pairs": len(train), "eval_pairs": len(eval_), "skipped_empty_pairs": skipped, "seq_len": seq_len,
+      **{f"tokens_p{q}": float(np.percentile(every, q)) for q in (50, 90, 99)}, "tokens_max": int(every.max()),
+      "truncated_pairs": train_cut + eval_cut, "truncation_rate": (train_cut + eval_cut) / len(every),
+      "train_response_tokens": int(train.rows["loss_mask"].sum()),
+      "padding_fraction": float(1 - (train.rows["segment_ids"] > 0).mean()),
+  }
+  stop_ids = tuple(sorted({*chat.end_of_turn_ids(chat_folder), eos})) if template else (eos,)
+  return PreferenceData(train, eval_, pairs["eval"], seq_len, stop_ids, stats)

@@ -1,0 +1,255 @@
+"""Preference tuning a decoder (DPO, IPO, SimPO) on (prompt, chosen, rejected) pairs, through the one training loop.
+
+  init_from   an HF decoder folder or a jaxlm run workdir, loaded as instruction tuning loads it
+              (jaxlm/recipes/instruction_tuning.py `load_decoder`): shape, weights, tokenizer, chat template.
+  data        jaxlm/data/preferences.py: TRL's standard and conversational formats, each pair one [2, T] slot
+              (chosen and rejected run in one forward), the loss on response tokens only.
+  loss        jaxlm/training/preference_loss.py, chosen by `preference.loss`; full or LoRA (`lora.rank`).
+  reference   dpo and ipo compare with a reference model: `preference.reference` = "" for init_from's weights before
+              the first step (with LoRA: the base, the adapters starting at zero), or a folder. Its summed
+              response log-probabilities are computed once, before the first step, for every training and held-out
+              pair, and kept in <workdir>/reference_logps.npz (a resumed run reads them): the reference weights are
+              never in memory beside the policy's, and the train step runs the policy alone.
+  eval        before tuning (start_eval.json) and every train.eval_every_steps and at the end, on every held-out
+              pair: eval_preference_loss, eval_reward_accuracy, eval_reward_margin, eval_chosen_logp,
+              eval_rejected_logp (means over pairs).
+  report      greedy answers to the first held-out prompts before and after tuning, beside the chosen and rejected
+              responses; hf_model/ (and adapter/ with LoRA) as instruction tuning writes them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from jaxlm.config import Config
+from jaxlm.adapters import lora
+from jaxlm.data import chat, make_train_iterator, seq_lengths
+from jaxlm.data import preferences as pref_data
+from jaxlm.inference import generate
+from jaxlm.interop import hf_weights, streaming
+from jaxlm.kernels import Kernels
+from jaxlm.models.gpt import GPT
+from jaxlm.parallel import sharding
+from jaxlm.recipes import data_defaults
+from jaxlm.recipes import features as features_lib
+from jaxlm.recipes import init_from as pretrained_lib
+from jaxlm.recipes import instruction_tuning
+from jaxlm.training import atomic_files, loop, optim, preference_loss, reliability, telemetry
+from jaxlm.training import steps as steps_lib
+
+REFERENCE_LOGPS = "reference_logps.npz"  # the reference's summed response log-probs of every pair (train, eval)
+START_ANSWERS = "start_answers.json"  # greedy answers to the held-out prompts before tuning
+GENERATED_EXAMPLES = 4
+
+
+def preference_tune(config: Config, workdir: str, stop_at_step: int | None = None) -> dict:
+  """Preference-tunes (or resumes) a decoder into `workdir`; returns the final evaluation (also in eval.json)."""
+  with reliability.StopSignals() as stop:
+    started = time.time()
+    config, mesh, kernels = loop.prepare_run(instruction_tuning.with_source_model(config), workdir, causal=True)
+    config, task = preference_task(config, workdir, mesh, kernels)
+    return loop.run_loop(config, workdir, mesh, task, stop, stop_at_step, started)
+
+
+def batches_of(pairs: pref_data.PreferencePairs, global_batch: int) -> list[dict[str, np.ndarray]]:
+  """Every pair once, as this process's slices of global batches in order; the last is filled with copies of pair 0
+  of weight 0 (pair_weight), which count in no sum."""
+  process, processes = jax.process_index(), jax.process_count()
+  local = slice(process * global_batch // processes, (process + 1) * global_batch // processes)
+  indices = np.concatenate([np.arange(len(pairs)), np.zeros(-len(pairs) % global_batch, np.int64)])
+  batches = []
+  for start in range(0, len(indices), global_batch):
+    batch = pairs.batch(indices[start:start + global_batch])
+    batch["pair_weight"] = batch["pair_weight"] * (np.arange(start, start + global_batch) < len(pairs))
+    batches.append({k: v[local] for k, v in batch.items()})
+  return batches
+
+
+def log_probs_of(graphdef, params, param_shardings, pairs: pref_data.PreferencePairs, global_batch: int,
+                 mesh: Mesh, overrides) -> np.ndarray:
+  """[N, 2] summed response log-probabilities of every pair under (graphdef, params), forward only."""
+  log_probs = jax.jit(sharding.traced_on(mesh, preference_loss.make_log_probs_fn(graphdef), overrides),
+                      in_shardings=(param_shardings, sharding.batch_sharding(mesh, 1)),
+                      out_shardings=sharding.replicated(mesh))
+  out = [np.asarray(jax.device_get(log_probs(params, steps_lib.to_global_batch(b, mesh))))
+         for b in batches_of(pairs, global_batch)]
+  return np.concatenate(out)[:len(pairs)] if out else np.zeros((0, 2), np.float32)
+
+
+def _reference_model(config: Config, mesh: Mesh):
+  """(graphdef, params, shardings) of preference.reference, a decoder folder (HF or jaxlm run)."""
+  source, m = config.preference.reference, config.model
+  precision = dict(compute_dtype=m.compute_dtype, param_dtype=m.param_dtype)
+  if not os.path.isdir(source):
+    raise FileNotFoundError(f"preference.reference={source!r} is not a folder; give an HF decoder folder or a jaxlm "
+                            f"run workdir, or '' for init_from's weights")
+  if os.path.isdir(os.path.join(source, "checkpoints")):
+    model_config, params = pretrained_lib.read_jaxlm_checkpoint(source, mesh, precision)
+    model = nnx.merge(nnx.split(nnx.eval_shape(lambda: GPT(model_config, rngs=nnx.Rngs(0))))[0], params)
+  else:
+    model = hf_weights.from_pretrained(source, mesh=mesh, **precision)
+  if not isinstance(model, GPT) or model.config.vocab_size != m.vocab_size:
+    raise ValueError(f"preference.reference={source!r} is not a decoder with init_from's vocabulary "
+                     f"({m.vocab_size} tokens); give the model the pairs were tokenized for")
+  graphdef, params = nnx.split(model)
+  return graphdef, params, jax.tree.map(lambda x: x.sharding, params)
+
+
+def preference_task(config: Config, workdir: str, mesh: Mesh, kernels: Kernels) -> tuple[Config, loop.Task]:
+  """The run's config (its model from init_from, steps and seq_len fitted to the data) and its `loop.Task`."""
+  t, d, p = config.train, config.data, config.preference
+  decoder = instruction_tuning.load_decoder(config, mesh)
+  model_config = decoder.model_config
+  data = pref_data.build_preference_data(d, decoder.tokenizer, t.seed, model_config.max_seq_len, decoder.chat_folder)
+  derived_steps, chosen_seq_len = t.steps == 0, d.seq_len == 0
+  t = data_defaults.resolve_steps(data_defaults.resolve_learning_rate(t, config.lora.rank), len(data.train))
+  d = dataclasses.replace(d, seq_len=data.seq_len)
+  config = dataclasses.replace(config, model=model_config, train=t, data=d)
+  stats = data.stats
+  data_defaults.print_on_process_0(seq_lengths.truncation_warning(
+      stats["truncated_pairs"], stats["train_pairs"] + stats["eval_pairs"], d.seq_len, model_config.max_seq_len,
+      chosen_seq_len))
+  data_defaults.print_on_process_0(data_defaults.describe_steps(t, len(data.train), derived_steps, unit="pairs"))
+  if jax.process_index() == 0:
+    print("data: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in stats.items()),
+          flush=True)
+    atomic_files.write_text(os.path.join(workdir, "tokenizer.json"), decoder.tokenizer.to_str(pretty=True))
+    chat.copy_template(decoder.chat_folder, workdir)
+
+  optimizer = optim.make_optimizer(t)
+  make_model = lambda rngs: GPT(model_config, kernels=kernels, rngs=rngs)
+  graphdef, state, state_shardings, features = features_lib.train_state_from_config(
+      config, mesh, optimizer, make_model, language_model_loss=False)
+  train_step, eval_step = steps_lib.jit_steps(
+      graphdef, optimizer, config, mesh, state_shardings, features,
+      loss_fn=preference_loss.make_preference_loss_fn(graphdef, p), eval_fn=preference_loss.make_eval_fn(graphdef, p))
+  overrides = sharding.rule_overrides(config.mesh)
+  flops_per_token = telemetry.flops_per_token(model_config, d.seq_len)
+  latest: dict[str, float] = {}
+
+  def evaluate(params) -> dict[str, float]:
+    totals = None
+    for batch in batches_of(data.eval, t.batch_size):
+      out = eval_step(params, steps_lib.to_global_batch(batch, mesh))
+      totals = out if totals is None else jax.tree.map(lambda a, b: a + b, totals, out)
+    return preference_loss.eval_metrics(jax.device_get(totals))
+
+  def set_reference(values: dict[str, np.ndarray]) -> None:
+    for split, pairs in (("train", data.train), ("eval", data.eval)):
+      if values[split].shape != pairs.rows["ref_logp"].shape:
+        raise ValueError(f"{os.path.join(workdir, REFERENCE_LOGPS)} holds {values[split].shape[0]} {split} pairs "
+                         f"but the data has {len(pairs)}; the data changed since the run started: use a new workdir")
+      pairs.rows["ref_logp"][...] = values[split]
+
+  def start(state, start_step: int):
+    path = os.path.join(workdir, REFERENCE_LOGPS)
+    if start_step == 0:
+      if "frozen" in state:  # LoRA: the checkpoint becomes the frozen base, one leaf at a time
+        state, _ = streaming.load_base(state, state_shardings, config.lora, make_model, mesh, decoder.params,
+                                       config.init_from, t.seed)
+      else:
+        state["params"] = instruction_tuning.place_params(decoder.params, state["params"], state_shardings["params"],
+                                                          config.init_from)
+      policy = features.model_params(state)
+      if p.loss != "simpo":
+        if p.reference:
+          ref_graphdef, ref_params, ref_shardings = _reference_model(config, mesh)
+        else:  # the policy before its first step (LoRA: the base; the adapters start at zero)
+          ref_graphdef, ref_params, ref_shardings = graphdef, policy, features.model_params(state_shardings)
+        values = {split: log_probs_of(ref_graphdef, ref_params, ref_shardings, pairs, t.batch_size, mesh, overrides)
+                  for split, pairs in (("train", data.train), ("eval", data.eval))}
+        del ref_params
+        if jax.process_index() == 0:
+          atomic_files.write_arrays(path, **values)
+        set_reference(values)
+      before = evaluate(policy)
+      atomic_files.write_json_on_process_0(os.path.join(workdir, instruction_tuning.START_EVAL), before)
+      answers = held_out_answers(graphdef, policy, decoder.tokenizer, data, config.log.sample_tokens, model_config,
+                                 t.seed)
+      atomic_files.write_json_on_process_0(os.path.join(workdir, START_ANSWERS), answers)
+      data_defaults.print_on_process_0(f"init_from {config.init_from}: loaded; before tuning eval_preference_loss "
+                                       f"{before['eval_preference_loss']:.4f}, eval_reward_accuracy "
+                                       f"{before['eval_reward_accuracy']:.3f}")
+    elif p.loss != "simpo":
+      if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path} is missing: the reference log-probabilities of this run are gone; start "
+                                f"again in a new workdir")
+      with np.load(path, allow_pickle=False) as saved:
+        set_reference({split: saved[split] for split in ("train", "eval")})
+    decoder.params = None  # a resumed run never needs them
+    return state
+
+  def count(local: dict) -> dict[str, float]:
+    """Every token slot of the global batch (two sequences per pair), its response tokens and its FLOPs."""
+    processes = jax.process_count()
+    return {"tokens": float(local["inputs"].size) * processes,
+            "response_tokens": float(local["loss_mask"].sum()) * processes,
+            "pairs": float(local["pair_weight"].sum()) * processes,
+            "flops": local["inputs"].size * processes * flops_per_token}
+
+  def evaluate_step(step: int, params) -> dict[str, float]:
+    latest.clear()
+    latest.update(evaluate(params))
+    return dict(latest)
+
+  def finish(end: loop.RunEnd) -> loop.Report:
+    params = features.model_params(end.state)
+    answers = held_out_answers(graphdef, params, decoder.tokenizer, data, config.log.sample_tokens, model_config,
+                               t.seed)
+    saved = instruction_tuning.save_tuned_decoder(graphdef, params, decoder, workdir, config)
+    start_eval = instruction_tuning.read_json(os.path.join(workdir, instruction_tuning.START_EVAL))
+    result: dict[str, Any] = {f"start_{k}": v for k, v in start_eval.items()}
+    result.update({**latest, "step": t.steps, "preference_loss": p.loss, "beta": p.beta, "seq_len": d.seq_len,
+                   "train_pairs": stats["train_pairs"], "eval_pairs": stats["eval_pairs"],
+                   "final_train_loss": end.last.get("loss"), "init_from": config.init_from,
+                   "reference": p.reference or ("" if p.loss == "simpo" else "init_from"),
+                   "wall_time_sec": end.facts["wall_time_sec"], "devices": jax.device_count()})
+    result.update({k: v for k, v in end.rates.items() if k.endswith("_per_sec") or k == "mfu"})
+    result.update(lora.state_bytes(end.state))
+    result.update(saved)
+    atomic_files.write_json_on_process_0(os.path.join(workdir, "eval.json"), result)
+    before = instruction_tuning.read_json(os.path.join(workdir, START_ANSWERS)).get("answers", [])
+    summary = {**result, **{k: end.facts[k] for k in ("mesh", "device_kind", "peak_flops_per_device")}}
+    return loop.Report(summary, result=result, data_stats=stats,
+                       sections=[("Held-out prompts (greedy, before and after tuning)",
+                                  answers_markdown(data, before, answers["answers"]))])
+
+  return config, loop.Task(
+      title="Preference-tuning run", state=state, state_shardings=state_shardings, train_step=train_step,
+      batches=make_train_iterator(data.train, t.batch_size // jax.process_count(), t.seed, d.shuffle), count=count,
+      evaluate=evaluate_step, finish=finish, start=start, features=features,
+      renames={"token_accuracy": "reward_accuracy", "tokens": "pairs_in_step"})
+
+
+def held_out_answers(graphdef, params, tokenizer, data: pref_data.PreferenceData, max_new_tokens: int, model_config,
+                     seed: int) -> dict[str, list[str]]:
+  """{"answers": greedy continuations of the first held-out prompts}, each ended by a stop token."""
+  pairs = data.eval_pairs[:GENERATED_EXAMPLES]
+  room = model_config.max_seq_len - max((len(x.prompt) for x in pairs), default=0)
+  new_tokens = min(max_new_tokens, room)
+  if not pairs or new_tokens < 1:
+    return {"answers": []}
+  outputs = generate.generate(graphdef, params, [x.prompt for x in pairs], new_tokens, stop_tokens=data.stop_ids,
+                              seed=seed)
+  return {"answers": [tokenizer.decode([x for x in out if x not in data.stop_ids]) for out in outputs]}
+
+
+def answers_markdown(data: pref_data.PreferenceData, before: list[str], after: list[str]) -> str:
+  if not after:
+    return "No held-out prompt was answered (log.sample_tokens=0 or no room left in the position table)."
+  fence = lambda text: "```\n" + text.replace("```", "`\u200b``") + "\n```"
+  parts = []
+  for i, (pair, answer) in enumerate(zip(data.eval_pairs, after)):
+    prompt, chosen, rejected = pair.text
+    first = before[i] if i < len(before) else "(not recorded)"
+    parts.append(f"**Prompt {i + 1}**\n\n{fence(prompt)}\n\nChosen:\n\n{fence(chosen)}\n\nRejected:\n\n"
+                 f"{fence(rejected)}\n\nBefore tuning:\n\n{fence(first)}\n\nAfter tuning:\n\n{fence(answer)}")
+  return "\n\n".join(parts)

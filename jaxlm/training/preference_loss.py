@@ -1,0 +1,131 @@
+"""Preference losses on pairs of responses, as TRL computes them, and their gradient without [B, T, V] logits.
+
+  loss_fn = make_preference_loss_fn(graphdef, config.preference)   # a SumLossFn for steps.jit_steps
+  logps = make_log_probs_fn(graphdef)(params, batch)               # [B, 2] summed response log-probs
+
+Per pair, with the policy's summed response log-probabilities (chosen c, rejected r) and the reference's (c0, r0):
+  dpo    loss = -log sigmoid(beta * z) (1 - eps) - log sigmoid(-beta * z) eps,  z = (c - r) - (c0 - r0)
+         rewards beta (c - c0), beta (r - r0)                       (TRL DPOTrainer, loss_type="sigmoid")
+  ipo    loss = (z - 1 / (2 beta))^2 on log-probs averaged over each response's tokens (TRL loss_type="ipo")
+  simpo  loss = -log sigmoid(beta (c - r) - gamma) (1 - eps) - log sigmoid(-(...)) eps on averaged log-probs,
+         rewards beta c, beta r; no reference                      (TRL CPOTrainer, loss_type="simpo", cpo_alpha=0)
+The reported log-probs are the ones the loss uses (averaged for ipo and simpo, as TRL logs them).
+
+The gradient: the loss is a function of per-response sums of token log-probs, so d loss / d params =
+sum over responses of (d loss / d logp_response) * d logp_response / d params. The step computes the sums forward
+only (`Kernels.token_log_probs`, chunked), takes the per-response coefficients, and differentiates the
+weighted cross-entropy sum with those coefficients as token weights through the fused kernel
+(`Kernels.cross_entropy_sums`): the exact gradient, with the memory of an LM step.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxlm.config import PreferenceConfig
+
+PAIR_METRICS = ("reward_margin", "chosen_logp", "rejected_logp")  # summed over pairs, reported as means
+
+
+def pair_losses(logp_B2: jax.Array, ref_logp_B2: jax.Array, lengths_B2: jax.Array,
+                p: PreferenceConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """(loss [B], rewards [B, 2], the log-probs the loss uses [B, 2]) from summed response log-probs."""
+  if p.loss in ("ipo", "simpo"):  # length-averaged log-probabilities
+    logp_B2, ref_logp_B2 = logp_B2 / jnp.maximum(lengths_B2, 1.0), ref_logp_B2 / jnp.maximum(lengths_B2, 1.0)
+  if p.loss == "simpo":
+    logits_B = p.beta * (logp_B2[:, 0] - logp_B2[:, 1]) - p.simpo_gamma
+    rewards_B2 = p.beta * logp_B2
+  else:
+    z_B = (logp_B2[:, 0] - logp_B2[:, 1]) - (ref_logp_B2[:, 0] - ref_logp_B2[:, 1])
+    logits_B = p.beta * z_B
+    rewards_B2 = p.beta * (logp_B2 - ref_logp_B2)
+  if p.loss == "ipo":
+    loss_B = (z_B - 1.0 / (2.0 * p.beta)) ** 2
+  else:
+    eps = p.label_smoothing
+    loss_B = -jax.nn.log_sigmoid(logits_B) * (1.0 - eps) - jax.nn.log_sigmoid(-logits_B) * eps
+  return loss_B, rewards_B2, logp_B2
+
+
+def pair_sums(loss_B: jax.Array, rewards_B2: jax.Array, logp_B2: jax.Array, weight_B: jax.Array) -> dict:
+  """The batch's weighted sums: loss, pairs, correct (chosen reward above rejected) and PAIR_METRICS."""
+  margin_B = rewards_B2[:, 0] - rewards_B2[:, 1]
+  return {"loss_sum": jnp.sum(loss_B * weight_B), "pairs": jnp.sum(weight_B),
+          "correct": jnp.sum((margin_B > 0).astype(jnp.float32) * weight_B),
+          "reward_margin": jnp.sum(margin_B * weight_B), "chosen_logp": jnp.sum(logp_B2[:, 0] * weight_B),
+          "rejected_logp": jnp.sum(logp_B2[:, 1] * weight_B)}
+
+
+def _hidden_states(model, batch: dict):
+  """The final hidden states [2B*T, D] of both responses of every pair (one forward), targets and mask [2B*T]."""
+  b, _, t = batch["inputs"].shape
+  flat = lambda key: batch[key].reshape(2 * b, t)
+  x_BTD = model.features(flat("inputs"), flat("positions"), flat("segment_ids"))
+  return x_BTD.reshape(2 * b * t, -1), flat("targets").reshape(-1), flat("loss_mask").reshape(-1)
+
+
+def _summed_log_probs(model, x_ND, targets_N, mask_N, b: int) -> jax.Array:
+  table = jax.lax.stop_gradient(model.output_table())
+  logp_N = model.kernels.token_log_probs(jax.lax.stop_gradient(x_ND), table, targets_N, model.config.logit_softcap)
+  return (logp_N * mask_N).reshape(b, 2, -1).sum(-1)
+
+
+def make_log_probs_fn(graphdef: nnx.GraphDef):
+  """(params, batch) -> [B, 2] summed log-probabilities of the chosen and rejected responses (the reference pass)."""
+
+  def log_probs(params, batch):
+    model = nnx.merge(graphdef, params)
+    x_ND, targets_N, mask_N = _hidden_states(model, batch)
+    return _summed_log_probs(model, x_ND, targets_N, mask_N, batch["inputs"].shape[0])
+
+  return log_probs
+
+
+def make_preference_loss_fn(graphdef: nnx.GraphDef, p: PreferenceConfig):
+  """(params, batch) -> (loss sum over pairs, (pairs, sums)): a SumLossFn whose gradient is the preference loss's.
+  `sums` holds `correct` (pairs ranked right) and PAIR_METRICS, each summed over the batch's pairs."""
+
+  def loss_fn(params, batch):
+    model = nnx.merge(graphdef, params)
+    b = batch["inputs"].shape[0]
+    x_ND, targets_N, mask_N = _hidden_states(model, batch)
+    logp_B2 = _summed_log_probs(model, x_ND, targets_N, mask_N, b)
+    lengths_B2 = batch["loss_mask"].sum(-1)
+
+    def objective(logp):
+      loss_B, rewards_B2, used_B2 = pair_losses(logp, batch["ref_logp"], lengths_B2, p)
+      sums = pair_sums(loss_B, rewards_B2, used_B2, batch["pair_weight"])
+      return sums["loss_sum"], sums
+
+    (loss_sum, sums), dloss_B2 = jax.value_and_grad(objective, has_aux=True)(logp_B2)
+    # logp of a response = -(its tokens' cross-entropy sum): token weight -d loss / d logp_response.
+    weights_N = jax.lax.stop_gradient(-(dloss_B2[..., None] * mask_N.reshape(b, 2, -1)).reshape(-1))
+    surrogate, _ = model.kernels.cross_entropy_sums(x_ND, model.output_table(), targets_N, weights_N,
+                                                    model.config.logit_softcap)
+    loss_sum = loss_sum + (surrogate - jax.lax.stop_gradient(surrogate))  # the value of the loss, its gradient
+    aux = {k: sums[k] for k in ("correct", *PAIR_METRICS)}
+    return loss_sum, (sums["pairs"], aux)
+
+  return loss_fn
+
+
+def make_eval_fn(graphdef: nnx.GraphDef, p: PreferenceConfig):
+  """(params, batch) -> the batch's pair sums (`pair_sums`), for the held-out evaluation."""
+  log_probs = make_log_probs_fn(graphdef)
+
+  def eval_fn(params, batch):
+    loss_B, rewards_B2, used_B2 = pair_losses(log_probs(params, batch), batch["ref_logp"],
+                                              batch["loss_mask"].sum(-1), p)
+    return pair_sums(loss_B, rewards_B2, used_B2, batch["pair_weight"])
+
+  return eval_fn
+
+
+def eval_metrics(totals: dict) -> dict[str, float]:
+  """The held-out means, under the names metrics.jsonl and eval.json keep."""
+  pairs = max(float(totals["pairs"]), 1.0)
+  return {"eval_preference_loss": float(totals["loss_sum"]) / pairs,
+          "eval_reward_accuracy": float(totals["correct"]) / pairs,
+          **{f"eval_{k}": float(totals[k]) / pairs for k in PAIR_METRICS}}
