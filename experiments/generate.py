@@ -1,12 +1,19 @@
-"""Generate text from the latest checkpoint of a jaxlm training run, with the KV-cache decoder.
+"""Generate text from a decoder, with the KV-cache decoder: the latest checkpoint of a jaxlm training run, or an HF
+checkpoint folder.
 
   python experiments/generate.py --workdir=runs/demo --prompt="def " --prompt="class Foo" --max_new_tokens=96
+  python experiments/generate.py --init_from=path/to/hf_folder --prompt="The capital of France is" --temperature=0
 
-Reads <workdir>/config.json (the run's config), <workdir>/tokenizer.json and the newest readable checkpoint under
-<workdir>/checkpoints; prints each prompt with its continuation and writes them to <workdir>/generate.json (flat:
-`checkpoint_step`, `sample_<i>_prompt`, `sample_<i>_text`, the sampling settings and the KV cache's bytes).
+--workdir reads <workdir>/config.json (the run's config), <workdir>/tokenizer.json and the newest readable checkpoint
+under <workdir>/checkpoints; prints each prompt with its continuation and writes them to <workdir>/generate.json
+(flat: `checkpoint_step`, `sample_<i>_prompt`, `sample_<i>_text`, `sample_<i>_tokens` (the generated ids), the
+sampling settings and the KV cache's bytes).
+--init_from takes an HF decoder folder (config.json + model.safetensors + tokenizer.json, as transformers'
+save_pretrained writes it; float32) or a jaxlm run workdir (jaxlm.recipes.trained_runs.load_decoder); it only reads
+the folder: the JSON is written where --output says, if it says. Give one of the two.
 --temperature=0 is greedy; --top_k / --top_p filter the distribution; a sample ends at the tokenizer's
-end-of-document token. --chat wraps each prompt as a user turn (after --system) in the chat template the workdir
+end-of-document token (and, for an HF folder, at the eos_token_id of its generation_config.json or config.json, as
+transformers' generate). --chat wraps each prompt as a user turn (after --system) in the chat template the folder
 holds (chat_template.jinja, or tokenizer_config.json's) and ends samples at the template's end-of-turn tokens.
 --kv_cache=int8 keeps the cache in int8 and also generates with the float cache (same seed)
 to report how many generated tokens agree (`kv_cache_token_agreement`: the shared prefix of each pair of samples,
@@ -33,6 +40,7 @@ from jaxlm.inference import generate
 from jaxlm.recipes import trained_runs
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "training run folder (config.json, tokenizer.json, checkpoints/)")
+_INIT_FROM = flags.DEFINE_string("init_from", None, f"instead of --workdir: {trained_runs.FOLDER_HELP}; only read")
 _PROMPT = flags.DEFINE_multi_string("prompt", ["def "], "prompt text; repeat the flag for a batch of prompts")
 _MAX_NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 96, "tokens generated after each prompt (at most)")
 _TEMPERATURE = flags.DEFINE_float("temperature", 0.8, "sampling temperature; 0 = greedy")
@@ -45,11 +53,12 @@ _KV_CACHE = flags.DEFINE_enum("kv_cache", "float", list(generate.KV_CACHES),
 _WEIGHTS = flags.DEFINE_enum("weights", "float", list(trained_runs.WEIGHTS),
                              "float (as trained) or int8 weights (jaxlm.compress.quantization's weight_only or "
                              "w8a8_dynamic)")
-_OUTPUT = flags.DEFINE_string("output", "", "JSON file for the samples (default <workdir>/generate.json)")
-_CHAT = flags.DEFINE_bool("chat", False, "each prompt is a user turn under the chat template in the workdir "
-                          "(chat_template.jinja or tokenizer_config.json); samples end at its end-of-turn tokens")
+_OUTPUT = flags.DEFINE_string("output", "", "JSON file for the samples (default: <workdir>/generate.json with "
+                              "--workdir, none with --init_from)")
+_CHAT = flags.DEFINE_bool("chat", False, "each prompt is a user turn under the chat template in the workdir or "
+                          "--init_from folder (chat_template.jinja or tokenizer_config.json); samples end at its "
+                          "end-of-turn tokens")
 _SYSTEM = flags.DEFINE_string("system", "", "with --chat: a system turn before each prompt")
-flags.mark_flags_as_required(["workdir"])
 
 
 load_run = trained_runs.load_decoder_run  # (config, graphdef, params, tokenizer, step) of a run's newest checkpoint
@@ -90,15 +99,23 @@ def teacher_forced_comparison(graphdef, params, prompts: list[list[int]], output
 def main(argv):
   del argv  # flags only: cli.run refuses positional arguments
   logging.set_verbosity(logging.WARNING)
-  config, graphdef, params, tokenizer, step = load_run(_WORKDIR.value, _TENSOR.value)
+  folder = trained_runs.chosen_folder(_WORKDIR.value, _INIT_FROM.value)
+  if _INIT_FROM.value:
+    trained_runs.check_decoder_folder(folder)  # no folder, an encoder: before anything else
+  if _CHAT.value:
+    chat.require(folder)  # a folder without a template fails before the model loads
+  if _WORKDIR.value:
+    config, graphdef, params, tokenizer, step = load_run(folder, _TENSOR.value)
+  else:
+    config, graphdef, params, tokenizer, step = trained_runs.load_decoder(folder, _TENSOR.value)
   graphdef, params = trained_runs.with_weights(graphdef, params, _WEIGHTS.value)
   eos = data_lib.eos_id(tokenizer)
-  stop_tokens = (eos,)
+  stop_tokens = tuple(trained_runs.stop_ids(folder, tokenizer))
   if _CHAT.value:
     system = [{"role": "system", "content": _SYSTEM.value}] if _SYSTEM.value else []
-    prompts = [chat.prompt_ids(_WORKDIR.value, system + [{"role": "user", "content": p}]).tolist()
+    prompts = [chat.prompt_ids(folder, system + [{"role": "user", "content": p}]).tolist()
                for p in _PROMPT.value]
-    stop_tokens = tuple(chat.end_of_turn_ids(_WORKDIR.value))
+    stop_tokens = tuple(chat.end_of_turn_ids(folder))
   else:
     prompts = [tokenizer.encode(p).ids or [eos] for p in _PROMPT.value]
   limit = config.model.max_seq_len if config.model.flavour == "gpt2" else None
@@ -109,7 +126,7 @@ def main(argv):
   settings = dict(temperature=_TEMPERATURE.value, top_k=_TOP_K.value, top_p=_TOP_P.value, stop_tokens=stop_tokens,
                   seed=_SEED.value, pad_id=eos)
   outputs = generate.generate(graphdef, params, prompts, new_tokens, kv_cache=_KV_CACHE.value, **settings)
-  result = {"checkpoint_step": step, "temperature": _TEMPERATURE.value, "top_k": _TOP_K.value,
+  result = {"checkpoint_step": step, "model": folder, "temperature": _TEMPERATURE.value, "top_k": _TOP_K.value,
             "top_p": _TOP_P.value, "seed": _SEED.value, "kv_cache": _KV_CACHE.value, "weights": _WEIGHTS.value}
   slots = generate.prompt_width(config.model, max(len(p) for p in prompts), new_tokens) + new_tokens
   for kind in generate.KV_CACHES:  # the cache generate allocates for this batch, from shapes alone
@@ -130,9 +147,11 @@ def main(argv):
   for i, (prompt, ids, out) in enumerate(zip(_PROMPT.value, prompts, outputs)):
     text = tokenizer.decode(ids + out)
     result[f"sample_{i}_prompt"], result[f"sample_{i}_text"] = prompt, text
-    print(f"--- sample {i} (checkpoint step {step}) ---\n{text}")
-  if jax.process_index() == 0:
-    with open(_OUTPUT.value or os.path.join(_WORKDIR.value, "generate.json"), "w") as f:
+    result[f"sample_{i}_tokens"] = out  # the generated token ids
+    print(f"--- sample {i} ({folder if step is None else f'checkpoint step {step}'}) ---\n{text}")
+  output = _OUTPUT.value or (os.path.join(_WORKDIR.value, "generate.json") if _WORKDIR.value else "")
+  if output and jax.process_index() == 0:
+    with open(output, "w") as f:
       json.dump(result, f, indent=2)
 
 

@@ -1,18 +1,25 @@
-"""Evaluate the latest checkpoint of a jaxlm decoder run on lm-eval (EleutherAI's lm-evaluation-harness) tasks.
+"""Evaluate a decoder on lm-eval (EleutherAI's lm-evaluation-harness) tasks: the latest checkpoint of a jaxlm run,
+or an HF checkpoint folder (as lm-eval's own CLI takes a model path).
 
   python experiments/lm_eval.py --workdir=runs/demo --make_demo_tasks=runs/demo/lm_eval_tasks
   python experiments/lm_eval.py --workdir=runs/demo --include_path=runs/demo/lm_eval_tasks \
       --tasks=stdlib_next_line,stdlib_line_completion,stdlib_perplexity --weights=weight_only --kv_cache=int8
+  python experiments/lm_eval.py --init_from=path/to/hf_folder --include_path=my_tasks --tasks=my_task \
+      --output=runs/lm_eval_hf.json
 
-Reads the run like experiments/generate.py (config.json, tokenizer.json, the newest checkpoint), wraps the decoder
+Reads the model like experiments/generate.py (--workdir: config.json, tokenizer.json, the newest checkpoint;
+--init_from: an HF decoder folder with config.json + model.safetensors + tokenizer.json, in float32, or a jaxlm run
+workdir, through jaxlm.recipes.trained_runs.load_decoder; give one of the two), wraps the decoder
 as an lm-eval model (jaxlm.interop.lm_eval_model.JaxlmLM: loglikelihood, rolling loglikelihood, generate_until through
 the KV cache, batched, on this host's devices) and runs `--tasks` (lm-eval task, group or tag names; `--include_path`
-folders of task YAMLs come first). Writes <workdir>/lm_eval.json (flat `<task>/<metric>` numbers with the settings)
-and prints lm-eval's table. `--weights` evaluates the int8 model (jaxlm.compress.quantization) instead of the float one;
-pruned or int8 checkpoints saved by experiments/optimize.py are scored from optimize.py itself (`--lm_eval_tasks`).
-A run whose workdir holds a chat template (an instruction-tuning run of a checkpoint with one) ends generations at the
-template's end-of-turn tokens; `--apply_chat_template` also writes each request as a conversation under it (lm-eval's
-option of that name: few-shot examples as earlier turns, `--system_instruction` as a system turn).
+folders of task YAMLs come first). Writes <workdir>/lm_eval.json (flat `<task>/<metric>` numbers with the settings;
+with --init_from, which only reads its folder, the file --output names, if any) and prints lm-eval's table.
+`--weights` evaluates the int8 model (jaxlm.compress.quantization) instead of the float one; pruned or int8
+checkpoints saved by experiments/optimize.py are scored from optimize.py itself (`--lm_eval_tasks`).
+A model whose folder holds a chat template (an instruction-tuning run of a checkpoint with one, an HF chat model)
+ends generations at the template's end-of-turn tokens; `--apply_chat_template` also writes each request as a
+conversation under it (lm-eval's option of that name: few-shot examples as earlier turns, `--system_instruction` as
+a system turn).
 
 Without a network, use tasks defined from local files (dataset_path: json with dataset_kwargs.data_files); a task
 whose data is on the Hugging Face hub stops with a one-line error naming it. `--make_demo_tasks=DIR` writes three
@@ -38,6 +45,7 @@ from jaxlm.recipes import trained_runs
 from jaxlm.training import atomic_files
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "training run folder (config.json, tokenizer.json, checkpoints/)")
+_INIT_FROM = flags.DEFINE_string("init_from", None, f"instead of --workdir: {trained_runs.FOLDER_HELP}; only read")
 _TASKS = flags.DEFINE_list("tasks", [], "lm-eval task, group or tag names")
 _INCLUDE = flags.DEFINE_multi_string("include_path", [], "folder of task YAMLs (repeatable)")
 _LIMIT = flags.DEFINE_integer("limit", 0, "documents per task (0 = all)")
@@ -50,13 +58,13 @@ _WEIGHTS = flags.DEFINE_enum("weights", "float", list(trained_runs.WEIGHTS),
 _TENSOR = flags.DEFINE_integer("mesh_tensor", 1, "devices that split heads (the other devices split the batch)")
 _BOOTSTRAP = flags.DEFINE_integer("bootstrap_iters", 1000, "lm-eval's bootstrap resamples for the standard errors "
                                   "of non-mean metrics (perplexities); 0 = none")
-_OUTPUT = flags.DEFINE_string("output", "", "JSON file for the metrics (default <workdir>/lm_eval.json)")
+_OUTPUT = flags.DEFINE_string("output", "", "JSON file for the metrics (default: <workdir>/lm_eval.json with "
+                              "--workdir, none with --init_from)")
 _APPLY_CHAT = flags.DEFINE_bool("apply_chat_template", False, "write each request as a conversation under the chat "
-                                "template in the workdir (chat_template.jinja or tokenizer_config.json's)")
+                                "template in the model's folder (chat_template.jinja or tokenizer_config.json's)")
 _SYSTEM = flags.DEFINE_string("system_instruction", "", "with --apply_chat_template: a system turn before each request")
 _MAKE_DEMO = flags.DEFINE_string("make_demo_tasks", "", "write the stdlib demo tasks (YAMLs + data) to this folder "
                                  "and exit")
-flags.mark_flags_as_required(["workdir"])
 
 DEMO_CHOICES = 4
 DEMO_CONTEXT_LINES = 3
@@ -130,22 +138,36 @@ def write_demo_tasks(workdir: str, folder: str, max_examples: int = 200) -> list
 def main(argv):
   del argv  # flags only: cli.run refuses positional arguments
   logging.set_verbosity(logging.WARNING)
+  if not _MAKE_DEMO.value:  # everything but writing the demo tasks runs lm-eval, the `eval` extra
+    try:
+      from jaxlm.interop import lm_eval_model  # noqa: PLC0415
+    except ImportError as error:
+      sys.exit(f"error: {error}")  # its message says to pip install -e '.[eval]'
+  folder = trained_runs.chosen_folder(_WORKDIR.value, _INIT_FROM.value)
   if _MAKE_DEMO.value:
-    write_demo_tasks(_WORKDIR.value, _MAKE_DEMO.value)
+    if not trained_runs.is_jaxlm_run(folder):
+      raise ValueError(f"--make_demo_tasks writes tasks from a demo run's held-out data; {folder} is no jaxlm run")
+    write_demo_tasks(folder, _MAKE_DEMO.value)
     return
   if not _TASKS.value:
     raise ValueError("--tasks is empty; name lm-eval tasks (e.g. --tasks=stdlib_next_line with --include_path)")
-  from jaxlm.interop import lm_eval_model  # noqa: PLC0415 (needs the optional lm-eval)
+  if _INIT_FROM.value:
+    trained_runs.check_decoder_folder(folder)  # an encoder or a folder of neither kind fails before lm-eval loads
+  else:
+    trained_runs.check_not_hf_folder(folder)
 
   from jaxlm.data import chat  # noqa: PLC0415
 
-  chat_folder = _WORKDIR.value if chat.load(_WORKDIR.value) is not None else None
+  chat_folder = folder if chat.load(folder) is not None else None
   if _APPLY_CHAT.value and chat_folder is None:
-    raise ValueError(f"--apply_chat_template needs a chat template in {_WORKDIR.value} (chat_template.jinja or "
+    raise ValueError(f"--apply_chat_template needs a chat template in {folder} (chat_template.jinja or "
                      "tokenizer_config.json's chat_template); instruction-tuning runs copy their checkpoint's")
   manager = lm_eval_model.task_manager(_TASKS.value, _INCLUDE.value)  # bad task names fail before the model loads
   lm_eval_model.check_offline(manager, _TASKS.value)
-  _, graphdef, params, tokenizer, step = trained_runs.load_decoder_run(_WORKDIR.value, _TENSOR.value)
+  if _WORKDIR.value:
+    _, graphdef, params, tokenizer, step = trained_runs.load_decoder_run(folder, _TENSOR.value)
+  else:
+    _, graphdef, params, tokenizer, step = trained_runs.load_decoder(folder, _TENSOR.value)
   graphdef, params = trained_runs.with_weights(graphdef, params, _WEIGHTS.value)
   lm = lm_eval_model.JaxlmLM(graphdef, params, tokenizer, batch_size=_BATCH.value, kv_cache=_KV_CACHE.value,
                              chat_folder=chat_folder)
@@ -156,13 +178,15 @@ def main(argv):
   from lm_eval.utils import make_table  # noqa: PLC0415
 
   print(make_table(results))
-  flat = {"checkpoint_step": step, "tasks": ",".join(_TASKS.value), "weights": _WEIGHTS.value,
+  flat = {"checkpoint_step": step, "model": folder, "tasks": ",".join(_TASKS.value), "weights": _WEIGHTS.value,
           "kv_cache": _KV_CACHE.value, "limit": _LIMIT.value, "num_fewshot": _FEWSHOT.value,
           "apply_chat_template": _APPLY_CHAT.value,
           "command": "python experiments/lm_eval.py " + " ".join(sys.argv[1:]),
           "device_kind": jax.devices()[0].device_kind, "devices": jax.device_count()}
   flat.update(lm_eval_model.flat_metrics(results))
-  atomic_files.write_json_on_process_0(_OUTPUT.value or os.path.join(_WORKDIR.value, "lm_eval.json"), flat)
+  output = _OUTPUT.value or (os.path.join(_WORKDIR.value, "lm_eval.json") if _WORKDIR.value else "")
+  if output:
+    atomic_files.write_json_on_process_0(output, flat)
 
 
 if __name__ == "__main__":

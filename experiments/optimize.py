@@ -1,7 +1,17 @@
-"""Post-training optimization of a trained LM or a fine-tuned classifier, measured side by side in one run.
+"""Post-training optimization of a trained LM, a fine-tuned classifier or an HF decoder, measured side by side in one
+run.
 
   python experiments/optimize.py --workdir=runs/demo                # a train_lm.py run: perplexity
   python experiments/optimize.py --workdir=runs/optimize_minilm     # a finetune.py run: accuracy, macro-F1
+  python experiments/optimize.py --init_from=path/to/hf_folder --eval_text=held_out.txt --output_dir=runs/opt_hf
+
+--init_from takes a decoder without its training data: an HF checkpoint folder (config.json + model.safetensors +
+tokenizer.json; float32) or a jaxlm run workdir. Its perplexity is measured on --eval_text (.txt files, each one
+document, or .jsonl/.json/.parquet rows, each row's --text_column one document), tokenized with the folder's
+tokenizer and packed into windows of --seq_len tokens (default: the model's positions, at most 2048) in batches of
+--batch_size; the calibration (and the masked fine-tunes of --prune_finetune_steps) read --calibration_text, by
+default the eval windows (calibration only: a fine-tune must have its own text). The folder is only read: the
+outputs go to --output_dir. Encoder (classifier) HF folders are refused; optimize their finetune.py run instead.
 
 Variants: fp32, bf16 (params and compute), int8 weight-only, int8 W8A8 (static input scales calibrated on
 --calibration_batches training batches), int8 W8A8 dynamic (per-token scales), both again after SmoothQuant smoothing
@@ -16,8 +26,9 @@ which recovers far more than the labelled rows do when those are few: see docs/o
 For each: the task metric on the run's held-out data (a classifier's rows also count the held-out predictions that
 differ from fp32's and give a 95% paired-bootstrap interval of the change), latency of one forward on an eval
 batch (best of --repeats after warm-up, on the run's mesh), throughput, parameter bytes and the orbax checkpoint's
-size on disk (written under <workdir>/optimize/<variant>/). Writes <workdir>/optimize.json (flat numbers and
-strings), optimize.png, and an "Optimization" section in <workdir>/report.md (replaced when re-run).
+size on disk (written under <out>/optimize/<variant>/). Writes <out>/optimize.json (flat numbers and strings),
+optimize.png, and an "Optimization" section in <out>/report.md (replaced when re-run); <out> is --output_dir, by
+default the --workdir.
 """
 
 from __future__ import annotations
@@ -30,6 +41,23 @@ import time
 from absl import flags, logging
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "a train_lm.py or finetune.py run folder")
+_INIT_FROM = flags.DEFINE_string("init_from", None, "instead of --workdir, a decoder without its training data: an HF "
+                                 "checkpoint folder (config.json + model.safetensors + tokenizer.json) or a jaxlm run "
+                                 "workdir, scored on --eval_text; needs --output_dir (the folder is only read)")
+_EVAL_TEXT = flags.DEFINE_list("eval_text", [], "with --init_from: held-out text files for the perplexity: .txt (one "
+                               "document per file), .jsonl/.json/.parquet (one per row, column --text_column)")
+_CALIBRATION_TEXT = flags.DEFINE_list("calibration_text", [], "with --init_from: text files (as --eval_text) for the "
+                                      "calibration and --prune_finetune_steps; default: the --eval_text windows, "
+                                      "for calibration only")
+_TEXT_COLUMN = flags.DEFINE_string("text_column", "text", "with --init_from: the text column of .jsonl/.json/.parquet "
+                                   "text files")
+_SEQ_LEN = flags.DEFINE_integer("seq_len", 0, "with --init_from: tokens per window (0 = the model's positions, at most "
+                                "2048)")
+_BATCH = flags.DEFINE_integer("batch_size", 8, "with --init_from: windows per batch")
+_TENSOR = flags.DEFINE_integer("mesh_tensor", 1, "with --init_from: devices that split heads (the others split the "
+                               "batch)")
+_OUTPUT_DIR = flags.DEFINE_string("output_dir", "", "folder for optimize.json, optimize.png, report.md and the "
+                                  "variant checkpoints (default: the --workdir; required with --init_from)")
 _CALIBRATION = flags.DEFINE_integer("calibration_batches", 8, "training batches that calibrate W8A8 input scales")
 _REPEATS = flags.DEFINE_integer("repeats", 10, "timed forwards per variant (after 2 warm-up calls)")
 _MAX_EVAL = flags.DEFINE_integer("max_eval_batches", 64, "LM: cap on held-out batches (each sequence once)")
@@ -61,7 +89,7 @@ _LM_EVAL_INCLUDE = flags.DEFINE_multi_string("lm_eval_include_path", [], "folder
 _LM_EVAL_LIMIT = flags.DEFINE_integer("lm_eval_limit", 0, "documents per lm-eval task (0 = all)")
 _VARIANTS = flags.DEFINE_list("variants", [], "variants to measure, as named in optimize.json (e.g. "
                               "int8_W8A8,2:4); empty = all; fp32, the baseline, always runs")
-flags.mark_flags_as_required(["workdir"])
+INIT_FROM_ONLY = ("eval_text", "calibration_text", "text_column", "seq_len", "batch_size", "mesh_tensor")
 
 VARIANTS = ("fp32", "bf16", "int8 weight-only", "int8 W8A8", "int8 W8A8 dynamic", "int8 W8A8 smooth",
             "int8 W8A8 smooth dynamic", "fp32 fine-tuned", "50% magnitude", "50% magnitude per layer", "50% wanda",
@@ -98,6 +126,18 @@ def check_flags() -> None:
   if _PRUNE_SOUP.value < 1:
     raise ValueError(f"--prune_finetune_soup={_PRUNE_SOUP.value}: give the number of masked fine-tunes to average, "
                      "at least 1")
+  if _INIT_FROM.value:
+    if not _EVAL_TEXT.value:
+      raise ValueError("--init_from has no held-out data of its own: give --eval_text=<.txt/.jsonl/.parquet files>")
+    if not _OUTPUT_DIR.value:
+      raise ValueError("--init_from only reads its folder: give --output_dir for optimize.json and report.md")
+    if _PRUNE_STEPS.value and not _CALIBRATION_TEXT.value:
+      raise ValueError("--prune_finetune_steps with --init_from fine-tunes on --calibration_text: give it, or the "
+                       "pruned models would train on the --eval_text they are scored on")
+    if _DISTILL.value:
+      raise ValueError("--prune_distill_files is for classifier runs; --init_from takes a decoder")
+  elif given := [f"--{name}" for name in INIT_FROM_ONLY if flags.FLAGS[name].present]:
+    raise ValueError(f"{given[0]} is for --init_from; a --workdir run is scored on its own held-out data")
 
 
 def variants(task):
@@ -239,7 +279,7 @@ def measure(task, name: str, model, out_dir: str, extra: dict | None = None, ref
   row.pop(PREDICTIONS, None)
   row.update(extra or {})
   if task.kind == "lm" and _LM_EVAL_TASKS.value:
-    row.update(lm_eval_metrics(model))
+    row.update(lm_eval_metrics(model, task.tokenizer))
   graphdef, params = nnx.split(model)
   run = jax.jit(lambda p, b: task.forward(nnx.merge(graphdef, p), b))
   batch = {k: jax.device_put(v) for k, v in task.timing_batch.items()}
@@ -258,13 +298,11 @@ def measure(task, name: str, model, out_dir: str, extra: dict | None = None, ref
   return row
 
 
-def lm_eval_metrics(model) -> dict:
+def lm_eval_metrics(model, tokenizer) -> dict:
   """This variant's downstream metrics on --lm_eval_tasks (jaxlm.interop.lm_eval_model), keyed
   lm_eval/<task>/<metric>."""
-  from jaxlm import data as data_lib  # noqa: PLC0415
   from jaxlm.interop import lm_eval_model
 
-  tokenizer = data_lib.load_tokenizer(os.path.join(_WORKDIR.value, "tokenizer.json"))
   metrics = lm_eval_model.task_metrics(model, tokenizer, _LM_EVAL_TASKS.value, include_path=_LM_EVAL_INCLUDE.value,
                                  limit=_LM_EVAL_LIMIT.value or None)
   return {f"lm_eval/{key}": value for key, value in metrics.items()}
@@ -275,22 +313,33 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)
   from jaxlm import config as config_lib  # noqa: PLC0415
 
+  from jaxlm.recipes import trained_runs  # noqa: PLC0415
+
+  trained_runs.chosen_folder(_WORKDIR.value, _INIT_FROM.value)  # exactly one of the two
   check_flags()  # before anything loads: a wrong value or a misspelt name fails at once
   wanted = selected_names(_VARIANTS.value, _SPARSITY.value)
+  data = dict(calibration_batches=_CALIBRATION.value, finetune_steps=_PRUNE_STEPS.value,
+              finetune_orders=_PRUNE_SOUP.value)
+  if _INIT_FROM.value:
+    kind = trained_runs.check_decoder_folder(_INIT_FROM.value)  # before the text is read or the weights load
+    if _PRUNE_LIKE_RUN.value and kind == "hf":
+      raise ValueError("--prune_finetune_like_run reuses the run's optimizer; an HF folder has none (use the default "
+                       "AdamW at --prune_finetune_lr)")
+    check_lm_eval_tasks()
+    task = trained_runs.text_lm_task(_INIT_FROM.value, _EVAL_TEXT.value, calibration_files=_CALIBRATION_TEXT.value,
+                                     text_column=_TEXT_COLUMN.value, seq_len=_SEQ_LEN.value, batch_size=_BATCH.value,
+                                     max_eval_batches=_MAX_EVAL.value, mesh_tensor=_TENSOR.value, **data)
+    optimize(task, wanted, _OUTPUT_DIR.value)
+    return
   workdir = _WORKDIR.value
   config_path = os.path.join(workdir, "config.json")
   if not os.path.exists(config_path):
     raise FileNotFoundError(f"{config_path} does not exist; give a train_lm.py or finetune.py run folder")
+  trained_runs.check_not_hf_folder(workdir)
   config = config_lib.from_run_file(config_path)
-  if _LM_EVAL_TASKS.value:  # before the variants run: a classifier run, an unknown task or one needing a download
-    if config.model.flavour == "bert":
-      raise ValueError(f"--lm_eval_tasks scores decoders; {workdir} is a classifier run (model.flavour=bert)")
-    from jaxlm.interop import lm_eval_model  # noqa: PLC0415 (the optional lm-eval)
-    lm_eval_model.check_offline(lm_eval_model.task_manager(_LM_EVAL_TASKS.value, _LM_EVAL_INCLUDE.value),
-                                _LM_EVAL_TASKS.value)
-  from jaxlm.recipes import trained_runs  # noqa: PLC0415
-  data = dict(calibration_batches=_CALIBRATION.value, finetune_steps=_PRUNE_STEPS.value,
-              finetune_orders=_PRUNE_SOUP.value)
+  if _LM_EVAL_TASKS.value and config.model.flavour == "bert":
+    raise ValueError(f"--lm_eval_tasks scores decoders; {workdir} is a classifier run (model.flavour=bert)")
+  check_lm_eval_tasks()
   if config.model.flavour == "bert":
     task = trained_runs.classifier_task(workdir, config, finetune_seed=_PRUNE_SEED.value,
                                         distill_files=tuple(_DISTILL.value), distill_temperature=_DISTILL_T.value,
@@ -300,7 +349,21 @@ def main(argv):
                      "already trains on unlabelled text (its own)")
   else:
     task = trained_runs.lm_task(workdir, config, max_eval_batches=_MAX_EVAL.value, **data)
-  out_dir = os.path.join(workdir, "optimize")
+  optimize(task, wanted, _OUTPUT_DIR.value or workdir)
+
+
+def check_lm_eval_tasks() -> None:
+  """Before the variants run: an unknown --lm_eval_tasks task, or one needing a download, is a one-line error."""
+  if _LM_EVAL_TASKS.value:
+    from jaxlm.interop import lm_eval_model  # noqa: PLC0415 (the optional lm-eval)
+    lm_eval_model.check_offline(lm_eval_model.task_manager(_LM_EVAL_TASKS.value, _LM_EVAL_INCLUDE.value),
+                                _LM_EVAL_TASKS.value)
+
+
+def optimize(task, wanted: set[str], out: str) -> None:
+  """Measures the `wanted` variants of `task` (a trained_runs.TrainedRun) and writes the results to `out`."""
+  os.makedirs(out, exist_ok=True)
+  out_dir = os.path.join(out, "optimize")
   rows, reference = {}, {}
   for name, build in variants(task):
     if name not in wanted:
@@ -314,7 +377,7 @@ def main(argv):
     shutil.rmtree(out_dir, ignore_errors=True)
   command = "python experiments/optimize.py " + " ".join(a for a in __import__("sys").argv[1:])
   from jaxlm.training import report  # noqa: PLC0415
-  print(report.write_optimization(workdir, rows, kind=task.kind, unit=task.unit, items_per_batch=task.items_per_batch,
+  print(report.write_optimization(out, rows, kind=task.kind, unit=task.unit, items_per_batch=task.items_per_batch,
                                   repeats=_REPEATS.value, command=command))
 
 

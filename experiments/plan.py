@@ -42,6 +42,7 @@ from jaxlm import cli  # noqa: E402
 from jaxlm import config as config_lib  # noqa: E402
 from jaxlm.kernels import runnable_on
 from jaxlm.planner import advice, check_against_runs, estimates, estimates_moe, plan
+from jaxlm.planner import estimates_preference as preference_predict
 from jaxlm.planner import hardware as hardware_lib
 from jaxlm.planner import layouts as layouts_lib
 from jaxlm.training import atomic_files  # noqa: E402
@@ -186,12 +187,19 @@ def main(argv):
   counts = [int(n) for n in _DEVICES.value]
   if any(n < 1 or n & (n - 1) for n in counts):
     raise ValueError(f"--devices={','.join(_DEVICES.value)} must be powers of two (1, 2, 4, 8)")
+  # A preference pair is two sequences (jaxlm/planner/estimates_preference.py): the tokens the steps process.
+  sequences = preference_predict.SEQUENCES_PER_PAIR if config.preference.loss else 1
   assumptions = plan.RunAssumptions(
-      tokens=_TOKENS.value or config.train.steps * config.train.batch_size * config.data.seq_len,
+      tokens=_TOKENS.value or config.train.steps * config.train.batch_size * sequences * config.data.seq_len,
       checkpoint_every_steps=config.checkpoint.every_steps, checkpoint_bytes_per_sec=_CHECKPOINT_BPS.value,
       restart_sec=_RESTART_SEC.value)
   os.makedirs(_WORKDIR.value, exist_ok=True)
   rows = plan.plan(config, hardware, counts, assumptions)
+  if config.preference.loss:
+    print(f"preference tuning ({config.preference.loss}): {config.train.batch_size} pairs per step planned as "
+          f"{sequences * config.train.batch_size} sequences; the reference pass before the first step is in the hours "
+          f"(reference_pass_sec)")
+    config = preference_predict.as_sequence_run(config)  # what the compile checks build
   for profile in hardware:
     if not any(r["hardware"] == profile.name for r in rows):
       print(f"{profile.name}: no mesh can run this config; on one device: "

@@ -139,7 +139,6 @@ def _broken_copy(exported, tmp_path, edit_config=None, edit_tensors=None):
 @pytest.mark.parametrize("case, message", [
     ("ia3", "peft_type='IA3' is not supported; jaxlm reads LORA adapters"),
     ("dora", "use_dora=True is not supported; jaxlm reads plain LoRA"),
-    ("rslora", "use_rslora=True is not supported"),
     ("other_shape", "maps 80 -> 64 features but this model's weight is 64 -> 64: adapters of another base model"),
     ("other_depth", "which this BertForSequenceClassification \\(bert, 2 layers\\) lacks: adapters of another base"),
     ("pickle", "no adapter_model.safetensors \\(adapter_model.bin is a pickle; jaxlm never unpickles weights\\)"),
@@ -152,7 +151,6 @@ def test_unsupported_or_foreign_adapter_folders_are_one_line_errors(exported, tm
   edits = {
       "ia3": dict(edit_config=lambda c: c.update(peft_type="IA3")),
       "dora": dict(edit_config=lambda c: c.update(use_dora=True)),
-      "rslora": dict(edit_config=lambda c: c.update(use_rslora=True)),
       "other_shape": dict(edit_tensors=lambda t: t.update({
           f"base_model.model.{module}.lora_A.weight": np.zeros((4, 80), np.float32)})),
       "other_depth": dict(edit_tensors=lambda t: t.update({

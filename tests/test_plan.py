@@ -370,7 +370,7 @@ def test_lora_and_qlora_byte_accounting():
   assert nf4_targets == targets // 2 + targets // 64 * 4 and nf4_targets / (4 * targets) == pytest.approx(1 / 8,
                                                                                                             rel=0.15)
   config = dataclasses.replace(llama, lora=config_lib.LoRAConfig(rank=8, base="nf4"))
-  adapters = 8 * estimates_lora._adapter_width_per_layer(config) * m.num_layers
+  adapters = 8 * sum(d_in + d_out for _, d_in, d_out in telemetry.lora_matrices(m, config.lora.targets)) * m.num_layers
   assert parts["nf4"]["trainable_params"] == adapters and parts["nf4"]["adapter_bytes"] == 4 * adapters
   assert parts["nf4"]["optimizer_state_bytes"] == pytest.approx(2 * 4 * adapters, abs=64)  # Adam's two moments
   # Loading or exporting (jaxlm/interop/streaming.py) adds one f32 embedding, or one target layer in f32 twice.

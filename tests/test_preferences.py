@@ -91,8 +91,11 @@ def _trl_tokens(hf_tokenizer, row: dict) -> tuple[list[int], list[int], list[int
       n += 1
     prompt, chosen, rejected = prompt_text[:n], with_chosen[n:], with_rejected[n:]
   ids = lambda text: hf_tokenizer(text, add_special_tokens=False)["input_ids"]
-  eos = hf_tokenizer.eos_token_id
-  return ids(prompt), ids(chosen) + [eos], ids(rejected) + [eos]
+  eos, bos = hf_tokenizer.eos_token_id, hf_tokenizer.bos_token_id
+  prompt_ids = ids(prompt)
+  if bos is not None and prompt_ids[:1] != [bos]:  # TRL's add_bos_token_if_needed (before 0.12)
+    prompt_ids = [bos] + prompt_ids
+  return prompt_ids, ids(chosen) + [eos], ids(rejected) + [eos]
 
 
 def _hf_logps(model, prompt: list[int], response: list[int]) -> tuple[float, int]:
@@ -233,3 +236,21 @@ def test_lora_dpo_through_the_loop_starts_at_log_2_learns_and_resumes(setup):
   lines = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
   assert {"reward_accuracy", "reward_margin", "chosen_logp", "rejected_logp"} <= set(lines[-1])
   assert "After tuning" in open(os.path.join(workdir, "report.md")).read()
+
+
+def test_a_prompt_starts_with_the_tokenizers_bos_once(setup, tmp_path):
+  """A tokenizer that puts a BOS before every text (Llama's, Gemma's): each prompt starts with exactly one, whether
+  the text has it or not; responses never get one."""
+  import tokenizers  # noqa: PLC0415
+
+  tokenizer = load_tokenizer(setup["policy"])
+  bos = tokenizer.token_to_id("<|endoftext|>")
+  tokenizer.post_processor = tokenizers.processors.TemplateProcessing(single="<|endoftext|> $A",
+                                                                       special_tokens=[("<|endoftext|>", bos)])
+  rows = [{"prompt": "Repeat in capitals: apple", "chosen": "APPLE", "rejected": "apple"},
+          {"prompt": "<|endoftext|>Repeat in capitals: pear", "chosen": "PEAR", "rejected": "pear"}]
+  files = _write_jsonl(tmp_path / "pairs.jsonl", rows)
+  data = pref_data.build_preference_data(DataConfig(source="files", train_files=(files,), eval_files=(files,)),
+                                         tokenizer, 0, 128, None)
+  for pair in data.eval_pairs:
+    assert pair.prompt[0] == bos and bos not in pair.prompt[1:] and bos not in pair.chosen[:1]

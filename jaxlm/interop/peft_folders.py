@@ -1,24 +1,28 @@
 """LoRA adapters in and out as PEFT folders, and merging them into the base weights.
 
   peft_io.save_adapters(model, "out/adapter")           # a LoRA model (LoRAWeight values) -> a PEFT LoRA folder
+  peft_io.save_adapters(model, "out/adapter", use_rslora=True)  # the same scale, written as rsLoRA's alpha / sqrt(r)
   adapters = peft_io.read_adapters("out/adapter", model)  # -> trainable tree, scale, targets (bit-identical)
   model = peft_io.from_pretrained(base_folder, adapter_folder)  # an HF base + a PEFT folder -> a jaxlm LoRA model
   merged = peft_io.merged_model(model); hf_weights.save_pretrained(merged, "out/merged")  # an ordinary HF checkpoint
 
 The folder is what `peft.PeftModel.from_pretrained(hf_base_model, folder)` loads: adapter_config.json (peft_type
-LORA, r, lora_alpha, the target modules by their full HF names, modules_to_save for a classifier head) and
+LORA, r, lora_alpha, use_rslora, the target modules by their full HF names, modules_to_save for a classifier head) and
 adapter_model.safetensors (`base_model.model.<module>.lora_A.weight` [r, in], `lora_B.weight` [out, r]). HF module
-names come from the tables of jaxlm/interop/hf_rules.py and hf_encoders.py. GPT-2 keeps q, k and v in one Conv1D (c_attn): its three adapters
-are written as one of rank 3r (A stacked, B block-diagonal, alpha 3 alpha: the same update exactly) and split back on
-import; ModernBERT's Wqkv and Wi alike. Parts that share one A (a fused module's adapter as peft trains it) are
-written back as that adapter. Only safetensors are read; anything but plain LoRA (DoRA, rsLoRA, biases, other peft
-types) is a one-line error.
+names come from the tables of jaxlm/interop/hf_rules.py and hf_encoders.py. GPT-2 keeps q, k and v in one Conv1D
+(c_attn): its three adapters are written as one of rank 3r (A stacked, B block-diagonal, alpha 3 alpha, or sqrt(3)
+alpha for rsLoRA: the same update exactly) and split back on import; ModernBERT's Wqkv and Wi alike. Parts that
+share one A (a fused module's adapter as peft trains it) are written back as that adapter. jaxlm keeps one scale per
+model (lora.LoRAWeight.scale): lora_alpha / r, or lora_alpha / sqrt(r) for rsLoRA (use_rslora, peft's rank-stabilised
+scaling), which reads and writes alike. Only safetensors are read; anything else (DoRA, biases, other peft types) is a
+one-line error.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 from typing import Any
@@ -38,8 +42,8 @@ CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 # in this file beside it, which peft ignores (its BertForSequenceClassification pools [CLS]).
 HEAD_FILE = "jaxlm_head.json"
 PREFIX = "base_model.model."
-# adapter_config.json keys whose non-default values change the function: jaxlm reads plain LoRA only.
-UNSUPPORTED = {"use_dora": False, "use_rslora": False, "lora_bias": False, "bias": "none", "layers_to_transform": None,
+# adapter_config.json keys whose non-default values change the function: jaxlm reads plain LoRA (and rsLoRA) only.
+UNSUPPORTED = {"use_dora": False, "lora_bias": False, "bias": "none", "layers_to_transform": None,
                "layers_pattern": None, "layer_replication": None, "use_qalora": False, "target_parameters": None,
                "trainable_token_indices": None, "alora_invocation_tokens": None, "use_bdlora": None}
 
@@ -89,9 +93,12 @@ def _host(x) -> np.ndarray:
 # ----------------------------------------------------------------------------------------------- out
 
 
-def save_adapters(model: nnx.Module, folder: str, base_model_name_or_path: str = "") -> None:
+def save_adapters(model: nnx.Module, folder: str, base_model_name_or_path: str = "", use_rslora: bool = False
+                  ) -> None:
   """Writes the adapters of `model` (a jaxlm model whose target weights are lora.LoRAWeights; a classifier's head is
-  written as modules_to_save) as a PEFT LoRA folder. Process 0 writes."""
+  written as modules_to_save) as a PEFT LoRA folder. The scale is written as lora_alpha = scale * r, or with
+  `use_rslora` (e.g. `read_config(folder)["use_rslora"]` of the folder it was read from) as rsLoRA's
+  lora_alpha = scale * sqrt(r): peft computes the same scale from either. Process 0 writes."""
   params = _flat_params(model)
   adapted = {p: v for p, v in params.items() if isinstance(v, lora.LoRAWeight)}
   if not adapted:
@@ -127,7 +134,8 @@ def save_adapters(model: nnx.Module, folder: str, base_model_name_or_path: str =
         lora_b[row:row + b.shape[0], col:col + a.shape[0]] = b
         row, col = row + b.shape[0], col + a.shape[0]
       short = module.rsplit(".", 1)[-1]
-      rank_pattern[short], alpha_pattern[short] = lora_a.shape[0], _number(scale * lora_a.shape[0])
+      rank_pattern[short] = lora_a.shape[0]
+      alpha_pattern[short] = _number(scale * _scale_divisor(lora_a.shape[0], use_rslora))
     tensors[f"{PREFIX}{module}.lora_A.weight"] = np.ascontiguousarray(lora_a)
     tensors[f"{PREFIX}{module}.lora_B.weight"] = np.ascontiguousarray(lora_b)
     targets.append(module)
@@ -137,10 +145,11 @@ def save_adapters(model: nnx.Module, folder: str, base_model_name_or_path: str =
     for name, (rule, path) in _head_modules(model).items():
       tensors[PREFIX + name] = np.ascontiguousarray(hf_rules.to_hf(rule, [_host(params[path])]))
   config = {
-      "peft_type": "LORA", "task_type": _task_type(model), "r": int(rank), "lora_alpha": _number(scale * rank),
+      "peft_type": "LORA", "task_type": _task_type(model), "r": int(rank),
+      "lora_alpha": _number(scale * _scale_divisor(rank, use_rslora)),
       "target_modules": targets, "modules_to_save": modules_to_save, "rank_pattern": rank_pattern,
       "alpha_pattern": alpha_pattern, "fan_in_fan_out": isinstance(model, GPT) and model.config.flavour == "gpt2",
-      "lora_dropout": 0.0, "bias": "none", "use_dora": False, "use_rslora": False, "init_lora_weights": True,
+      "lora_dropout": 0.0, "bias": "none", "use_dora": False, "use_rslora": bool(use_rslora), "init_lora_weights": True,
       "inference_mode": True, "base_model_name_or_path": base_model_name_or_path or None,
   }
   if jax.process_index() == 0:
@@ -154,8 +163,14 @@ def save_adapters(model: nnx.Module, folder: str, base_model_name_or_path: str =
         json.dump({"classifier_pooling": "mean"}, f)
 
 
+def _scale_divisor(rank: int, use_rslora: bool) -> float:
+  """What peft divides lora_alpha by: r, or sqrt(r) with use_rslora (peft's LoraLayer.update_layer)."""
+  return math.sqrt(rank) if use_rslora else rank
+
+
 def _number(x: float) -> float | int:
-  return int(round(x)) if abs(x - round(x)) < 1e-9 else x
+  # An integer alpha comes back from the f32 scale within f32 precision (16 / sqrt(8) * sqrt(8) = 15.9999997).
+  return int(round(x)) if abs(x - round(x)) < 1e-6 * max(1.0, abs(x)) else x
 
 
 # ----------------------------------------------------------------------------------------------- in
@@ -213,7 +228,7 @@ def read_adapters(folder: str, model: nnx.Module) -> tuple[dict, float]:
     else:
       raise ValueError(f"{path}: tensor {name} is not a LoRA A/B matrix or the classifier head; jaxlm reads plain "
                        f"LoRA adapters")
-  scales, per_path = set(), {}
+  scales, per_path = [], {}
   for module, pair in found.items():
     if set(pair) != {"A", "B"}:
       raise ValueError(f"{path}: module {module} has lora_{'A' if 'A' in pair else 'B'} only")
@@ -223,7 +238,7 @@ def read_adapters(folder: str, model: nnx.Module) -> tuple[dict, float]:
     alpha = _pattern_value(config.get("alpha_pattern"), module, config["lora_alpha"])
     if a.shape[0] != r or b.shape[1] != r:
       raise ValueError(f"{path}: module {module} has rank {a.shape[0]} but adapter_config.json says r={r}")
-    scales.add(float(alpha) / float(r))
+    scales.append(float(alpha) / _scale_divisor(r, bool(config.get("use_rslora"))))
     per_layer = [shapes[p][1:] if layer is not None else shapes[p] for p in paths]
     n_in = lora.num_inputs(paths[0])
     in_size = int(np.prod(per_layer[0][:n_in]))
@@ -235,11 +250,12 @@ def read_adapters(folder: str, model: nnx.Module) -> tuple[dict, float]:
     for p, shape, (part_a, part_b) in zip(paths, per_layer, parts):
       per_path.setdefault(p, {})[layer] = (part_a.T.reshape(shape[:n_in] + (-1,)),
                                            part_b.T.reshape((-1,) + shape[n_in:]))
-  if len(scales) > 1:
-    raise ValueError(f"{os.path.join(folder, CONFIG)}: lora_alpha / r differs between modules ({sorted(scales)}); "
-                     f"jaxlm uses one scale")
   if not per_path:
     raise ValueError(f"{path}: no LoRA tensors")
+  if max(scales) - min(scales) > 1e-6 * max(scales):  # equal up to rounding (rsLoRA's sqrt of a fused module's rank)
+    divisor = "sqrt(r)" if config.get("use_rslora") else "r"
+    raise ValueError(f"{os.path.join(folder, CONFIG)}: the scale lora_alpha / {divisor} differs between modules "
+                     f"({sorted(scales)}); jaxlm uses one scale")
   trainable = {}
   for p, layers in per_path.items():
     if None in layers:
@@ -256,7 +272,7 @@ def read_adapters(folder: str, model: nnx.Module) -> tuple[dict, float]:
       b = np.stack([layers[i][1] for i in sorted(layers)])
     trainable[p] = {"lora_a": a, "lora_b": b}
   trainable.update(head)
-  return lora._nested(trainable), scales.pop()
+  return lora._nested(trainable), scales[0]
 
 
 def _split_fused(a: np.ndarray, b: np.ndarray, out_sizes: list[int]) -> list[tuple[np.ndarray, np.ndarray]]:

@@ -125,28 +125,9 @@ def predict_lora_memory(config: Config, sizes: tuple[int, int, int], grad_accum:
 
 
 def lora_flops_per_token(config: Config) -> float:
-  """Matmul FLOPs per token of a LoRA step: telemetry.flops_per_token's count without the frozen base's weight
-  gradients (4 instead of 6 per base parameter), with the adapters' 6 per parameter."""
-  m, seq_len = config.model, config.data.seq_len
-  full = telemetry.flops_per_token(m, seq_len)
-  attention = 12 * m.num_layers * m.num_heads * m.head_dim * seq_len
-  adapters = config.lora.rank * _adapter_width_per_layer(config) * m.num_layers
-  return attention + (full - attention) * 4 / 6 + 6 * adapters
-
-
-def _adapter_width_per_layer(config: Config) -> float:
-  """sum over the target weights of one layer of (in + out): an adapter's parameters per unit of rank."""
-  m = config.model
-  width, kv = m.num_heads * m.head_dim, (m.num_kv_heads or m.num_heads) * m.head_dim
-  sides = {"w_q": m.d_model + width, "w_k": m.d_model + kv, "w_v": m.d_model + kv, "w_o": width + m.d_model,
-           "w_in": m.d_model + m.mlp_width, "w_out": m.mlp_width + m.d_model, "w_gate": m.d_model + m.mlp_width,
-           "w_up": m.d_model + m.mlp_width, "w_down": m.mlp_width + m.d_model}
-  mlp = ("w_gate", "w_up", "w_down") if m.flavour == "llama" or m.gated_mlp else ("w_in", "w_out")
-  present = set(lora_lib.TARGET_GROUPS["attention"]) | set(mlp)
-  wanted: set[str] = set()
-  for entry in (t.strip() for t in config.lora.targets.split(",") if t.strip()):
-    wanted |= set(lora_lib.TARGET_GROUPS.get(entry, lora_lib.MATMUL_WEIGHTS if entry == "all" else (entry,)))
-  return float(sum(sides[name] for name in wanted & present))
+  """Matmul FLOPs per token of a LoRA step, as the run counts them (telemetry.flops_per_token with the LoRA config:
+  4 per frozen base parameter instead of 6, the adapters' 6 per parameter)."""
+  return telemetry.flops_per_token(config.model, config.data.seq_len, lora=config.lora)
 
 
 def lora_collective_bytes(config: Config, sizes: tuple[int, int, int], grad_accum: int,

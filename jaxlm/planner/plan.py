@@ -29,6 +29,7 @@ from jaxlm.models.gpt import GPT
 from jaxlm.parallel import sharding
 from jaxlm.planner import estimates_lora as lora_predict
 from jaxlm.planner import estimates_pipeline as pipeline_predict
+from jaxlm.planner import estimates_preference as preference_predict
 from jaxlm.planner import hlo_traffic
 from jaxlm.planner.estimates import (
   abstract_batch,
@@ -303,7 +304,11 @@ def plan(config: Config, hardware: Sequence[Hardware], device_counts: Iterable[i
   run the model (heads, layers or batch not divisible, or a kernel the profile's devices cannot run:
   `mesh_problem`) are left out, and so are device counts over a profile's `max_devices`. With `remat_fallback`,
   a device count where nothing fits without recomputation is planned again with kernels.remat=full (those rows
-  have `remat_fallback` set)."""
+  have `remat_fallback` set). A preference-tuning config (preference.loss) is planned as the LM run of its
+  sequences, two per pair, with the reference pass added (jaxlm/planner/estimates_preference.py)."""
+  preference_config = config if config.preference.loss else None
+  if preference_config is not None:
+    config = preference_predict.as_sequence_run(config)
   assumptions = assumptions or RunAssumptions(
       tokens=config.train.steps * config.train.batch_size * config.data.seq_len,
       checkpoint_every_steps=config.checkpoint.every_steps)
@@ -321,6 +326,8 @@ def plan(config: Config, hardware: Sequence[Hardware], device_counts: Iterable[i
                   for layout in layouts(n, config.model.num_layers) if (pipelines or layout.pipeline == 1)
                   and mesh_problem(run_config, layout, profile.platform or None) is None]
       rows += found
+  if preference_config is not None:
+    rows = [preference_predict.reference_pass(row, preference_config, assumptions.tokens) for row in rows]
   return rows
 
 

@@ -165,8 +165,6 @@ def classification_task(config: Config, workdir: str, mesh: Mesh, kernels: Kerne
                                               loss_fn=make_classification_loss_fn(graphdef),
                                               eval_fn=make_eval_step(graphdef))
   eval_batches = cls_data.eval_batches(data.eval, t.batch_size, d.seq_len, d.batching)
-  # A classifier has no vocabulary matmul: the embedding is a lookup, so vocab_size is left out of the FLOPs.
-  flops_model = dataclasses.replace(model_config, vocab_size=0)
   best = _read_best(workdir, t.best_metric)  # (step, value) of best_model/, kept across resumes
   latest: dict[str, float] = {}  # the latest evaluation, every metric
 
@@ -193,9 +191,10 @@ def classification_task(config: Config, workdir: str, mesh: Mesh, kernels: Kerne
     return state
 
   def count(local: dict) -> dict[str, float]:
-    """Real (unpadded) and padded tokens of the global batch, its examples, and the FLOPs of the padded tokens."""
+    """Real (unpadded) and padded tokens of the global batch, its examples, and the FLOPs of the padded tokens: the
+    encoder's on every token, the head's on the pooled one (no vocabulary matmul; LoRA: no frozen weight gradients)."""
     mask, processes = local["attention_mask"], jax.process_count()
-    flops_per_token = telemetry.flops_per_token(flops_model, mask.shape[1])
+    flops_per_token = telemetry.flops_per_token(model_config, mask.shape[1], num_labels=num_labels, lora=config.lora)
     return {"tokens": int(mask.sum()) * processes, "padded_tokens": mask.size * processes, "examples": t.batch_size,
             "flops": mask.size * processes * flops_per_token}
 

@@ -174,7 +174,6 @@ def instruction_task(config: Config, workdir: str, mesh: Mesh, kernels: Kernels)
   train_step, eval_step = steps_lib.jit_steps(graphdef, optimizer, config, mesh, state_shardings, features)
   eval_batches = instr_data.eval_batches(data.eval, t.batch_size, jax.process_index(), jax.process_count())
   local_batch_size = t.batch_size // jax.process_count()
-  flops_per_token = telemetry.flops_per_token(model_config, d.seq_len)
   latest: dict[str, float] = {}
 
   def start(state: TrainState, start_step: int) -> TrainState:
@@ -194,10 +193,12 @@ def instruction_task(config: Config, workdir: str, mesh: Mesh, kernels: Kernels)
     return state
 
   def count(local: dict) -> dict[str, float]:
-    """Response tokens (those with a loss) and the FLOPs of every slot of the global batch."""
+    """Every token slot of the global batch (the packed rows the step computes), its response tokens (those with a
+    loss) and its FLOPs (a LoRA step's without the frozen weights' gradients: telemetry.flops_per_token)."""
     processes = jax.process_count()
-    return {"tokens": float(local["loss_mask"].sum()) * processes,
-            "flops": local["inputs"].size * processes * flops_per_token}
+    slots = float(local["inputs"].size) * processes
+    return {"tokens": slots, "response_tokens": float(local["loss_mask"].sum()) * processes,
+            "flops": slots * telemetry.flops_per_token(model_config, local["inputs"].shape[1], lora=config.lora)}
 
   def evaluate_step(step: int, params) -> dict[str, float]:
     latest.clear()

@@ -13,8 +13,9 @@
   eval        before tuning (start_eval.json) and every train.eval_every_steps and at the end, on every held-out
               pair: eval_preference_loss, eval_reward_accuracy, eval_reward_margin, eval_chosen_logp,
               eval_rejected_logp (means over pairs).
-  report      greedy answers to the first held-out prompts before and after tuning, beside the chosen and rejected
-              responses; hf_model/ (and adapter/ with LoRA) as instruction tuning writes them.
+  report      greedy answers to the first held-out prompts before and after tuning (answers.json; report.md shows
+              the first beside the chosen and rejected responses); hf_model/ (and adapter/ with LoRA) as
+              instruction tuning writes them.
 """
 
 from __future__ import annotations
@@ -46,8 +47,8 @@ from jaxlm.training import atomic_files, loop, optim, preference_loss, reliabili
 from jaxlm.training import steps as steps_lib
 
 REFERENCE_LOGPS = "reference_logps.npz"  # the reference's summed response log-probs of every pair (train, eval)
-START_ANSWERS = "start_answers.json"  # greedy answers to the held-out prompts before tuning
-GENERATED_EXAMPLES = 4
+ANSWERS = "answers.json"  # greedy answers to the first held-out prompts: {"prompts", "before", "after"}
+ANSWERED, REPORTED = 32, 4  # held-out prompts answered (answers.json), and shown in report.md
 
 
 def preference_tune(config: Config, workdir: str, stop_at_step: int | None = None) -> dict:
@@ -132,7 +133,10 @@ def preference_task(config: Config, workdir: str, mesh: Mesh, kernels: Kernels) 
       graphdef, optimizer, config, mesh, state_shardings, features,
       loss_fn=preference_loss.make_preference_loss_fn(graphdef, p), eval_fn=preference_loss.make_eval_fn(graphdef, p))
   overrides = sharding.rule_overrides(config.mesh)
-  flops_per_token = telemetry.flops_per_token(model_config, d.seq_len)
+  # The step's FLOPs (a LoRA step's without the frozen weights' gradients) and the forward-only pass over the
+  # output table that sums the response log-probabilities (preference_loss).
+  flops_per_token = (telemetry.flops_per_token(model_config, d.seq_len, lora=config.lora)
+                     + 2 * model_config.d_model * model_config.vocab_size)
   latest: dict[str, float] = {}
 
   def evaluate(params) -> dict[str, float]:
@@ -174,7 +178,8 @@ def preference_task(config: Config, workdir: str, mesh: Mesh, kernels: Kernels) 
       atomic_files.write_json_on_process_0(os.path.join(workdir, instruction_tuning.START_EVAL), before)
       answers = held_out_answers(graphdef, policy, decoder.tokenizer, data, config.log.sample_tokens, model_config,
                                  t.seed)
-      atomic_files.write_json_on_process_0(os.path.join(workdir, START_ANSWERS), answers)
+      atomic_files.write_json_on_process_0(os.path.join(workdir, ANSWERS), {
+          "prompts": [x.text[0] for x in data.eval_pairs[:len(answers)]], "before": answers})
       data_defaults.print_on_process_0(f"init_from {config.init_from}: loaded; before tuning eval_preference_loss "
                                        f"{before['eval_preference_loss']:.4f}, eval_reward_accuracy "
                                        f"{before['eval_reward_accuracy']:.3f}")
@@ -216,11 +221,14 @@ def preference_task(config: Config, workdir: str, mesh: Mesh, kernels: Kernels) 
     result.update(lora.state_bytes(end.state))
     result.update(saved)
     atomic_files.write_json_on_process_0(os.path.join(workdir, "eval.json"), result)
-    before = instruction_tuning.read_json(os.path.join(workdir, START_ANSWERS)).get("answers", [])
+    recorded = instruction_tuning.read_json(os.path.join(workdir, ANSWERS))
+    before = recorded.get("before", [])
+    atomic_files.write_json_on_process_0(os.path.join(workdir, ANSWERS), {
+        "prompts": [x.text[0] for x in data.eval_pairs[:len(answers)]], "before": before, "after": answers})
     summary = {**result, **{k: end.facts[k] for k in ("mesh", "device_kind", "peak_flops_per_device")}}
     return loop.Report(summary, result=result, data_stats=stats,
                        sections=[("Held-out prompts (greedy, before and after tuning)",
-                                  answers_markdown(data, before, answers["answers"]))])
+                                  answers_markdown(data, before, answers))])
 
   return config, loop.Task(
       title="Preference-tuning run", state=state, state_shardings=state_shardings, train_step=train_step,
@@ -230,16 +238,16 @@ def preference_task(config: Config, workdir: str, mesh: Mesh, kernels: Kernels) 
 
 
 def held_out_answers(graphdef, params, tokenizer, data: pref_data.PreferenceData, max_new_tokens: int, model_config,
-                     seed: int) -> dict[str, list[str]]:
-  """{"answers": greedy continuations of the first held-out prompts}, each ended by a stop token."""
-  pairs = data.eval_pairs[:GENERATED_EXAMPLES]
+                     seed: int) -> list[str]:
+  """Greedy continuations of the first ANSWERED held-out prompts, each ended by a stop token."""
+  pairs = data.eval_pairs[:ANSWERED]
   room = model_config.max_seq_len - max((len(x.prompt) for x in pairs), default=0)
   new_tokens = min(max_new_tokens, room)
   if not pairs or new_tokens < 1:
-    return {"answers": []}
+    return []
   outputs = generate.generate(graphdef, params, [x.prompt for x in pairs], new_tokens, stop_tokens=data.stop_ids,
                               seed=seed)
-  return {"answers": [tokenizer.decode([x for x in out if x not in data.stop_ids]) for out in outputs]}
+  return [tokenizer.decode([x for x in out if x not in data.stop_ids]) for out in outputs]
 
 
 def answers_markdown(data: pref_data.PreferenceData, before: list[str], after: list[str]) -> str:
@@ -247,7 +255,7 @@ def answers_markdown(data: pref_data.PreferenceData, before: list[str], after: l
     return "No held-out prompt was answered (log.sample_tokens=0 or no room left in the position table)."
   fence = lambda text: "```\n" + text.replace("```", "`\u200b``") + "\n```"
   parts = []
-  for i, (pair, answer) in enumerate(zip(data.eval_pairs, after)):
+  for i, (pair, answer) in enumerate(zip(data.eval_pairs, after[:REPORTED])):
     prompt, chosen, rejected = pair.text
     first = before[i] if i < len(before) else "(not recorded)"
     parts.append(f"**Prompt {i + 1}**\n\n{fence(prompt)}\n\nChosen:\n\n{fence(chosen)}\n\nRejected:\n\n"

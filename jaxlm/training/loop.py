@@ -192,8 +192,12 @@ def run_loop(config: Config, workdir: str, mesh: Mesh, task: Task, stop: reliabi
       break
     eval_metrics = None
     if step == t.steps or (t.eval_every_steps and step % t.eval_every_steps == 0):
+      # Eval time is not train time, but the step's own time is: the step ends before the evaluation starts (a clock
+      # reset after it would time the step as ~0 s, and its line's MFU far above 100%).
+      jax.block_until_ready(metrics)
+      eval_started = time.perf_counter()
       eval_metrics = final_eval = task.evaluate(step, task.features.model_params(state))
-      clock = time.perf_counter()  # eval time is not train time
+      clock += time.perf_counter() - eval_started
     pending = (step, metrics, counts, eval_metrics)
     if reliability.should_stop(stop.requested, step) or step == stop_at_step:
       stopped_at = step

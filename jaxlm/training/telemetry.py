@@ -26,10 +26,10 @@ import jax.numpy as jnp
 import numpy as np
 import tqdm
 
-from jaxlm.config import ModelConfig
+from jaxlm.config import LoRAConfig, ModelConfig
 
 
-def flops_per_token(model: ModelConfig, seq_len: int, num_labels: int = 0) -> float:
+def flops_per_token(model: ModelConfig, seq_len: int, num_labels: int = 0, lora: LoRAConfig | None = None) -> float:
   """Training FLOPs per token (forward + backward = 3x forward) of the model's matmuls, for every flavour.
 
   Convention (PaLM paper, appendix B; also nanoGPT / Chinchilla-style MFU): 6 FLOPs per matmul parameter per token
@@ -49,6 +49,13 @@ def flops_per_token(model: ModelConfig, seq_len: int, num_labels: int = 0) -> fl
   There is no causal discount (the XLA path computes the full T x T scores), and nothing is counted for biases,
   norms, softmax, embeddings lookups or rematerialised recomputation: MFU is model FLOPs, so remat lowers it by
   design. tests/test_flops.py checks this count against the matmuls in the jaxpr of each flavour's gradient.
+
+  LoRA (`lora.rank > 0`, jaxlm/adapters/lora.py): a frozen matmul weight takes no weight gradient, only its forward
+  and the gradient of its input, 4 FLOPs per parameter per token instead of 6; each adapted matrix [d_in, d_out] adds
+  its adapters' 6 * rank * (d_in + d_out) (x A, (x A) B, and their input and weight gradients); a classifier's head,
+  trained whole (lora.HEAD_PREFIXES), keeps its 6; attention is unchanged. So a LoRA step counts
+    4 * (matmul parameters) + 2 * (trained head) + 6 * rank * num_layers * sum over adapted (d_in + d_out) + attention
+  (adapted matrices as lora.make_plan resolves `lora.targets`; tests/test_mfu_lora.py checks it against the jaxpr).
   """
   d, num_layers, width = model.d_model, model.num_layers, model.num_heads * model.head_dim
   kv_width = (model.num_kv_heads or model.num_heads) * model.head_dim
@@ -66,7 +73,37 @@ def flops_per_token(model: ModelConfig, seq_len: int, num_labels: int = 0) -> fl
   else:
     head_params = d * d + model.vocab_size * d
   attention_flops = 12 * num_layers * width * seq_len
-  return float(6 * (num_layers * layer_params + head_params) + attention_flops)
+  matmul_params = num_layers * layer_params + head_params
+  if lora is None or not lora.rank:
+    return float(6 * matmul_params + attention_flops)
+  trained_head = 0.0  # what a LoRA classifier trains whole: its classifier (and pre_classifier), first token only
+  if model.flavour == "bert" and num_labels:
+    trained_head = (d * num_labels + (d * d if model.classifier_head in ("dense_tanh", "dense_relu") else 0)) / seq_len
+  adapted = sum(d_in + d_out for _, d_in, d_out in lora_matrices(model, lora.targets))
+  return float(4 * matmul_params + 2 * trained_head + 6 * lora.rank * num_layers * adapted + attention_flops)
+
+
+def lora_matrices(model: ModelConfig, targets: str) -> list[tuple[str, int, int]]:
+  """(path in a block, d_in, d_out) of each block matrix that `lora.targets` adapts, resolved as lora.make_plan does:
+  attention, mlp, all, weight names (w_q, w_down, ...) or path suffixes (mlp/shared/w_up). A mixture of experts' expert
+  weights take no adapters (make_plan refuses them); its shared MLP's may."""
+  from jaxlm.adapters.lora import MATMUL_WEIGHTS, TARGET_GROUPS  # noqa: PLC0415 (lora imports the models' stack)
+  d, width = model.d_model, model.num_heads * model.head_dim
+  kv_width = (model.num_kv_heads or model.num_heads) * model.head_dim
+  prefix = "bert/blocks/" if model.flavour == "bert" else "blocks/"  # the blocks' path in the model's parameters
+  matrices = [("attn/w_q", d, width), ("attn/w_k", d, kv_width), ("attn/w_v", d, kv_width), ("attn/w_o", width, d)]
+  gated = model.flavour == "llama" or model.gated_mlp
+  mlp_prefix, mlp_width = ("mlp/shared/", model.shared_expert_d_ff) if model.num_experts else ("mlp/", model.mlp_width)
+  if mlp_width:
+    names = (("w_gate", d, mlp_width), ("w_up", d, mlp_width), ("w_down", mlp_width, d)) if gated else (
+        ("w_in", d, mlp_width), ("w_out", mlp_width, d))
+    matrices += [(mlp_prefix + name, d_in, d_out) for name, d_in, d_out in names]
+  chosen = []
+  for entry in (t.strip() for t in targets.split(",") if t.strip()):
+    names = TARGET_GROUPS.get(entry, MATMUL_WEIGHTS if entry == "all" else (entry,))
+    chosen += [m for m in matrices if m not in chosen and (m[0].rsplit("/", 1)[-1] in names or (
+        "/" in entry and (prefix + m[0]).endswith(entry)))]
+  return chosen
 
 
 # Dense (no 2:4 sparsity) bf16 tensor-core peak per device, FLOP/s, keyed by a lower-case substring of
@@ -99,23 +136,30 @@ PEAK_FLOPS_BF16: dict[str, float] = {
 }
 
 
-def measure_matmul_flops(n: int = 1024, dtype: Any = jnp.float32, repeats: int = 5, device=None) -> float:
+def measure_matmul_flops(n: int = 1024, dtype: Any = jnp.float32, repeats: int = 5, device=None,
+                         warmup_seconds: float = 0.25) -> float:
   """Measured FLOP/s of one jitted n x n x n matmul on `device`: the best of `repeats` timed runs after a warm-up.
 
   The best run, not the mean, because the host may be shared and we want the machine's ceiling. n=1024 keeps it to
-  a fraction of a second on a small CPU.
+  a fraction of a second on a small CPU. The warm-up runs the matmul for `warmup_seconds` first: a CPU's first
+  milliseconds of work (idle cores clocking up, the thread pool waking) ran 1024^3 at half the rate of the same
+  matmul a moment later (245 vs 445 GFLOP/s on a 2-core EPYC), which halves the peak and doubles MFU.
   """
   device = device or jax.devices()[0]
   # Inputs made by numpy on the host: jax.random would compile two more programs and double the first-call time.
   host_values = np.random.default_rng(0).standard_normal((2, n, n), dtype=np.float32).astype(jnp.dtype(dtype))
   a, b = jax.device_put(host_values[0], device), jax.device_put(host_values[1], device)
-  return 2.0 * n**3 / best_seconds(jax.jit(jnp.matmul), a, b, repeats=repeats)
+  return 2.0 * n**3 / best_seconds(jax.jit(jnp.matmul), a, b, repeats=repeats, warmup_seconds=warmup_seconds)
 
 
-def best_seconds(fn: Callable, *args, repeats: int, warmup: int = 1) -> float:
-  """The fastest of `repeats` timed calls of fn(*args), after `warmup` untimed ones (compile, caches, thread pools).
-  The best, not the mean: a shared host only ever adds time."""
+def best_seconds(fn: Callable, *args, repeats: int, warmup: int = 1, warmup_seconds: float = 0.0) -> float:
+  """The fastest of `repeats` timed calls of fn(*args), after `warmup` untimed ones (compile, caches, thread pools),
+  and more untimed ones until `warmup_seconds` have passed after the first. The best, not the mean: a shared host
+  only ever adds time."""
   for _ in range(warmup):
+    jax.block_until_ready(fn(*args))
+  warm_until = time.perf_counter() + warmup_seconds
+  while time.perf_counter() < warm_until:
     jax.block_until_ready(fn(*args))
   best = math.inf
   for _ in range(repeats):
@@ -123,6 +167,11 @@ def best_seconds(fn: Callable, *args, repeats: int, warmup: int = 1) -> float:
     jax.block_until_ready(fn(*args))
     best = min(best, time.perf_counter() - started)
   return best
+
+
+# The CPU's matmul sizes for its measured peak, the best counting: one size alone can read low (1024^3 at 242 GFLOP/s
+# while 2048^3 ran at 421 in the same process, 2-core EPYC), and past 2048 the rate falls (4096^3: 369, out of cache).
+CPU_PEAK_SIZES = (1024, 2048)
 
 
 @functools.lru_cache(maxsize=None)
@@ -148,6 +197,8 @@ def peak_flops_per_device(device=None, dtype: Any = "bfloat16") -> tuple[float, 
   The CPU and unknown kinds get a measured matmul rate in `dtype` (pass the model's compute dtype), measured once per
   process. On the CPU every simulated device (xla_force_host_platform_device_count) shares the same cores, so the
   host rate is split evenly between them: peak_per_device * num_devices is then the host's rate and MFU stays honest.
+  The CPU's rate is the best of the sizes in CPU_PEAK_SIZES, each after a warm-up (measure_matmul_flops): a peak
+  below what the step's own matmuls reach would show MFU above 100%.
   """
   device = device or jax.devices()[0]
   if device.platform != "cpu":
@@ -158,8 +209,11 @@ def peak_flops_per_device(device=None, dtype: Any = "bfloat16") -> tuple[float, 
   dtype_name = jnp.dtype(dtype).name
   if device.platform == "cpu":
     host_devices = len(jax.local_devices(backend="cpu"))
-    flops = _measured_peak("cpu", dtype_name, 1024) / host_devices
-    return flops, f"measured: 1024^3 {dtype_name} matmul on the host, shared by {host_devices} CPU device(s)"
+    n = max(CPU_PEAK_SIZES, key=lambda n: _measured_peak("cpu", dtype_name, n))
+    flops = _measured_peak("cpu", dtype_name, n) / host_devices
+    sizes = "/".join(map(str, CPU_PEAK_SIZES))
+    return flops, (f"measured: best {dtype_name} n^3 matmul on the host (n={sizes}, warmed up; best n={n}), shared by "
+                   f"{host_devices} CPU device(s)")
   # An accelerator we have no datasheet number for: a large matmul gets close to its peak.
   flops = _measured_peak(device.platform, dtype_name, 8192)
   return flops, f"measured: 8192^3 {dtype_name} matmul (device kind {device.device_kind!r} not in PEAK_FLOPS_BF16)"
