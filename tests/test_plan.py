@@ -165,6 +165,29 @@ def test_gpt2_small_fits_one_h100():
   assert 0 < row["mfu"] < 1 and row["on_demand_usd"] > row["spot_usd"] > 0
 
 
+def test_a_preference_run_is_planned_as_two_sequences_per_pair_plus_the_reference_pass():
+  h100 = hardware_lib.load_hardware(["h100_80gb"])[0]
+  config = load_config("gpt2_small")
+  config = dataclasses.replace(config, train=dataclasses.replace(config.train, batch_size=16, epochs=2.0))
+  for method in ("full", "lora"):
+    if method == "lora":
+      config = dataclasses.replace(config, lora=config_lib.LoRAConfig(rank=8))
+    dpo = dataclasses.replace(config, preference=config_lib.PreferenceConfig(loss="dpo"))
+    sequences = dataclasses.replace(config, train=dataclasses.replace(config.train, batch_size=32))
+    assumptions = plan.RunAssumptions(1e8, 500)
+    (row,), (lm,) = (plan.plan(c, [h100], (1,), assumptions, pipelines=False, remat_fallback=False)
+                     for c in (dpo, sequences))
+    assert row["predicted_memory_gib"] == lm["predicted_memory_gib"] and row["step_time_sec"] == lm["step_time_sec"]
+    # One forward over every pair once (two epochs: half the sequences the steps see), 2 of 6 (LoRA: 4) FLOPs each.
+    share = 2 / (4 if method == "lora" else 6)
+    expected = 1e8 / (32 * config.data.seq_len) / 2 * lm["step_time_sec"] * share
+    assert row["reference_pass_sec"] == pytest.approx(expected)
+    assert row["on_demand_hours"] == pytest.approx(lm["on_demand_hours"] + expected / 3600)
+    assert row["on_demand_usd"] / row["on_demand_hours"] == pytest.approx(lm["on_demand_usd"] / lm["on_demand_hours"])
+  simpo = dataclasses.replace(dpo, preference=config_lib.PreferenceConfig(loss="simpo"))
+  assert plan.plan(simpo, [h100], (1,), pipelines=False, remat_fallback=False)[0]["reference_pass_sec"] == 0
+
+
 # Measured on one H200 (cuDNN attention, bf16; docs/planning.md): bytes per device of the compiled executable of the
 # first runs, which scanned the layers with the document mask on: config, batch, cross-entropy chunk (0: logits) ->
 # bytes. The layer loop that `auto` picks on a GPU needs less, which the planner, calibrated on scanned CPU compiles,
