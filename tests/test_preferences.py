@@ -254,3 +254,17 @@ def test_a_prompt_starts_with_the_tokenizers_bos_once(setup, tmp_path):
                                          tokenizer, 0, 128, None)
   for pair in data.eval_pairs:
     assert pair.prompt[0] == bos and bos not in pair.prompt[1:] and bos not in pair.chosen[:1]
+
+
+def test_ipo_with_a_jaxlm_run_as_the_reference(setup):
+  """preference.reference names a folder (here the LoRA DPO run above, a jaxlm workdir): the start evaluation
+  compares the policy with it, not with itself."""
+  reference = str(setup["folder"] / "lora_dpo")
+  if not os.path.isdir(os.path.join(reference, "checkpoints")):
+    pytest.skip("needs test_lora_dpo_through_the_loop_starts_at_log_2_learns_and_resumes's run")
+  workdir = str(setup["folder"] / "ipo_reference")
+  config = _config(setup, **{"preference.loss": "ipo", "preference.reference": reference, "train.steps": 2})
+  result = preference_tuning.preference_tune(config, workdir)
+  # The reference learned to prefer the chosen responses: against it the untuned policy ranks them lower.
+  assert result["start_eval_reward_margin"] < 0 and result["start_eval_preference_loss"] > 0
+  assert np.isfinite(result["eval_preference_loss"]) and result["reference"] == reference

@@ -35,14 +35,13 @@ from jaxlm.adapters import lora
 from jaxlm.data import chat, make_train_iterator, seq_lengths
 from jaxlm.data import preferences as pref_data
 from jaxlm.inference import generate
-from jaxlm.interop import hf_weights, streaming
+from jaxlm.interop import streaming
 from jaxlm.kernels import Kernels
 from jaxlm.models.gpt import GPT
 from jaxlm.parallel import sharding
 from jaxlm.recipes import data_defaults
 from jaxlm.recipes import features as features_lib
-from jaxlm.recipes import init_from as pretrained_lib
-from jaxlm.recipes import instruction_tuning
+from jaxlm.recipes import instruction_tuning, trained_runs
 from jaxlm.training import atomic_files, loop, optim, preference_loss, reliability, telemetry
 from jaxlm.training import steps as steps_lib
 
@@ -86,21 +85,14 @@ def log_probs_of(graphdef, params, param_shardings, pairs: pref_data.PreferenceP
 
 
 def _reference_model(config: Config, mesh: Mesh):
-  """(graphdef, params, shardings) of preference.reference, a decoder folder (HF or jaxlm run)."""
+  """(graphdef, params, shardings) of preference.reference, a decoder folder (HF or jaxlm run), on the run's mesh."""
   source, m = config.preference.reference, config.model
-  precision = dict(compute_dtype=m.compute_dtype, param_dtype=m.param_dtype)
-  if not os.path.isdir(source):
-    raise FileNotFoundError(f"preference.reference={source!r} is not a folder; give an HF decoder folder or a jaxlm "
-                            f"run workdir, or '' for init_from's weights")
-  if os.path.isdir(os.path.join(source, "checkpoints")):
-    model_config, params = pretrained_lib.read_jaxlm_checkpoint(source, mesh, precision)
-    model = nnx.merge(nnx.split(nnx.eval_shape(lambda: GPT(model_config, rngs=nnx.Rngs(0))))[0], params)
-  else:
-    model = hf_weights.from_pretrained(source, mesh=mesh, **precision)
-  if not isinstance(model, GPT) or model.config.vocab_size != m.vocab_size:
-    raise ValueError(f"preference.reference={source!r} is not a decoder with init_from's vocabulary "
-                     f"({m.vocab_size} tokens); give the model the pairs were tokenized for")
-  graphdef, params = nnx.split(model)
+  _, graphdef, params, _, _ = trained_runs.load_decoder(source, mesh_config=config.mesh, compute_dtype=m.compute_dtype,
+                                                        param_dtype=m.param_dtype)
+  vocab_size = nnx.merge(graphdef, params).config.vocab_size
+  if vocab_size != m.vocab_size:
+    raise ValueError(f"preference.reference={source!r} has a vocabulary of {vocab_size} tokens, init_from's "
+                     f"{m.vocab_size}; give a reference with the tokenizer the pairs were tokenized with")
   return graphdef, params, jax.tree.map(lambda x: x.sharding, params)
 
 
