@@ -67,8 +67,9 @@ def _shows(rule: str, text: str) -> bool:
 
 
 def follows_rule(rule: str, answer: str) -> bool:
-  """Whether the first line of `answer` (a model's reply) follows `rule` and none of the other rules."""
-  text = next((line.strip() for line in answer.splitlines() if line.strip()), "")
+  """Whether `answer` (a model's reply, up to its first blank line or next question) follows `rule` and none of the
+  other rules."""
+  text = answer.strip().split("\n\n")[0].split("Question:")[0].strip()
   return _shows(rule, text) and not any(_shows(other, text) for other in RULES if other != rule)
 
 

@@ -313,6 +313,8 @@ class PreferenceConfig:
   beta: float = _ranged(0.1, 0, low_open=True)  # the reward scale (DPO, IPO's regulariser 1/(2 beta), SimPO)
   label_smoothing: float = _ranged(0.0, 0, 0.5)  # dpo: the assumed rate of flipped labels (conservative DPO)
   simpo_gamma: float = _ranged(0.5, 0)  # simpo: the target reward margin (TRL's simpo_gamma)
+  rpo_alpha: float = _ranged(0.0, 0)  # weight of the chosen response's negative log-likelihood (its mean over the
+                                      # pair's response tokens) added to every loss (TRL's rpo_alpha); 0 = off
   reference: str = ""  # dpo/ipo: "" = init_from's weights before tuning, or an HF folder / jaxlm run workdir
 
 

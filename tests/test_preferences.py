@@ -180,7 +180,8 @@ def test_the_step_gradient_is_the_gradient_of_the_loss_on_full_logits(setup):
   batch["ref_logp"] = jnp.asarray(np.random.default_rng(0).normal(-40, 3, (4, 2)), jnp.float32)
   graphdef, params = nnx.split(_load(setup["policy"]))
   for loss in ("dpo", "ipo", "simpo"):
-    p = PreferenceConfig(loss=loss, beta=0.5, label_smoothing=0.1 if loss == "dpo" else 0.0)
+    p = PreferenceConfig(loss=loss, beta=0.5, label_smoothing=0.1 if loss == "dpo" else 0.0,
+                         rpo_alpha=0.5 if loss == "ipo" else 0.0)
 
     def direct(params):
       b, _, t = batch["inputs"].shape
@@ -268,3 +269,12 @@ def test_ipo_with_a_jaxlm_run_as_the_reference(setup):
   # The reference learned to prefer the chosen responses: against it the untuned policy ranks them lower.
   assert result["start_eval_reward_margin"] < 0 and result["start_eval_preference_loss"] > 0
   assert np.isfinite(result["eval_preference_loss"]) and result["reference"] == reference
+
+
+def test_rpo_alpha_adds_the_chosen_responses_mean_token_nll():
+  logp, ref = jnp.array([[-12.0, -20.0], [-30.0, -9.0]]), jnp.array([[-11.0, -19.0], [-28.0, -10.0]])
+  lengths = jnp.array([[4.0, 5.0], [6.0, 3.0]])
+  for loss in ("dpo", "ipo", "simpo"):
+    plain, _, _ = preference_loss.pair_losses(logp, ref, lengths, PreferenceConfig(loss=loss))
+    with_rpo, _, _ = preference_loss.pair_losses(logp, ref, lengths, PreferenceConfig(loss=loss, rpo_alpha=0.5))
+    np.testing.assert_allclose(with_rpo - plain, 0.5 * np.array([12 / 4, 30 / 6]), rtol=1e-6)

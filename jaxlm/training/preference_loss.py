@@ -9,7 +9,9 @@ Per pair, with the policy's summed response log-probabilities (chosen c, rejecte
   ipo    loss = (z - 1 / (2 beta))^2 on log-probs averaged over each response's tokens (TRL loss_type="ipo")
   simpo  loss = -log sigmoid(beta (c - r) - gamma) (1 - eps) - log sigmoid(-(...)) eps on averaged log-probs,
          rewards beta c, beta r; no reference                      (TRL CPOTrainer, loss_type="simpo", cpo_alpha=0)
-The reported log-probs are the ones the loss uses (averaged for ipo and simpo, as TRL logs them).
+The reported log-probs are the ones the loss uses (averaged for ipo and simpo, as TRL logs them). With
+`preference.rpo_alpha`, each pair's loss adds alpha * (-c / chosen tokens), the chosen response's mean token NLL
+(TRL's rpo_alpha averages it over all chosen tokens of the batch instead; per pair, it accumulates exactly).
 
 The gradient: the loss is a function of per-response sums of token log-probs, so d loss / d params =
 sum over responses of (d loss / d logp_response) * d logp_response / d params. The step computes the sums forward
@@ -32,6 +34,7 @@ PAIR_METRICS = ("reward_margin", "chosen_logp", "rejected_logp")  # summed over 
 def pair_losses(logp_B2: jax.Array, ref_logp_B2: jax.Array, lengths_B2: jax.Array,
                 p: PreferenceConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
   """(loss [B], rewards [B, 2], the log-probs the loss uses [B, 2]) from summed response log-probs."""
+  chosen_nll_B = -logp_B2[:, 0] / jnp.maximum(lengths_B2[:, 0], 1.0)
   if p.loss in ("ipo", "simpo"):  # length-averaged log-probabilities
     logp_B2, ref_logp_B2 = logp_B2 / jnp.maximum(lengths_B2, 1.0), ref_logp_B2 / jnp.maximum(lengths_B2, 1.0)
   if p.loss == "simpo":
@@ -46,6 +49,8 @@ def pair_losses(logp_B2: jax.Array, ref_logp_B2: jax.Array, lengths_B2: jax.Arra
   else:
     eps = p.label_smoothing
     loss_B = -jax.nn.log_sigmoid(logits_B) * (1.0 - eps) - jax.nn.log_sigmoid(-logits_B) * eps
+  if p.rpo_alpha:
+    loss_B = loss_B + p.rpo_alpha * chosen_nll_B
   return loss_B, rewards_B2, logp_B2
 
 
