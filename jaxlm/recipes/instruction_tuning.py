@@ -157,16 +157,7 @@ def instruction_task(config: Config, workdir: str, mesh: Mesh, kernels: Kernels)
   t, d = data_defaults.resolve_steps(t, len(data.train)), dataclasses.replace(d, seq_len=data.seq_len)
   config = dataclasses.replace(config, model=model_config, train=t, data=d)
   stats = data.stats
-  data_defaults.print_on_process_0(seq_lengths.truncation_warning(stats["truncated_pairs"],
-                                                                  stats["train_pairs"] + stats["eval_pairs"], d.seq_len,
-                                                                  model_config.max_seq_len, chosen_seq_len))
-  data_defaults.print_on_process_0(data_defaults.describe_steps(t, len(data.train), derived_steps, unit="packed rows"))
-  if jax.process_index() == 0:
-    print("data: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in stats.items()),
-          flush=True)
-    # init_from=<this workdir> reads it (and the chat template the examples were written with, if any)
-    atomic_files.write_text(os.path.join(workdir, "tokenizer.json"), decoder.tokenizer.to_str(pretty=True))
-    chat.copy_template(decoder.chat_folder, workdir)
+  announce_data(config, workdir, decoder, stats, len(data.train), derived_steps, chosen_seq_len, "packed rows")
 
   optimizer = optim.make_optimizer(t)
   make_model = lambda rngs: GPT(model_config, kernels=kernels, rngs=rngs)
@@ -227,6 +218,22 @@ def instruction_task(config: Config, workdir: str, mesh: Mesh, kernels: Kernels)
       title="Instruction-tuning run", state=state, state_shardings=state_shardings, train_step=train_step,
       batches=make_train_iterator(data.train, local_batch_size, t.seed, d.shuffle), count=count,
       evaluate=evaluate_step, finish=finish, start=start, features=features)
+
+
+def announce_data(config: Config, workdir: str, decoder: Decoder, stats: dict, num_train: int, derived_steps: bool,
+                  chosen_seq_len: bool, unit: str) -> None:
+  """The run's first lines (the truncation warning, the steps, the data table) and the tokenizer (with the chat
+  template the examples were written with, if any) in the workdir, where init_from=<this workdir> reads them."""
+  t, d = config.train, config.data
+  data_defaults.print_on_process_0(seq_lengths.truncation_warning(
+      stats["truncated_pairs"], stats["train_pairs"] + stats["eval_pairs"], d.seq_len, config.model.max_seq_len,
+      chosen_seq_len))
+  data_defaults.print_on_process_0(data_defaults.describe_steps(t, num_train, derived_steps, unit=unit))
+  if jax.process_index() == 0:
+    print("data: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in stats.items()),
+          flush=True)
+    atomic_files.write_text(os.path.join(workdir, "tokenizer.json"), decoder.tokenizer.to_str(pretty=True))
+    chat.copy_template(decoder.chat_folder, workdir)
 
 
 def save_tuned_decoder(graphdef, params, decoder: Decoder, workdir: str, config: Config) -> dict:

@@ -32,7 +32,7 @@ from jax.sharding import Mesh
 
 from jaxlm.config import Config
 from jaxlm.adapters import lora
-from jaxlm.data import chat, make_train_iterator, seq_lengths
+from jaxlm.data import make_train_iterator
 from jaxlm.data import preferences as pref_data
 from jaxlm.inference import generate
 from jaxlm.interop import streaming
@@ -107,15 +107,8 @@ def preference_task(config: Config, workdir: str, mesh: Mesh, kernels: Kernels) 
   d = dataclasses.replace(d, seq_len=data.seq_len)
   config = dataclasses.replace(config, model=model_config, train=t, data=d)
   stats = data.stats
-  data_defaults.print_on_process_0(seq_lengths.truncation_warning(
-      stats["truncated_pairs"], stats["train_pairs"] + stats["eval_pairs"], d.seq_len, model_config.max_seq_len,
-      chosen_seq_len))
-  data_defaults.print_on_process_0(data_defaults.describe_steps(t, len(data.train), derived_steps, unit="pairs"))
-  if jax.process_index() == 0:
-    print("data: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in stats.items()),
-          flush=True)
-    atomic_files.write_text(os.path.join(workdir, "tokenizer.json"), decoder.tokenizer.to_str(pretty=True))
-    chat.copy_template(decoder.chat_folder, workdir)
+  instruction_tuning.announce_data(config, workdir, decoder, stats, len(data.train), derived_steps, chosen_seq_len,
+                                   "pairs")
 
   optimizer = optim.make_optimizer(t)
   make_model = lambda rngs: GPT(model_config, kernels=kernels, rngs=rngs)
