@@ -278,3 +278,21 @@ def test_rpo_alpha_adds_the_chosen_responses_mean_token_nll():
     plain, _, _ = preference_loss.pair_losses(logp, ref, lengths, PreferenceConfig(loss=loss))
     with_rpo, _, _ = preference_loss.pair_losses(logp, ref, lengths, PreferenceConfig(loss=loss, rpo_alpha=0.5))
     np.testing.assert_allclose(with_rpo - plain, 0.5 * np.array([12 / 4, 30 / 6]), rtol=1e-6)
+
+
+def test_a_pair_longer_than_the_row_keeps_its_prompts_end_and_its_responses_start():
+  pairs = [pref_data.Pair(list(range(100, 112)), [1, 2, 3, 4, 5, 9], [6, 7, 9], ("p", "c", "r")),  # 12 + 6 > 11
+           pref_data.Pair([100, 101], [1, 9], [2, 9], ("p", "c", "r"))]
+  rows, cut = pref_data.lay_out(pairs, seq_len=10, pad_id=0)
+  assert cut == 1
+  first = rows.rows
+  # 11 tokens a row: the prompt keeps its last 5 (11 - 6), then each response whole.
+  np.testing.assert_array_equal(first["inputs"][0, 0], [107, 108, 109, 110, 111, 1, 2, 3, 4, 5])
+  np.testing.assert_array_equal(first["targets"][0, 0], [108, 109, 110, 111, 1, 2, 3, 4, 5, 9])
+  np.testing.assert_array_equal(first["loss_mask"][0, 0], [0, 0, 0, 0, 1, 1, 1, 1, 1, 1])
+  np.testing.assert_array_equal(first["loss_mask"][0, 1], [0, 0, 0, 0, 1, 1, 1, 0, 0, 0])
+  # A response longer than half the row: the prompt keeps half the row (5 of 11), the response its first 6 tokens.
+  long = [pref_data.Pair(list(range(100, 112)), list(range(1, 20)), [6, 9], ("p", "c", "r"))]
+  rows, cut = pref_data.lay_out(long, seq_len=10, pad_id=0)
+  np.testing.assert_array_equal(rows.rows["inputs"][0, 0], [107, 108, 109, 110, 111, 1, 2, 3, 4, 5])
+  assert cut == 1 and rows.rows["loss_mask"][0, 0].sum() == 6
