@@ -598,6 +598,9 @@ def validate_loss_scale(c: LossScaleConfig) -> None:
 
 
 LORA_BASES = ("float", "int8", "nf4")
+# What `lora.targets` names: a group, "all", or weight names of a block (jaxlm/adapters/lora.py resolves them).
+LORA_TARGET_GROUPS = {"attention": ("w_q", "w_k", "w_v", "w_o"), "mlp": ("w_in", "w_out", "w_gate", "w_up", "w_down")}
+LORA_MATMUL_WEIGHTS = LORA_TARGET_GROUPS["attention"] + LORA_TARGET_GROUPS["mlp"]
 
 
 def validate_lora(lora: LoRAConfig) -> None:

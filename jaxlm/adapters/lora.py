@@ -31,11 +31,10 @@ from jax.sharding import Mesh, NamedSharding
 
 from jaxlm.compress import int8
 from jaxlm.parallel import sharding
-from jaxlm.config import LoRAConfig
+from jaxlm.config import LORA_MATMUL_WEIGHTS, LORA_TARGET_GROUPS, LoRAConfig
 from jaxlm.adapters.nf4 import NF4_BLOCK, NF4Weight, nf4_quantize
 
-TARGET_GROUPS = {"attention": ("w_q", "w_k", "w_v", "w_o"), "mlp": ("w_in", "w_out", "w_gate", "w_up", "w_down")}
-MATMUL_WEIGHTS = TARGET_GROUPS["attention"] + TARGET_GROUPS["mlp"]
+TARGET_GROUPS, MATMUL_WEIGHTS = LORA_TARGET_GROUPS, LORA_MATMUL_WEIGHTS
 # New task heads, trained whole beside the adapters (peft's modules_to_save: the modules named *classifier).
 HEAD_PREFIXES = ("classifier/", "pre_classifier/")
 

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import tqdm
 
-from jaxlm.config import LoRAConfig, ModelConfig
+from jaxlm.config import LORA_MATMUL_WEIGHTS, LORA_TARGET_GROUPS, LoRAConfig, ModelConfig
 
 
 def flops_per_token(model: ModelConfig, seq_len: int, num_labels: int = 0, lora: LoRAConfig | None = None) -> float:
@@ -87,7 +87,6 @@ def lora_matrices(model: ModelConfig, targets: str) -> list[tuple[str, int, int]
   """(path in a block, d_in, d_out) of each block matrix that `lora.targets` adapts, resolved as lora.make_plan does:
   attention, mlp, all, weight names (w_q, w_down, ...) or path suffixes (mlp/shared/w_up). A mixture of experts' expert
   weights take no adapters (make_plan refuses them); its shared MLP's may."""
-  from jaxlm.adapters.lora import MATMUL_WEIGHTS, TARGET_GROUPS  # noqa: PLC0415 (lora imports the models' stack)
   d, width = model.d_model, model.num_heads * model.head_dim
   kv_width = (model.num_kv_heads or model.num_heads) * model.head_dim
   prefix = "bert/blocks/" if model.flavour == "bert" else "blocks/"  # the blocks' path in the model's parameters
@@ -100,7 +99,7 @@ def lora_matrices(model: ModelConfig, targets: str) -> list[tuple[str, int, int]
     matrices += [(mlp_prefix + name, d_in, d_out) for name, d_in, d_out in names]
   chosen = []
   for entry in (t.strip() for t in targets.split(",") if t.strip()):
-    names = TARGET_GROUPS.get(entry, MATMUL_WEIGHTS if entry == "all" else (entry,))
+    names = LORA_TARGET_GROUPS.get(entry, LORA_MATMUL_WEIGHTS if entry == "all" else (entry,))
     chosen += [m for m in matrices if m not in chosen and (m[0].rsplit("/", 1)[-1] in names or (
         "/" in entry and (prefix + m[0]).endswith(entry)))]
   return chosen
