@@ -296,3 +296,52 @@ def test_a_pair_longer_than_the_row_keeps_its_prompts_end_and_its_responses_star
   rows, cut = pref_data.lay_out(long, seq_len=10, pad_id=0)
   np.testing.assert_array_equal(rows.rows["inputs"][0, 0], [107, 108, 109, 110, 111, 1, 2, 3, 4, 5])
   assert cut == 1 and rows.rows["loss_mask"][0, 0].sum() == 6
+
+
+def test_without_a_prompt_column_the_prompt_is_what_chosen_and_rejected_share(setup, tmp_path):
+  """TRL's implicit prompt: the shared start of the two message lists (or texts, a space going to the responses)."""
+  explicit = [json.loads(line) for line in open(setup["files"]["eval_chat"])]
+  implicit = [{"chosen": r["prompt"] + r["chosen"], "rejected": r["prompt"] + r["rejected"]} for r in explicit]
+  texts = [json.loads(line) for line in open(setup["files"]["eval"])]
+  implicit_texts = [{"chosen": r["prompt"] + " " + r["chosen"], "rejected": r["prompt"] + " " + r["rejected"]}
+                    for r in texts]
+  tokenizer = load_tokenizer(setup["policy"])
+  built = {}
+  for name, rows in (("explicit", explicit), ("implicit", implicit), ("implicit_texts", implicit_texts)):
+    path = _write_jsonl(tmp_path / f"{name}.jsonl", rows)
+    config = DataConfig(source="files", train_files=(path,), eval_files=(path,))
+    built[name] = pref_data.build_preference_data(config, tokenizer, 0, 128, setup["policy"]).eval_pairs
+  for a, b in zip(built["explicit"], built["implicit"]):
+    assert (a.prompt, a.chosen, a.rejected) == (b.prompt, b.chosen, b.rejected)
+  for pair, row in zip(built["implicit_texts"], texts):
+    prompt, chosen, rejected = pair.text
+    assert (prompt, chosen, rejected) == (row["prompt"], " " + row["chosen"], " " + row["rejected"])
+
+
+def test_accumulated_micro_batches_give_the_unsplit_batchs_loss_and_gradient(setup):
+  from jaxlm.training import optim  # noqa: PLC0415
+
+  config = DataConfig(source="files", train_files=(setup["files"]["train"],), eval_files=(setup["files"]["eval"],))
+  data = pref_data.build_preference_data(config, load_tokenizer(setup["policy"]), 0, 128, setup["policy"])
+  batch = {k: jnp.asarray(v) for k, v in data.train.batch(np.arange(8)).items()}
+  batch["ref_logp"] = jnp.asarray(np.random.default_rng(1).normal(-40, 3, (8, 2)), jnp.float32)
+  graphdef, params = nnx.split(_load(setup["policy"]))
+  loss_fn = preference_loss.make_preference_loss_fn(graphdef, PreferenceConfig(loss="dpo", beta=0.3, rpo_alpha=0.2))
+  (loss, count, grads, aux), (loss4, count4, grads4, aux4) = (
+      jax.jit(lambda p, b, k=k: optim.accumulate_gradients(loss_fn, p, b, k))(params, batch) for k in (1, 4))
+  assert float(count) == float(count4) == 8
+  assert float(loss4) == pytest.approx(float(loss), rel=1e-5)
+  assert float(aux4["correct"]) == float(aux["correct"])
+  for g, g4 in zip(jax.tree.leaves(grads), jax.tree.leaves(grads4)):
+    np.testing.assert_allclose(g4, g, rtol=1e-4, atol=1e-6)
+
+
+def test_simpo_runs_without_a_reference(setup):
+  workdir = str(setup["folder"] / "simpo")
+  config = _config(setup, **{"preference.loss": "simpo", "preference.beta": 2.0, "train.steps": 2})
+  result = preference_tuning.preference_tune(config, workdir)
+  assert not os.path.exists(os.path.join(workdir, preference_tuning.REFERENCE_LOGPS))
+  # Reference-free: the rewards are beta times the policy's own averaged log-probabilities from the start.
+  assert result["start_eval_reward_margin"] == pytest.approx(
+      2.0 * (result["start_eval_chosen_logp"] - result["start_eval_rejected_logp"]), rel=1e-5)
+  assert np.isfinite(result["eval_preference_loss"]) and result["reference"] == ""
