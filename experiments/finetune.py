@@ -14,6 +14,8 @@ best_model/, a decoder hf_model/, both HF folders); re-running with the same --w
 jaxlm/recipes/classifier_finetuning.py and jaxlm/recipes/instruction_tuning.py for what each file holds.
 """
 
+import os
+
 from absl import flags, logging
 from ml_collections import config_flags
 
@@ -34,6 +36,9 @@ def main(argv):
   del argv  # flags only: cli.run refuses positional arguments
   logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint step at INFO
   config = config_lib.from_config_dict(_CONFIG.value)
+  if config.init_from and not os.path.isdir(config.init_from):  # before any output: a missing model is the news
+    raise ValueError(f"init_from={config.init_from!r} is not a folder; give an HF checkpoint folder or a jaxlm run "
+                     "workdir")
   distributed.initialize()
   if config.preference.loss:
     tune = preference_tuning.preference_tune
