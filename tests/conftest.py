@@ -2,6 +2,7 @@
 anything imports jax."""
 
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -154,6 +155,26 @@ def _forget_script(name: str) -> None:
       if key and key in flags.FLAGS:
         delattr(flags.FLAGS, key)
   sys.modules.pop(name, None)
+
+
+def write_jsonl(path, rows) -> str:
+  """`rows` as a JSON-lines file at `path`; returns the path as a string."""
+  with open(path, "w") as f:
+    f.writelines(json.dumps(r) + "\n" for r in rows)
+  return str(path)
+
+
+REVERSE_WORDS = ["alpha", "beta", "gamma", "delta", "kappa", "omega", "sigma", "theta"]
+
+
+def reverse_pairs(count: int, seed: int) -> list[dict]:
+  """Prompt/response pairs that reverse 1-4 words: a task a tiny decoder learns in a few steps."""
+  rng = np.random.default_rng(seed)
+  rows = []
+  for _ in range(count):
+    words = list(rng.choice(REVERSE_WORDS, size=int(rng.integers(1, 5))))
+    rows.append({"prompt": f"reverse: {' '.join(words)}\n", "response": " ".join(reversed(words))})
+  return rows
 
 
 def write_token_corpus(path) -> None:

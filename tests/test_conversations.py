@@ -4,13 +4,13 @@ assistant turn), a small random Qwen2-style model with a ChatML template lowers 
 through the one training loop (full fine-tuning and LoRA), and conversations without a template are a one-line
 error."""
 
-import json
 import os
 import shutil
 
 import numpy as np
 import pytest
 
+from conftest import write_jsonl
 from experiments import conversations as conversation_data
 from jaxlm import config as config_lib
 from jaxlm.config import DataConfig, ModelConfig
@@ -31,10 +31,6 @@ WITH_SYSTEM = [
 ]
 
 
-def _write_jsonl(path, rows) -> str:
-  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-  return str(path)
-
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
@@ -43,8 +39,8 @@ def setup(tmp_path_factory):
   train = conversation_data.conversation_rows(48, seed=0, max_exchanges=2)
   held_out = conversation_data.conversation_rows(8, seed=1, max_exchanges=2)
   checkpoint = conversation_data.write_chat_checkpoint(str(folder / "qwen_chat"), train, MODEL)
-  return dict(folder=folder, checkpoint=checkpoint, train=_write_jsonl(folder / "train.jsonl", train),
-              eval=_write_jsonl(folder / "eval.jsonl", held_out))
+  return dict(folder=folder, checkpoint=checkpoint, train=write_jsonl(folder / "train.jsonl", train),
+              eval=write_jsonl(folder / "eval.jsonl", held_out))
 
 
 def _segments(packed):
@@ -62,7 +58,7 @@ def test_the_training_mask_is_encode_conversations_mask(setup, tmp_path):
   checkpoint = setup["checkpoint"]
   tokenizer = load_tokenizer(checkpoint)
   pair = {"prompt": "What is 3 plus 4?", "response": "7"}
-  train = _write_jsonl(tmp_path / "train.jsonl", [{"messages": WITH_SYSTEM, **pair}])
+  train = write_jsonl(tmp_path / "train.jsonl", [{"messages": WITH_SYSTEM, **pair}])
   for messages_column, messages in (("messages", WITH_SYSTEM),
                                     ("", conversations.pair_messages(pair["prompt"], pair["response"]))):
     config = DataConfig(source="files", train_files=(train,), eval_files=(train,), messages_column=messages_column,

@@ -12,6 +12,7 @@ import os
 import jax
 import numpy as np
 import pytest
+from conftest import reverse_pairs, write_jsonl
 from flax import nnx
 
 from jaxlm import config as config_lib
@@ -27,33 +28,17 @@ from jaxlm.recipes import data_defaults, instruction_tuning
 from jaxlm.training import loop, optim
 from jaxlm.training import steps as steps_lib
 
-WORDS = ["alpha", "beta", "gamma", "delta", "kappa", "omega", "sigma", "theta"]
-
-
-def _pairs(count: int, seed: int) -> list[dict]:
-  rng = np.random.default_rng(seed)
-  rows = []
-  for _ in range(count):
-    words = list(rng.choice(WORDS, size=int(rng.integers(1, 5))))
-    rows.append({"prompt": f"reverse: {' '.join(words)}\n", "response": " ".join(reversed(words))})
-  return rows
-
-
-def _write_jsonl(path, rows) -> str:
-  with open(path, "w") as f:
-    f.writelines(json.dumps(r) + "\n" for r in rows)
-  return str(path)
-
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
   folder = tmp_path_factory.mktemp("pairs")
-  return _write_jsonl(folder / "train.jsonl", _pairs(40, 1)), _write_jsonl(folder / "eval.jsonl", _pairs(8, 2))
+  return (write_jsonl(folder / "train.jsonl", reverse_pairs(40, 1)),
+          write_jsonl(folder / "eval.jsonl", reverse_pairs(8, 2)))
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-  texts = [r["prompt"] + r["response"] for r in _pairs(200, 0)]
+  texts = [r["prompt"] + r["response"] for r in reverse_pairs(200, 0)]
   return train_bpe(texts, 300)
 
 
@@ -176,7 +161,7 @@ def test_bad_input_is_one_line_and_deletes_nothing(files, tokenizer, tmp_path, t
   with pytest.raises(ValueError, match=r"the prompt of row \d+ of '.*train.jsonl' is \d+ tokens, which leaves no "
                                        r"room for its response in data.seq_len=4; raise data.seq_len"):
     instr_data.build_instruction_data(_data_config(files, seq_len=4), tokenizer, 0, 64)
-  empty = _write_jsonl(tmp_path / "gaps.jsonl", [*_pairs(3, 5), {"prompt": "x", "response": " "}])
+  empty = write_jsonl(tmp_path / "gaps.jsonl", [*reverse_pairs(3, 5), {"prompt": "x", "response": " "}])
   data = instr_data.build_instruction_data(DataConfig(source="files", train_files=(empty,), seq_len=32), tokenizer,
                                            0, 64)
   assert data.stats["skipped_empty_pairs"] == 1 and data.stats["train_pairs"] + data.stats["eval_pairs"] == 3

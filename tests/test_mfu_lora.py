@@ -8,8 +8,8 @@ import os
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
+from conftest import reverse_pairs, write_jsonl
 from flax import nnx
 
 from jaxlm import config as config_lib
@@ -83,26 +83,9 @@ def test_lora_flops_are_the_full_ones_less_the_frozen_weight_gradients_plus_the_
 # ----------------------------------------------------------------------------------------------- a short LoRA run
 
 
-WORDS = ["alpha", "beta", "gamma", "delta", "kappa", "omega", "sigma", "theta"]
-
-
-def _pairs(count: int, seed: int) -> list[dict]:
-  rng = np.random.default_rng(seed)
-  rows = []
-  for _ in range(count):
-    words = list(rng.choice(WORDS, size=int(rng.integers(1, 5))))
-    rows.append({"prompt": f"reverse: {' '.join(words)}\n", "response": " ".join(reversed(words))})
-  return rows
-
-
-def _write_jsonl(path, rows) -> str:
-  with open(path, "w") as f:
-    f.writelines(json.dumps(r) + "\n" for r in rows)
-  return str(path)
-
 
 def test_lora_instruction_run_counts_every_slot_and_keeps_mfu_within_one(tmp_path):
-  tokenizer = train_bpe([r["prompt"] + r["response"] for r in _pairs(200, 0)], 300)
+  tokenizer = train_bpe([r["prompt"] + r["response"] for r in reverse_pairs(200, 0)], 300)
   model_config = ModelConfig(vocab_size=320, num_layers=1, d_model=32, num_heads=2, max_seq_len=64,
                              compute_dtype="float32")
   base = tmp_path / "base"
@@ -112,8 +95,8 @@ def test_lora_instruction_run_counts_every_slot_and_keeps_mfu_within_one(tmp_pat
   config.init_from = str(base)
   config.model.compute_dtype = "float32"
   config.data.source = "files"
-  config.data.train_files = (_write_jsonl(tmp_path / "train.jsonl", _pairs(40, 1)),)
-  config.data.eval_files = (_write_jsonl(tmp_path / "eval.jsonl", _pairs(8, 2)),)
+  config.data.train_files = (write_jsonl(tmp_path / "train.jsonl", reverse_pairs(40, 1)),)
+  config.data.eval_files = (write_jsonl(tmp_path / "eval.jsonl", reverse_pairs(8, 2)),)
   config.data.seq_len = 0
   config.train.steps, config.train.batch_size, config.train.learning_rate, config.train.warmup_steps = 4, 4, 1e-2, 0
   config.checkpoint.every_steps = 0

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import write_jsonl
 from flax import nnx
 
 torch = pytest.importorskip("torch", reason="HF parity tests need the hf extra: pip install -e '.[hf]'")
@@ -45,10 +46,6 @@ def _conversational(rows: list[dict]) -> list[dict]:
            "rejected": message("assistant", r["rejected"])} for r in rows]
 
 
-def _write_jsonl(path, rows) -> str:
-  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-  return str(path)
-
 
 def _save_llama(folder: str, tokenizer_folder: str, seed: int) -> str:
   torch.manual_seed(seed)
@@ -70,8 +67,8 @@ def setup(tmp_path_factory):
   tokenizer = conversation_data.write_chat_tokenizer(str(folder / "tokenizer"), chats, 320, 128)
   files = {}
   for name, rows in (("train", train), ("eval", held_out)):
-    files[name] = _write_jsonl(folder / f"{name}.jsonl", rows)
-    files[f"{name}_chat"] = _write_jsonl(folder / f"{name}_chat.jsonl", _conversational(rows))
+    files[name] = write_jsonl(folder / f"{name}.jsonl", rows)
+    files[f"{name}_chat"] = write_jsonl(folder / f"{name}_chat.jsonl", _conversational(rows))
   return dict(folder=folder, tokenizer=tokenizer, files=files, policy=_save_llama(str(folder / "policy"), tokenizer, 1),
               reference=_save_llama(str(folder / "reference"), tokenizer, 2))
 
@@ -250,7 +247,7 @@ def test_a_prompt_starts_with_the_tokenizers_bos_once(setup, tmp_path):
                                                                        special_tokens=[("<|endoftext|>", bos)])
   rows = [{"prompt": "Repeat in capitals: apple", "chosen": "APPLE", "rejected": "apple"},
           {"prompt": "<|endoftext|>Repeat in capitals: pear", "chosen": "PEAR", "rejected": "pear"}]
-  files = _write_jsonl(tmp_path / "pairs.jsonl", rows)
+  files = write_jsonl(tmp_path / "pairs.jsonl", rows)
   data = pref_data.build_preference_data(DataConfig(source="files", train_files=(files,), eval_files=(files,)),
                                          tokenizer, 0, 128, None)
   for pair in data.eval_pairs:
@@ -308,7 +305,7 @@ def test_without_a_prompt_column_the_prompt_is_what_chosen_and_rejected_share(se
   tokenizer = load_tokenizer(setup["policy"])
   built = {}
   for name, rows in (("explicit", explicit), ("implicit", implicit), ("implicit_texts", implicit_texts)):
-    path = _write_jsonl(tmp_path / f"{name}.jsonl", rows)
+    path = write_jsonl(tmp_path / f"{name}.jsonl", rows)
     config = DataConfig(source="files", train_files=(path,), eval_files=(path,))
     built[name] = pref_data.build_preference_data(config, tokenizer, 0, 128, setup["policy"]).eval_pairs
   for a, b in zip(built["explicit"], built["implicit"]):

@@ -52,15 +52,11 @@ class Example:
   text: tuple[str, str]  # (prompt, reference reply) as text, for report.md
 
 
-class PackedPairs:
-  """Rows of whole examples; `batch(indices)` is a dict of [B, T] arrays in pretraining's example layout."""
+class RowTable:
+  """Arrays with one row per example; `batch(indices)` gathers rows of each (what the grain loader takes)."""
 
   def __init__(self, rows: dict[str, np.ndarray]):
     self.rows = rows
-    self.seq_len = rows["inputs"].shape[1]
-    self.num_tokens = int(rows["loss_mask"].sum())  # response targets in all rows
-    self.num_slots = rows["inputs"].size
-    self.num_used = int((rows["segment_ids"] > 0).sum())  # slots holding a token of some pair
 
   def __len__(self) -> int:
     return self.rows["inputs"].shape[0]
@@ -68,6 +64,17 @@ class PackedPairs:
   def batch(self, indices) -> dict[str, np.ndarray]:
     indices = np.asarray(indices, dtype=np.int64)
     return {k: v[indices] for k, v in self.rows.items()}
+
+
+class PackedPairs(RowTable):
+  """Rows of whole examples; `batch(indices)` is a dict of [B, T] arrays in pretraining's example layout."""
+
+  def __init__(self, rows: dict[str, np.ndarray]):
+    super().__init__(rows)
+    self.seq_len = rows["inputs"].shape[1]
+    self.num_tokens = int(rows["loss_mask"].sum())  # response targets in all rows
+    self.num_slots = rows["inputs"].size
+    self.num_used = int((rows["segment_ids"] > 0).sum())  # slots holding a token of some pair
 
 
 @dataclasses.dataclass

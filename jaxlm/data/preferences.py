@@ -39,6 +39,7 @@ import tokenizers
 from jaxlm.config import DataConfig
 from jaxlm.data import chat, files, seq_lengths
 from jaxlm.data import classification as cls_data
+from jaxlm.data.instructions import RowTable
 from jaxlm.data.tokenizer import eos_id as tokenizer_eos_id
 
 
@@ -51,19 +52,9 @@ class Pair:
   text: tuple[str, str, str]  # prompt, chosen and rejected as text (report.md)
 
 
-class PreferencePairs:
+class PreferencePairs(RowTable):
   """[N, 2, T] rows of pairs (chosen at 0, rejected at 1); `batch(indices)` gathers B pairs. `rows["ref_logp"]`,
   the reference model's summed response log-probabilities, is filled in before training (the recipe's start)."""
-
-  def __init__(self, rows: dict[str, np.ndarray]):
-    self.rows = rows
-
-  def __len__(self) -> int:
-    return self.rows["inputs"].shape[0]
-
-  def batch(self, indices) -> dict[str, np.ndarray]:
-    indices = np.asarray(indices, dtype=np.int64)
-    return {k: v[indices] for k, v in self.rows.items()}
 
 
 @dataclasses.dataclass
