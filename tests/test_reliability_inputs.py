@@ -1,4 +1,4 @@
-"""Bad inputs: every row of the README's "Bad inputs" table, each with the behaviour the table promises.
+"""Bad inputs: every row of the "Bad inputs" table in docs/reliability.md, each with the behaviour the table promises.
 
 Flags, config values, data files and checkpoints that can not work fail before anything is compiled, with one line
 that names the culprit and what to do; the few inputs that can work (a huge line, rows without text) are handled
