@@ -311,7 +311,7 @@ class PreferenceConfig:
   the losses as TRL computes them (jaxlm/training/preference_loss.py)."""
   loss: str = ""  # "" = off | dpo (sigmoid) | ipo (length-averaged log-probs) | simpo (reference-free)
   beta: float = _ranged(0.1, 0, low_open=True)  # the reward scale (DPO, IPO's regulariser 1/(2 beta), SimPO)
-  label_smoothing: float = _ranged(0.0, 0, 0.5)  # dpo: the assumed rate of flipped labels (conservative DPO)
+  label_smoothing: float = _ranged(0.0, 0, 0.5)  # dpo, simpo: the assumed rate of flipped labels
   simpo_gamma: float = _ranged(0.5, 0)  # simpo: the target reward margin (TRL's simpo_gamma)
   rpo_alpha: float = _ranged(0.0, 0)  # weight of the chosen response's negative log-likelihood (its mean over the
                                       # pair's response tokens) added to every loss (TRL's rpo_alpha); 0 = off
