@@ -73,15 +73,18 @@ def batches_of(pairs: pref_data.PreferencePairs, global_batch: int) -> list[dict
   return batches
 
 
-def log_probs_of(graphdef, params, param_shardings, pairs: pref_data.PreferencePairs, global_batch: int,
-                 mesh: Mesh, overrides) -> np.ndarray:
-  """[N, 2] summed response log-probabilities of every pair under (graphdef, params), forward only."""
+def log_probs_of(graphdef, params, param_shardings, splits: dict[str, pref_data.PreferencePairs],
+                 global_batch: int, mesh: Mesh, overrides) -> dict[str, np.ndarray]:
+  """{split: [N, 2] summed response log-probabilities of every pair} under (graphdef, params), forward only."""
   log_probs = jax.jit(sharding.traced_on(mesh, preference_loss.make_log_probs_fn(graphdef), overrides),
                       in_shardings=(param_shardings, sharding.batch_sharding(mesh, 1)),
                       out_shardings=sharding.replicated(mesh))
-  out = [np.asarray(jax.device_get(log_probs(params, steps_lib.to_global_batch(b, mesh))))
-         for b in batches_of(pairs, global_batch)]
-  return np.concatenate(out)[:len(pairs)] if out else np.zeros((0, 2), np.float32)
+  result = {}
+  for split, pairs in splits.items():
+    out = [np.asarray(jax.device_get(log_probs(params, steps_lib.to_global_batch(b, mesh))))
+           for b in batches_of(pairs, global_batch)]
+    result[split] = np.concatenate(out)[:len(pairs)]
+  return result
 
 
 def _reference_model(config: Config, mesh: Mesh):
@@ -153,8 +156,8 @@ def preference_task(config: Config, workdir: str, mesh: Mesh, kernels: Kernels) 
           ref_graphdef, ref_params, ref_shardings = _reference_model(config, mesh)
         else:  # the policy before its first step (LoRA: the base; the adapters start at zero)
           ref_graphdef, ref_params, ref_shardings = graphdef, policy, features.model_params(state_shardings)
-        values = {split: log_probs_of(ref_graphdef, ref_params, ref_shardings, pairs, t.batch_size, mesh, overrides)
-                  for split, pairs in (("train", data.train), ("eval", data.eval))}
+        values = log_probs_of(ref_graphdef, ref_params, ref_shardings, {"train": data.train, "eval": data.eval},
+                              t.batch_size, mesh, overrides)
         del ref_params
         if jax.process_index() == 0:
           atomic_files.write_arrays(path, **values)
