@@ -128,17 +128,18 @@ def pack_examples(examples: list[Example], seq_len: int, eos_id: int) -> PackedP
   return PackedPairs(rows)
 
 
-def eval_batches(packed: PackedPairs, global_batch: int, process_index: int, process_count: int
-                 ) -> list[dict[str, np.ndarray]]:
+def eval_batches(packed: RowTable, global_batch: int, process_index: int, process_count: int,
+                 weight: str = "loss_mask") -> list[dict[str, np.ndarray]]:
   """Every held-out row once, as this process's slices of global batches; the last batch is filled with copies of
-  row 0 that carry no loss (loss_mask 0), so the eval loss is the mean over the held-out response tokens."""
+  row 0 whose `weight` (loss_mask; preference pairs: pair_weight) is 0, so the eval means are over held-out rows."""
   local = slice(process_index * global_batch // process_count, (process_index + 1) * global_batch // process_count)
   filler = (-len(packed)) % global_batch
   indices = np.concatenate([np.arange(len(packed)), np.zeros(filler, np.int64)])
   batches = []
   for start in range(0, len(indices), global_batch):
     batch = packed.batch(indices[start:start + global_batch])
-    batch["loss_mask"] = batch["loss_mask"] * (np.arange(start, start + global_batch) < len(packed))[:, None]
+    real = np.arange(start, start + global_batch) < len(packed)
+    batch[weight] = batch[weight] * real.reshape(-1, *[1] * (batch[weight].ndim - 1))
     batches.append({k: v[local] for k, v in batch.items()})
   return batches
 
@@ -161,7 +162,7 @@ def read_pairs(config: DataConfig, split: str) -> tuple[list[tuple[str, int, str
 
 
 @contextlib.contextmanager
-def _naming_the_setting() -> Iterator[None]:
+def naming_the_setting() -> Iterator[None]:
   """Instruction data's wording of a missing column (`files.MissingColumn`): the setting first, as it is written."""
   try:
     yield
@@ -180,7 +181,7 @@ def build_instruction_data(config: DataConfig, tokenizer: tokenizers.Tokenizer, 
                      f"{chat_folder or 'the tokenizer'!r} has none (chat_template.jinja or tokenizer_config.json's "
                      "chat_template); use a checkpoint with one, or prompt/response pairs (data.messages_column='')")
   read = conversations.read_conversations if config.messages_column else read_pairs
-  with _naming_the_setting():
+  with naming_the_setting():
     train_rows, skipped = read(config, "train")
     eval_rows, eval_skipped = read(config, "eval")
   skipped += eval_skipped

@@ -39,7 +39,7 @@ import tokenizers
 from jaxlm.config import DataConfig
 from jaxlm.data import chat, files, seq_lengths
 from jaxlm.data import classification as cls_data
-from jaxlm.data.instructions import RowTable
+from jaxlm.data.instructions import RowTable, naming_the_setting
 from jaxlm.data.tokenizer import eos_id as tokenizer_eos_id
 
 
@@ -104,8 +104,7 @@ def read_rows(config: DataConfig, split: str) -> list[tuple[str, int, Any, Any, 
         out.append((where, i + 1, row[config.prompt_column], row[config.chosen_column], row[config.rejected_column]))
     except files.MissingColumn as e:
       if e.column != config.prompt_column:
-        raise ValueError(f"{e.setting}={e.column!r} is not a column of {e.where!r}; its columns are "
-                         f"{e.found}") from None
+        raise
       out = [r for r in out if r[0] != where]  # read the file again without the prompt: prompts are implicit
       again = next(table for w, table, _ in cls_data.read_rows(config, split, columns) if w == where)
       out.extend((where, i + 1, None, row[config.chosen_column], row[config.rejected_column])
@@ -182,7 +181,9 @@ def build_preference_data(config: DataConfig, tokenizer: tokenizers.Tokenizer, s
   splits, skipped = {}, 0
   for split in ("train", "eval"):
     texts = []
-    for record in read_rows(config, split):
+    with naming_the_setting():
+      records = read_rows(config, split)
+    for record in records:
       t = _texts(record, template)
       skipped += t is None
       if t is not None:

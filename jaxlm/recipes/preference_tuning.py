@@ -33,6 +33,7 @@ from jax.sharding import Mesh
 from jaxlm.config import Config
 from jaxlm.adapters import lora
 from jaxlm.data import make_train_iterator
+from jaxlm.data import instructions as instr_data
 from jaxlm.data import preferences as pref_data
 from jaxlm.inference import generate
 from jaxlm.interop import streaming
@@ -59,18 +60,9 @@ def preference_tune(config: Config, workdir: str, stop_at_step: int | None = Non
     return loop.run_loop(config, workdir, mesh, task, stop, stop_at_step, started)
 
 
-def batches_of(pairs: pref_data.PreferencePairs, global_batch: int) -> list[dict[str, np.ndarray]]:
-  """Every pair once, as this process's slices of global batches in order; the last is filled with copies of pair 0
-  of weight 0 (pair_weight), which count in no sum."""
-  process, processes = jax.process_index(), jax.process_count()
-  local = slice(process * global_batch // processes, (process + 1) * global_batch // processes)
-  indices = np.concatenate([np.arange(len(pairs)), np.zeros(-len(pairs) % global_batch, np.int64)])
-  batches = []
-  for start in range(0, len(indices), global_batch):
-    batch = pairs.batch(indices[start:start + global_batch])
-    batch["pair_weight"] = batch["pair_weight"] * (np.arange(start, start + global_batch) < len(pairs))
-    batches.append({k: v[local] for k, v in batch.items()})
-  return batches
+def eval_batches(pairs: pref_data.PreferencePairs, global_batch: int) -> list[dict[str, np.ndarray]]:
+  """Every pair once, as this process's slices of global batches; filler pairs weigh 0."""
+  return instr_data.eval_batches(pairs, global_batch, jax.process_index(), jax.process_count(), weight="pair_weight")
 
 
 def log_probs_of(graphdef, params, param_shardings, splits: dict[str, pref_data.PreferencePairs],
@@ -82,7 +74,7 @@ def log_probs_of(graphdef, params, param_shardings, splits: dict[str, pref_data.
   result = {}
   for split, pairs in splits.items():
     out = [np.asarray(jax.device_get(log_probs(params, steps_lib.to_global_batch(b, mesh))))
-           for b in batches_of(pairs, global_batch)]
+           for b in eval_batches(pairs, global_batch)]
     result[split] = np.concatenate(out)[:len(pairs)]
   return result
 
@@ -129,7 +121,7 @@ def preference_task(config: Config, workdir: str, mesh: Mesh, kernels: Kernels) 
 
   def evaluate(params) -> dict[str, float]:
     totals = None
-    for batch in batches_of(data.eval, t.batch_size):
+    for batch in eval_batches(data.eval, t.batch_size):
       out = eval_step(params, steps_lib.to_global_batch(batch, mesh))
       totals = out if totals is None else jax.tree.map(lambda a, b: a + b, totals, out)
     return preference_loss.eval_metrics(jax.device_get(totals))
