@@ -318,6 +318,35 @@ class PreferenceConfig:
   reference: str = ""  # dpo/ipo: "" = init_from's weights before tuning, or an HF folder / jaxlm run workdir
 
 
+RL_LOSSES = ("grpo", "dr_grpo", "dapo", "bnpo")
+RL_IMPORTANCE_SAMPLING = ("token", "sequence")
+RL_REWARD_SCALINGS = ("group", "batch", "none")
+
+
+@dataclasses.dataclass(frozen=True)
+class RLConfig:
+  """Online RL of a decoder on its own sampled completions (jaxlm/recipes/policy_optimization.py), the losses as
+  TRL's GRPOTrainer computes them (jaxlm/training/policy_loss.py)."""
+  loss: str = ""  # "" = off | grpo | dr_grpo | dapo (TRL's default) | bnpo
+  importance_sampling: str = "token"  # token | sequence (GSPO: one ratio per completion)
+  num_generations: int = _ranged(8, 2)  # completions sampled per prompt (G); train.batch_size counts completions
+  epsilon: float = _ranged(0.2, 0, low_open=True)  # the ratio's lower clip 1 - epsilon
+  epsilon_high: float = _ranged(0.0, 0, note="0 = rl.epsilon")  # the ratio's upper clip 1 + epsilon_high (DAPO)
+  beta: float = _ranged(0.0, 0)  # weight of the k3 KL to the reference (init_from's weights); 0 = no reference
+  scale_rewards: str = "group"  # advantages divided by the reward std of: group | batch | none
+  mask_truncated_completions: bool = False  # completions that hit rl.max_completion_length leave the loss
+  num_iterations: int = _ranged(1, 1)  # policy updates per rollout batch (the sampling-time log-probs kept)
+  max_completion_length: int = _ranged(256, 1)  # new tokens per completion at most
+  temperature: float = _ranged(1.0, 0, low_open=True)  # sampling temperature of the rollouts
+  top_p: float = _ranged(1.0, 0, 1, low_open=True)  # nucleus of the rollouts; 1 = off
+  top_k: int = _ranged(0, 0, note="0 = off")  # the rollouts draw from the k most likely tokens; 0 = off
+  rewards: tuple[str, ...] = ()  # reward functions, "module:function" or "path.py:function", comma-separated
+  reward_weights: tuple[float, ...] = ()  # one weight per reward function; empty = all 1
+  max_prompt_length: int = _ranged(0, 0, note="0 = what the position table leaves")  # longer prompts are dropped
+  eval_prompts: int = _ranged(256, 0, note="0 = all")  # held-out prompts answered greedily at each evaluation
+  rollouts_logged: int = _ranged(4, 0)  # completions per logged step written to rollouts.jsonl
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
   model: ModelConfig = ModelConfig()
@@ -330,6 +359,7 @@ class Config:
   lora: LoRAConfig = LoRAConfig()
   loss_scale: LossScaleConfig = LossScaleConfig()
   preference: PreferenceConfig = PreferenceConfig()
+  rl: RLConfig = RLConfig()
   init_from: str = ""  # fine-tuning: an HF checkpoint folder (config.json + safetensors) or a jaxlm run workdir
 
 
@@ -369,6 +399,8 @@ def from_config_dict(cd: ml_collections.ConfigDict | dict) -> Config:
         values[name] = tuple(value)
       elif isinstance(value, str) and known[name].type in ("tuple[str, ...]",):
         values[name] = tuple(p for p in value.split(",") if p)
+      elif isinstance(value, str) and known[name].type == "tuple[float, ...]":
+        values[name] = tuple(float(p) for p in value.split(",") if p)
     sections[field.name] = section_cls(**values)
   if raw:
     raise ValueError(f"unknown config section {sorted(raw)[0]!r}; "
@@ -462,6 +494,7 @@ def validate(config: Config) -> None:
   validate_lora(config.lora)
   validate_loss_scale(config.loss_scale)
   validate_preference(config.preference)
+  validate_rl(config)
 
 
 def validate_preference(p: PreferenceConfig) -> None:
@@ -469,6 +502,28 @@ def validate_preference(p: PreferenceConfig) -> None:
     raise ValueError(f"preference.loss={p.loss!r} is not one of {', '.join(PREFERENCE_LOSSES)} (or '' for off)")
   if p.loss == "simpo" and p.reference:
     raise ValueError(f"preference.loss=simpo needs no reference model; unset preference.reference={p.reference!r}")
+
+
+def validate_rl(config: Config) -> None:
+  r = config.rl
+  if not r.loss:
+    return
+  for key, value, allowed in (("loss", r.loss, RL_LOSSES), ("importance_sampling", r.importance_sampling,
+                                                            RL_IMPORTANCE_SAMPLING),
+                              ("scale_rewards", r.scale_rewards, RL_REWARD_SCALINGS)):
+    if value not in allowed:
+      raise ValueError(f"rl.{key}={value!r} is not one of {', '.join(allowed)}")
+  if config.preference.loss:
+    raise ValueError(f"rl.loss={r.loss} and preference.loss={config.preference.loss} are two recipes; set one")
+  if not r.rewards:
+    raise ValueError("rl.rewards is empty; name at least one reward function, e.g. "
+                     "--config.rl.rewards=jaxlm.recipes.rewards:exact_answer")
+  if r.reward_weights and len(r.reward_weights) != len(r.rewards):
+    raise ValueError(f"rl.reward_weights has {len(r.reward_weights)} weights for {len(r.rewards)} reward functions; "
+                     "give one per function or none")
+  b, g = config.train.batch_size, r.num_generations
+  if b % g:
+    raise ValueError(f"train.batch_size={b} counts completions and must be divisible by rl.num_generations={g}")
 
 
 def validate_encoder_options(m: ModelConfig) -> None:

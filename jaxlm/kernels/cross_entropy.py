@@ -164,10 +164,11 @@ _fused.defvjp(_forward, _backward)
 
 
 def token_log_probs(x_ND: jax.Array, table_VD: jax.Array, targets_N: jax.Array, chunk: int, einsum=jnp.einsum,
-                    softcap=lambda logits: logits) -> jax.Array:
+                    softcap=lambda logits: logits, with_entropy: bool = False):
   """log softmax(softcap(x_n @ table^T))[target_n] for every token, [N] in f32, `chunk` tokens per device at a time
-  (no [N, V] logits in memory). Forward only: preference losses sum these per response and take their gradient
-  through `fused_cross_entropy` with per-token weights (jaxlm/training/preference_loss.py)."""
+  (no [N, V] logits in memory). Forward only: preference and policy losses take their gradient through
+  `fused_cross_entropy` with per-token weights (jaxlm/training/preference_loss.py, policy_loss.py).
+  `with_entropy`: also each token's predictive entropy [N], from the same pass over the vocabulary."""
   n = x_ND.shape[0]
   shards = _batch_shards(n)
   chunk = min(chunk, n // shards)
@@ -176,7 +177,11 @@ def token_log_probs(x_ND: jax.Array, table_VD: jax.Array, targets_N: jax.Array, 
     x_PCD, targets_PC = xs
     logits_PCV = softcap(einsum("pcd,vd->pcv", x_PCD, table_VD, **_F32))
     target_PC = jnp.take_along_axis(logits_PCV, targets_PC[..., None], axis=-1)[..., 0]
-    return target_PC - jax.nn.logsumexp(logits_PCV, axis=-1)
+    lse_PC = jax.nn.logsumexp(logits_PCV, axis=-1)
+    if not with_entropy:
+      return target_PC - lse_PC
+    # H = logsumexp - E_p[logits]
+    return target_PC - lse_PC, lse_PC - jnp.sum(jax.nn.softmax(logits_PCV, axis=-1) * logits_PCV, axis=-1)
 
-  log_probs_KPC = jax.lax.map(one_chunk, (_blocks(x_ND, shards, chunk), _blocks(targets_N, shards, chunk)))
-  return _unblocks(log_probs_KPC, n)
+  out = jax.lax.map(one_chunk, (_blocks(x_ND, shards, chunk), _blocks(targets_N, shards, chunk)))
+  return jax.tree.map(lambda a: _unblocks(a, n), out)

@@ -316,10 +316,11 @@ class Kernels:
       return gpu.tokamax_cross_entropy(x_ND, table_VD, targets_N, weights_N, chunk=self.cross_entropy_chunk)
     return xla.cross_entropy_sums(x_ND, table_VD, targets_N, weights_N, self.einsum)
 
-  def token_log_probs(self, x_ND, table_VD, targets_N, logit_softcap: float = 0.0) -> jax.Array:
-    """log p(target_n) per token, [N] in f32, `cross_entropy_chunk` tokens at a time (forward only)."""
+  def token_log_probs(self, x_ND, table_VD, targets_N, logit_softcap: float = 0.0, with_entropy: bool = False):
+    """log p(target_n) per token, [N] in f32, `cross_entropy_chunk` tokens at a time (forward only); with
+    `with_entropy`, (log-probs, each token's predictive entropy [N]) from the same pass."""
     return chunked_ce.token_log_probs(x_ND, table_VD, targets_N, self.cross_entropy_chunk, self.einsum,
-                                      lambda logits: self.softcap(logits, logit_softcap))
+                                      lambda logits: self.softcap(logits, logit_softcap), with_entropy)
 
 
 def validate_kernels(config: KernelsConfig) -> None:

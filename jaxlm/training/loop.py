@@ -47,7 +47,12 @@ class Task:
   finish: Callable[[RunEnd], Report]  # the report of a completed run
   # The state the first step takes, from the restored (start_step > 0) or fresh one: fine-tuning loads init_from.
   start: Callable[[TrainState, int], TrainState] = lambda state, start_step: state
-  renames: dict[str, str] = dataclasses.field(default_factory=dict)  # train-step metric -> name in metrics.jsonl
+  # (the state before the step, the step, this process's rows of its batch) -> the rows the step takes: an on-policy
+  # task (jaxlm/recipes/policy_optimization.py) samples its rollouts here from the current parameters
+  prepare: Callable[[TrainState, int, Any], Any] = lambda state, step, rows: rows
+  # step -> host-side metrics of that step (an on-policy task's rollout statistics), averaged into its line
+  host_metrics: Callable[[int], dict[str, float]] = lambda step: {}
+  renames: dict[str, str] = dataclasses.field(default_factory=dict)  # metric -> name in metrics.jsonl
   features: Features = Features()  # the run's optional features: its model params, metrics and facts come from them
 
 
@@ -162,13 +167,13 @@ def run_loop(config: Config, workdir: str, mesh: Mesh, task: Task, stop: reliabi
     # A feature may mark a skip as expected, not a divergence (docs/reliability.md).
     expected = any(bool(device_metrics[k]) for k in expected_skip_metrics)
     failure = failure or nonfinite.update(step, bool(device_metrics["skipped_steps"]), expected=expected)
-    window.append(device_metrics)
+    window.append({**device_metrics, **task.host_metrics(step)})
     if not (step == start_step + 1 or step % config.log.every_steps == 0 or eval_metrics or step == t.steps):
       bar.update(step)
       return
     last = window_metrics(jax.device_get(window), task.renames, summed_metrics, last_metrics)
     last["skipped_steps_total"] = nonfinite.total
-    last.update(window_times.rates(peak_flops))
+    last.update({task.renames.get(k, k): v for k, v in window_times.rates(peak_flops).items()})
     last.update(eval_metrics or {})
     writer.write(step, last)
     window.clear()
@@ -182,7 +187,7 @@ def run_loop(config: Config, workdir: str, mesh: Mesh, task: Task, stop: reliabi
   for step in range(start_step + 1, t.steps + 1):
     if stopped_at is not None:
       break
-    local_batch = next(task.batches)
+    local_batch = task.prepare(state, step, next(task.batches))
     counts = task.count(local_batch)
     state, metrics = task.train_step(state, steps_lib.to_global_batch(local_batch, mesh))
     if pending is not None:
@@ -224,7 +229,8 @@ def run_loop(config: Config, workdir: str, mesh: Mesh, task: Task, stop: reliabi
       "wall_time_sec": round(time.time() - started, 1),
       **task.features.report_facts(config, mesh, state),
   }
-  rates = {**run_times.rates(peak_flops), "timed_steps": run_times.steps} if run_times.steps else {}
+  rates = {task.renames.get(k, k): v for k, v in run_times.rates(peak_flops).items()}
+  rates = {**rates, "timed_steps": run_times.steps} if run_times.steps else {}
   finished = task.finish(RunEnd(state, last, final_eval, facts, rates))
   report.write_report(workdir, title=f"{task.title} {os.path.basename(os.path.abspath(workdir))}",
                       summary=finished.summary, config_text=json.dumps(dataclasses.asdict(config), indent=2),
