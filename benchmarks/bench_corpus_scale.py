@@ -76,7 +76,7 @@ def corpus(size_mb: int) -> str:
   path = os.path.join(_WORKDIR.value, f"python_{size_mb}mb.jsonl")
   if os.path.isfile(path):
     return path
-  from jaxlm.data import sources
+  from jaxlm.data.corpora import sources
 
   texts = []
   for p in sources.demo_files():
@@ -101,7 +101,8 @@ def corpus(size_mb: int) -> str:
 def tokenizer() -> str:
   path = os.path.join(_WORKDIR.value, "bpe32k", "tokenizer.json")
   if not os.path.isfile(path):
-    from jaxlm.data import sources, tokenizer as tok_lib
+    from jaxlm.data import tokenizer as tok_lib
+    from jaxlm.data.corpora import sources
 
     texts = (open(p, encoding="utf-8", errors="ignore").read() for p in sources.demo_files())
     tok_lib.train_bpe(texts, 32768, path)

@@ -79,7 +79,7 @@ def mean_pooled_features(minilm: str, texts: list[str]):
   import numpy as np  # noqa: PLC0415
   from flax import nnx  # noqa: PLC0415
 
-  from jaxlm.data import classification as cls_data  # noqa: PLC0415
+  from jaxlm.data.tuning import classification as cls_data  # noqa: PLC0415
   from jaxlm.interop import hf_weights  # noqa: PLC0415
 
   model = hf_weights.from_pretrained(minilm)

@@ -7,8 +7,8 @@ A prompt is `def name(arguments):` and the opening quotes of a docstring on the 
 docstring's first line and the closing quotes, as the function's author wrote them. Every source file goes whole to
 one split (one file in ten, chosen by a hash of its path, to eval), so held-out prompts are functions of files the
 training pairs never came from. Pairs with a first line shorter than 20 or longer than 100 characters, or a
-signature longer than 80, are left out. The files are those of the demo corpus (jaxlm.data.sources.demo_files), so
-`make demo`'s model knows the language and style of the pairs; another Python version gives a somewhat different set.
+signature longer than 80, are left out. The files are those of the demo corpus
+(jaxlm.data.corpora.sources.demo_files), so `make demo`'s model knows the language and style of the pairs; another Python version gives a somewhat different set.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import warnings
 
 from absl import app, flags
 
-from jaxlm.data.sources import demo_files
+from jaxlm.data.corpora.sources import demo_files
 
 EVAL_SHARE = 10  # one file in EVAL_SHARE goes to eval
 MAX_SIGNATURE_CHARS = 80

@@ -35,7 +35,7 @@ from absl import flags, logging
 
 from jaxlm import cli
 from jaxlm import data as data_lib
-from jaxlm.data import chat
+from jaxlm.data.tuning import chat
 from jaxlm.inference import generate
 from jaxlm.recipes import trained_runs
 

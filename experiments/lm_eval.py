@@ -80,7 +80,7 @@ def write_demo_tasks(workdir: str, folder: str, max_examples: int = 200) -> list
   import numpy as np  # noqa: PLC0415
 
   from jaxlm import config as config_lib  # noqa: PLC0415
-  from jaxlm.data.sources import read_documents  # noqa: PLC0415
+  from jaxlm.data.corpora.sources import read_documents  # noqa: PLC0415
 
   config = config_lib.from_run_file(os.path.join(workdir, "config.json"))
   if config.data.source != "demo":
@@ -156,7 +156,7 @@ def main(argv):
   else:
     trained_runs.check_not_hf_folder(folder)
 
-  from jaxlm.data import chat  # noqa: PLC0415
+  from jaxlm.data.tuning import chat  # noqa: PLC0415
 
   chat_folder = folder if chat.load(folder) is not None else None
   if _APPLY_CHAT.value and chat_folder is None:

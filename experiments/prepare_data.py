@@ -21,7 +21,8 @@ from absl import flags
 
 from jaxlm import cli
 from jaxlm.config import DataConfig
-from jaxlm.data import foreign_shards, prepare, sources, tokenizer as tokenizer_lib
+from jaxlm.data import tokenizer as tokenizer_lib
+from jaxlm.data.corpora import foreign_shards, prepare, sources
 
 _INPUT = flags.DEFINE_multi_string("input", [], "file or glob of documents (repeatable)")
 _EVAL_INPUT = flags.DEFINE_multi_string("eval_input", [], "file or glob of held-out documents (repeatable); "

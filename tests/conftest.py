@@ -37,8 +37,8 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 else:
   _OWN_CACHE = None
 if "JAXLM_DATA_CACHE" not in os.environ:
-  # One shared cache of prepared corpora for the session (jaxlm/data/corpus_cache.py): the demo corpus is tokenized
-  # once, not once per run; its file lock lets both workers share it.
+  # One shared cache of prepared corpora for the session (jaxlm/data/corpora/corpus_cache.py): the demo corpus is
+  # tokenized once, not once per run; its file lock lets both workers share it.
   _owner = os.getppid() if os.environ.get("PYTEST_XDIST_WORKER") else os.getpid()
   os.environ["JAXLM_DATA_CACHE"] = os.path.join(tempfile.gettempdir(), f"jaxlm-test-data-cache-{_owner}")
   _OWN_DATA_CACHE = os.environ["JAXLM_DATA_CACHE"]

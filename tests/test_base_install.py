@@ -156,7 +156,7 @@ def imported():
 def test_the_closure_holds_the_base_dependencies_and_no_extra(imported):
   allowed = set(imported["allowed"])
   assert {"jax", "flax", "optax", "jinja2", "tokenizers", "datasets", "safetensors", "orbax", "numpy"} <= allowed
-  assert "jinja2" in imported["closure"]  # chat templates (jaxlm/data/chat.py) on the base paths
+  assert "jinja2" in imported["closure"]  # chat templates (jaxlm/data/tuning/chat.py) on the base paths
   installed = {m for m in EXTRA_MODULES if _installed(m)}
   assert not installed & allowed, f"extras' modules inside the base closure: {sorted(installed & allowed)}"
 

@@ -1,4 +1,4 @@
-"""Chat templates: jaxlm.data.chat.encode_conversation gives exactly transformers' apply_chat_template ids for
+"""Chat templates: jaxlm.data.tuning.chat.encode_conversation gives exactly transformers' apply_chat_template ids for
 Llama-3-, ChatML (Qwen)-, Gemma- and Mistral-style templates, and its mask selects exactly the assistant contents with
 their end-of-turn tokens. Each template is written here in its family's format; the tokenizer is a small byte-level
 BPE trained on the spot with the family's special tokens."""
@@ -10,7 +10,7 @@ import pytest
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from jaxlm.data import chat
+from jaxlm.data.tuning import chat
 
 transformers = pytest.importorskip("transformers", reason="the comparison needs the hf extra: pip install -e '.[hf]'")
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from jaxlm.config import DataConfig
-from jaxlm.data import classification as cd
+from jaxlm.data.tuning import classification as cd
 
 
 @pytest.fixture(scope="module")

@@ -63,7 +63,7 @@ def _greedy(model, prompt, new_tokens):
 
 
 def test_generate_greedy_equals_transformers_plain_and_under_the_folders_chat_template(folders):
-  from jaxlm.data import chat
+  from jaxlm.data.tuning import chat
 
   tokenizer, model = folders["tokenizer"], folders["model"]
   output = folders["root"] / "generate.json"

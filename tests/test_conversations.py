@@ -1,5 +1,5 @@
 """Instruction tuning on conversations under a checkpoint's chat template: the loss mask the training batches carry is
-exactly jaxlm.data.chat.encode_conversation's (multi-turn, with a system turn; pairs wrapped as one user and one
+exactly jaxlm.data.tuning.chat.encode_conversation's (multi-turn, with a system turn; pairs wrapped as one user and one
 assistant turn), a small random Qwen2-style model with a ChatML template lowers its held-out assistant-token loss
 through the one training loop (full fine-tuning and LoRA), and conversations without a template are a one-line
 error."""
@@ -14,9 +14,9 @@ from conftest import write_jsonl
 from experiments import conversations as conversation_data
 from jaxlm import config as config_lib
 from jaxlm.config import DataConfig, ModelConfig
-from jaxlm.data import chat, conversations
-from jaxlm.data import instructions as instr_data
 from jaxlm.data import load_tokenizer
+from jaxlm.data.tuning import chat, conversations
+from jaxlm.data.tuning import instructions as instr_data
 from jaxlm.recipes import instruction_tuning
 
 # init_std 0.1: with the default 0.02 the frozen random embeddings keep every logit near 0, which LoRA cannot change.

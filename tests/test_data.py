@@ -14,7 +14,8 @@ import pytest
 from jaxlm.config import DataConfig
 from jaxlm.data import (Datasets, PackedSequences, build_datasets, eval_batches, get_loader_state,
                         make_train_iterator, set_loader_state)
-from jaxlm.data import packing, sources, tokenizer as tok_lib
+from jaxlm.data import packing, tokenizer as tok_lib
+from jaxlm.data.corpora import sources
 
 DOCS = [
     "def add(a, b):\n    return a + b\n",
@@ -281,7 +282,7 @@ def test_build_datasets_files_with_holdout_and_resume(tmp_path, monkeypatch):
   np.testing.assert_array_equal(data.eval.rows([0])[0][0, :len(first[:5])], first[:5])
 
   # Another workdir on the same data reads the same shards from the shared cache, without tokenizing again.
-  monkeypatch.setattr("jaxlm.data.prepare.tokenize_shard", lambda *a: pytest.fail("tokenized again"))
+  monkeypatch.setattr("jaxlm.data.corpora.prepare.tokenize_shard", lambda *a: pytest.fail("tokenized again"))
   again = build_datasets(config, vocab_size=300, workdir=str(tmp_path / "other"), seed=0)
   assert again.folders == data.folders and again.stats == s
 

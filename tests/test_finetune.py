@@ -189,8 +189,8 @@ def test_classification_loss_accumulates_exactly_with_padding_and_zero_weights()
 def test_defaults_fit_the_data_steps_seq_len_and_the_truncation_warning(tmp_path, tiny_hf_folder, capsys):
   """train.steps=0 derives the steps from train.epochs, data.seq_len=0 the length from the tokenized training texts;
   cutting many examples prints a warning. `classification_task` settles the run without training it."""
-  from jaxlm.data import classification as cls_data
-  from jaxlm.data import seq_lengths
+  from jaxlm.data.tuning import classification as cls_data
+  from jaxlm.data.tuning import seq_lengths
   from jaxlm.training import loop
 
   def settle(name, **overrides):

@@ -12,8 +12,8 @@ import pytest
 import tokenizers
 
 from jaxlm.config import CheckpointConfig, Config, DataConfig, LogConfig, ModelConfig, TrainConfig
-from jaxlm.data import foreign_shards, prepare
-from jaxlm.data.shards import TokenWindows
+from jaxlm.data.corpora import foreign_shards, prepare
+from jaxlm.data.corpora.shards import TokenWindows
 from jaxlm.recipes import pretraining
 
 EOT = 50256

@@ -21,7 +21,7 @@ peft = pytest.importorskip("peft", reason="PEFT tests need the hf extra: pip ins
 
 from jaxlm import config as config_lib  # noqa: E402
 from jaxlm.config import ModelConfig  # noqa: E402
-from jaxlm.data import classification as cls_data  # noqa: E402
+from jaxlm.data.tuning import classification as cls_data  # noqa: E402
 from jaxlm.interop import hf_config, hf_weights, peft_folders  # noqa: E402
 from jaxlm.models.bert import Bert, BertForMaskedLM, BertForSequenceClassification  # noqa: E402
 from jaxlm.recipes import classifier_finetuning  # noqa: E402

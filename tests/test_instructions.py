@@ -18,9 +18,9 @@ from flax import nnx
 from jaxlm import config as config_lib
 from jaxlm.adapters import lora
 from jaxlm.config import DataConfig, ModelConfig, TrainConfig
-from jaxlm.data import instructions as instr_data
-from jaxlm.data import seq_lengths
 from jaxlm.data.tokenizer import train_bpe
+from jaxlm.data.tuning import instructions as instr_data
+from jaxlm.data.tuning import seq_lengths
 from jaxlm.interop import hf_weights
 from jaxlm.models.gpt import GPT
 from jaxlm.parallel import sharding

@@ -213,7 +213,7 @@ def _bigram_chat_model(chain):
 
 def test_generate_until_stops_at_the_chat_templates_end_of_turn_and_lm_eval_applies_the_template(tmp_path):
   from experiments import conversations as conversation_data
-  from jaxlm.data import chat
+  from jaxlm.data.tuning import chat
 
   folder = str(tmp_path / "chat")  # a ChatML template and a tokenizer
   conversation_data.write_chat_tokenizer(folder, conversation_data.conversation_rows(40, seed=0), 300, 64)

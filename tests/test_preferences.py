@@ -21,8 +21,9 @@ transformers = pytest.importorskip("transformers", reason="HF parity tests need 
 from experiments import conversations as conversation_data  # noqa: E402
 from jaxlm import config as config_lib  # noqa: E402
 from jaxlm.config import DataConfig, PreferenceConfig  # noqa: E402
-from jaxlm.data import chat, load_tokenizer  # noqa: E402
-from jaxlm.data import preferences as pref_data  # noqa: E402
+from jaxlm.data import load_tokenizer  # noqa: E402
+from jaxlm.data.tuning import chat  # noqa: E402
+from jaxlm.data.tuning import preferences as pref_data  # noqa: E402
 from jaxlm.interop import hf_weights  # noqa: E402
 from jaxlm.recipes import preference_tuning  # noqa: E402
 from jaxlm.training import preference_loss  # noqa: E402

@@ -14,7 +14,8 @@ import tokenizers
 from jaxlm.config import DataConfig
 from jaxlm.data import (PretrainingBatches, TokenWindows, build_datasets, get_loader_state, make_pretraining_batches,
                         set_loader_state)
-from jaxlm.data import mixture, prepare, tokenizer as tok_lib
+from jaxlm.data import tokenizer as tok_lib
+from jaxlm.data.corpora import mixture, prepare
 
 DOCS = [f"document {i}: " + "word " * (i % 7) + ("def f(x):\n    return x\n" if i % 3 else "prose, ünïcödé ✓.")
         for i in range(60)]

@@ -23,8 +23,9 @@ from jax.sharding import PartitionSpec as P
 
 from jaxlm import config as config_lib
 from jaxlm.config import Config, DataConfig, MeshConfig, ModelConfig, TrainConfig
-from jaxlm.data import build_datasets, make_train_iterator, sources
+from jaxlm.data import build_datasets, make_train_iterator
 from jaxlm.data import tokenizer as tok_lib
+from jaxlm.data.corpora import sources
 from jaxlm.data.packing import PackedSequences
 from jaxlm.parallel import sharding
 from jaxlm.recipes import pretraining

@@ -22,8 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxlm.data import classification as cls_data
 from jaxlm.data.files import MissingColumn
+from jaxlm.data.tuning import classification as cls_data
 
 TEACHER_LOGITS = "teacher_logits"
 

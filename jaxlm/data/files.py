@@ -1,10 +1,10 @@
 """Reading local data files as a stream: documents for pretraining, rows of named columns for fine-tuning.
 
-`iter_files(paths, text_column)` yields each document's text (jaxlm/data/sources.py counts and caps them);
+`iter_files(paths, text_column)` yields each document's text (jaxlm/data/corpora/sources.py counts and caps them);
 `iter_rows(paths, columns)` yields each row as a dict of the wanted columns. Text files are read in chunks, never
 whole (except a .json file that is one array), and may be compressed; Parquet is read in Arrow batches.
 
-The fine-tuning sets (jaxlm/data/classification.py, instructions.py, conversations.py) read their rows here,
+The fine-tuning sets (jaxlm/data/tuning/classification.py, instructions.py, conversations.py) read their rows here,
 uncapped. Their files (`TABLE_KINDS`) may also be `.csv` and `.tsv` (compressed too), whose cells are strings (""
 when empty, None past a short row's end). A wanted column that the data lacks is a `MissingColumn` naming the column,
 the file, the columns found and the setting to change.

@@ -8,7 +8,7 @@
 The model answers the harness's three requests: `loglikelihood` (context, continuation) pairs and
 `loglikelihood_rolling` (whole texts, in windows of the model's context) from one batched forward per group of
 requests, and `generate_until` through `jaxlm.inference.generate` (KV cache, float or int8). With `chat_folder` (a
-folder holding the model's chat template, jaxlm.data.chat) the model also answers lm-eval's chat calls
+folder holding the model's chat template, jaxlm.data.tuning.chat) the model also answers lm-eval's chat calls
 (`apply_chat_template`, `chat_template`, `tokenizer_name`), so `evaluate(..., apply_chat_template=True)` writes each
 request as a conversation under the template, and generation stops at the template's end-of-turn tokens as well as
 at the task's `until` strings. Requests are sorted by
@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxlm.data import chat
+from jaxlm.data.tuning import chat
 from jaxlm.inference import generate
 from jaxlm.parallel import sharding
 from jaxlm.data.tokenizer import eos_id

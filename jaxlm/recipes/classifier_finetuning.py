@@ -46,8 +46,8 @@ from jax.sharding import Mesh
 
 from jaxlm.adapters import lora
 from jaxlm.config import Config
-from jaxlm.data import classification as cls_data
-from jaxlm.data import seq_lengths
+from jaxlm.data.tuning import classification as cls_data
+from jaxlm.data.tuning import seq_lengths
 from jaxlm.interop import hf_weights, peft_folders, streaming
 from jaxlm.kernels import Kernels
 from jaxlm.models.bert import BertForSequenceClassification

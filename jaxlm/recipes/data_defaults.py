@@ -1,5 +1,5 @@
 """Defaults that fit the data: fine-tuning's steps and warmup are derived from the examples unless the config sets
-them (the sequence length is jaxlm/data/seq_lengths.py's).
+them (the sequence length is jaxlm/data/tuning/seq_lengths.py's).
 
   train.steps = 0        steps = ceil(train.epochs * training examples / train.batch_size)  (`resolve_steps`)
   train.learning_rate=0  FULL_FINETUNE_RATE, or LORA_RATE with lora.rank > 0         (`resolve_learning_rate`)

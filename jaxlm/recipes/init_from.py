@@ -25,7 +25,7 @@ from jaxlm.interop import hf_weights
 from jaxlm.interop import streaming
 from jaxlm.parallel import sharding
 from jaxlm.config import Config, ModelConfig
-from jaxlm.data import classification as cls_data
+from jaxlm.data.tuning import classification as cls_data
 from jaxlm.models.bert import Bert, BertForMaskedLM, BertForSequenceClassification
 
 LABELS_FILE, TOKENIZER_FILE = "labels.json", "tokenizer.json"

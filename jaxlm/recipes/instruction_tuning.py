@@ -7,8 +7,8 @@ non-finite skipping, eval cadence, checkpoints, report.md); this module is its `
   init_from   an HF GPT-2 / Llama folder (config.json + safetensors + tokenizer.json) or a jaxlm run workdir
               (experiments/train_lm.py's, or an earlier instruction-tuning run): the model's shape, weights and
               tokenizer come from it; `model.compute_dtype`, `model.param_dtype` and `kernels` from the config.
-  data        jaxlm/data/instructions.py: pairs packed whole into rows (no attention across pairs), the loss mask on
-              response targets; the batches have pretraining's layout, so the steps are pretraining's
+  data        jaxlm/data/tuning/instructions.py: pairs packed whole into rows (no attention across pairs), the loss
+              mask on response targets; the batches have pretraining's layout, so the steps are pretraining's
               (`steps_lib.jit_steps` with the token-weighted next-token loss). When the tokenizer's folder has a
               chat template, every example is written with it (pairs as a user and an assistant turn,
               `data.messages_column` conversations whole) and the loss mask is its assistant turns; the workdir
@@ -39,9 +39,10 @@ from jax.sharding import Mesh
 from jaxlm import config as config_lib
 from jaxlm.adapters import lora
 from jaxlm.config import Config, ModelConfig
-from jaxlm.data import chat
-from jaxlm.data import instructions as instr_data
-from jaxlm.data import load_tokenizer, make_train_iterator, seq_lengths
+from jaxlm.data import load_tokenizer, make_train_iterator
+from jaxlm.data.tuning import chat
+from jaxlm.data.tuning import instructions as instr_data
+from jaxlm.data.tuning import seq_lengths
 from jaxlm.inference import generate
 from jaxlm.interop import hf_config, hf_weights, peft_folders, streaming
 from jaxlm.kernels import Kernels
@@ -64,7 +65,7 @@ class Decoder:
   model_config: ModelConfig
   tokenizer: tokenizers.Tokenizer
   params: dict | None  # pure dict of the GPT's parameters; None once loaded into the train state
-  chat_folder: str  # the tokenizer's folder: its chat template, if any, formats the examples (jaxlm.data.chat)
+  chat_folder: str  # the tokenizer's folder: its chat template, if any, formats the examples (jaxlm.data.tuning.chat)
 
 
 def load_decoder(config: Config, mesh: Mesh) -> Decoder:

@@ -2,7 +2,7 @@
 
   init_from   an HF decoder folder or a jaxlm run workdir, loaded as instruction tuning loads it
               (jaxlm/recipes/instruction_tuning.py `load_decoder`): shape, weights, tokenizer, chat template.
-  data        jaxlm/data/preferences.py: TRL's standard and conversational formats, each pair one [2, T] slot
+  data        jaxlm/data/tuning/preferences.py: TRL's standard and conversational formats, each pair one [2, T] slot
               (chosen and rejected run in one forward), the loss on response tokens only.
   loss        jaxlm/training/preference_loss.py, chosen by `preference.loss`; full or LoRA (`lora.rank`).
   reference   dpo and ipo compare with a reference model: `preference.reference` = "" for init_from's weights before
@@ -33,8 +33,8 @@ from jax.sharding import Mesh
 from jaxlm.config import Config
 from jaxlm.adapters import lora
 from jaxlm.data import make_train_iterator
-from jaxlm.data import instructions as instr_data
-from jaxlm.data import preferences as pref_data
+from jaxlm.data.tuning import instructions as instr_data
+from jaxlm.data.tuning import preferences as pref_data
 from jaxlm.inference import generate
 from jaxlm.interop import streaming
 from jaxlm.kernels import Kernels

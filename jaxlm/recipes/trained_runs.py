@@ -34,7 +34,7 @@ from jaxlm.compress import checkpoint_files
 from jaxlm.parallel import sharding
 from jaxlm.training import steps as steps_lib
 from jaxlm.training.checkpoint import Checkpointer, abstract_with_shardings
-from jaxlm.data import classification as cls_data
+from jaxlm.data.tuning import classification as cls_data
 from jaxlm.data import files as files_lib
 from jaxlm.data import packing
 from jaxlm.data.tokenizer import TOKENIZER_FILE

@@ -1,7 +1,6 @@
 """The shared cache of prepared corpora: `data.source=demo|files|hf` is prepared once and trained from shards.
 
-Each entry is a prepared folder (jaxlm/data/prepare.py) named by a hash of (the inputs, the tokenizer, the split):
-the files' paths, sizes and modification times (or the dataset's name, config and split), the text column, the caps,
+Each entry is a prepared folder (prepare.py) named by a hash of (the inputs, the tokenizer, the split): the files' paths, sizes and modification times (or the dataset's name, config and split), the text column, the caps,
 the eval fraction or eval files, and the tokenizer's bytes. Every run on the same data and tokenizer, in any workdir,
 reads the same shards; a changed input file gets a new entry. The cache is `data.cache_dir`, else
 $JAXLM_DATA_CACHE, else ~/.cache/jaxlm/corpora. A file lock lets one process prepare while the others (the other
@@ -23,8 +22,9 @@ from collections.abc import Iterator
 from typing import Any
 
 from jaxlm.config import DataConfig
-from jaxlm.data import files, prepare, sources
+from jaxlm.data import files
 from jaxlm.data import tokenizer as tokenizer_lib
+from jaxlm.data.corpora import prepare, sources
 
 _CACHE_VERSION = 1  # bump when what a key covers changes
 

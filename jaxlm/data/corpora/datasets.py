@@ -11,9 +11,9 @@ import jax
 import tokenizers
 
 from jaxlm.config import DataConfig
-from jaxlm.data import corpus_cache
-from jaxlm.data.mixture import PretrainingBatches
-from jaxlm.data.shards import TokenWindows, read_manifest
+from jaxlm.data.corpora import corpus_cache
+from jaxlm.data.corpora.mixture import PretrainingBatches
+from jaxlm.data.corpora.shards import TokenWindows, read_manifest
 from jaxlm.data.tokenizer import load_tokenizer, save_tokenizer
 
 
@@ -100,7 +100,7 @@ def corpus_folders(config: DataConfig, vocab_size: int, workdir: str | None) -> 
 def make_pretraining_batches(datasets: Datasets, batch_size_per_process: int, seed: int, shuffle: bool = True,
                              process_index: int | None = None, process_count: int | None = None
                              ) -> PretrainingBatches:
-  """The endless, step-keyed train batches of this process (see jaxlm/data/mixture.py)."""
+  """The endless, step-keyed train batches of this process (see jaxlm/data/corpora/mixture.py)."""
   return PretrainingBatches(
       datasets.train, datasets.weights, batch_size_per_process, seed, shuffle,
       jax.process_index() if process_index is None else process_index,

@@ -1,9 +1,9 @@
 """Foreign shards: index token files that another tool already wrote (llm.c, datatrove) as a prepared folder.
 
 Tokenizing a corpus again that llm.c or datatrove already tokenized costs hours and a second copy on disk, so
-`index_prepared` leaves the files where they are and writes a prepared folder (jaxlm/data/prepare.py's format) that
-points at them: manifest.json lists each file by absolute path with the byte `offset` of its first token
-(jaxlm/data/shards.py reads it from there), and only the document ends are written, into the folder:
+`index_prepared` leaves the files where they are and writes a prepared folder (prepare.py's format) that points at
+them: manifest.json lists each file by absolute path with the byte `offset` of its first token (shards.py reads it
+from there), and only the document ends are written, into the folder:
 
   llm.c (.bin)       a header of 256 little-endian int32 (magic 20240520, version 1: uint16 GPT-2 tokens, version 2:
                      uint32 tokens such as Llama 3's, then the token count), the tokens from byte 1024. llm.c writes
@@ -32,8 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from jaxlm.data import prepare, shards
 from jaxlm.data import tokenizer as tokenizer_lib
+from jaxlm.data.corpora import prepare, shards
 
 LLMC_MAGIC = 20240520
 LLMC_HEADER_BYTES = 256 * 4

@@ -23,7 +23,7 @@ import grain.python as gp
 import jax
 import numpy as np
 
-from jaxlm.data.mixture import PretrainingBatches
+from jaxlm.data.corpora.mixture import PretrainingBatches
 from jaxlm.data.packing import PackedSequences
 
 # Rows are fetched in the consumer thread: worker processes and read threads only add IPC and GIL contention for a

@@ -21,8 +21,8 @@ from typing import Any
 import grain.python as gp
 import numpy as np
 
+from jaxlm.data.corpora.shards import TokenWindows
 from jaxlm.data.packing import make_examples
-from jaxlm.data.shards import TokenWindows
 
 _DENOMINATOR = 10**6  # weights are kept as exact fractions, so assignments never depend on float rounding
 

@@ -1,6 +1,6 @@
 """Prepare: stream documents, tokenize them in worker processes, write token shards and one manifest.
 
-A prepared folder (read by jaxlm/data/shards.py):
+A prepared folder (read by jaxlm/data/corpora/shards.py):
 
   manifest.json              what is here: dtype, eos_id, vocab_size, tokenizer hash, documents, tokens, shards
   tokenizer.json             the tokenizer that wrote the shards

@@ -1,4 +1,4 @@
-"""The shard store: a prepared corpus (jaxlm/data/prepare.py) read as fixed windows of seq_len + 1 tokens.
+"""The shard store: a prepared corpus (jaxlm/data/corpora/prepare.py) read as fixed windows of seq_len + 1 tokens.
 
 Shards stay on disk and a batch reads only its windows, with positioned reads (os.pread) rather than a memory map:
 a map counts every page a run has touched toward the process's RSS, which would then grow as training sweeps the
@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxlm.data import prepare
+from jaxlm.data.corpora import prepare
 from jaxlm.data.packing import make_examples
 
 
@@ -110,7 +110,7 @@ class _Shard:
                               f"prepare the corpus again")
     if self.tokens_path.endswith(".npy"):
       self.tokens_offset = _npy_data_offset(self.tokens_path, self.dtype, shard["tokens"])
-    else:  # a file another tool wrote: raw tokens after a header of `offset` bytes (jaxlm/data/foreign_shards.py)
+    else:  # a file another tool wrote: raw tokens after a header of `offset` bytes (foreign_shards.py)
       self.tokens_offset = shard.get("offset", 0)
       needed = self.tokens_offset + shard["tokens"] * self.dtype.itemsize
       if os.path.getsize(self.tokens_path) < needed:

@@ -5,7 +5,7 @@
   batch = next(loader)  # input_ids, attention_mask, token_type_ids: int32 [B_local, L]; labels int32 [B_local];
                         # weights float32 [B_local] (0 marks a filler row of a last, partial eval batch)
 
-Sources (read by jaxlm/data/files.py's and sources.py's streaming readers, held in memory, never capped): local
+Sources (read by jaxlm/data/files.py's and corpora/sources.py's streaming readers, held in memory, never capped): local
 `.csv`/`.tsv`/`.jsonl`/`.json`/`.parquet` files (`data.train_files`, `data.eval_files`), or `data.hf_name` (a hub name
 when online or a local folder of data files, streamed; a `save_to_disk` folder, memory-mapped) with `data.hf_split`
 and `data.hf_eval_split`. Without eval files or an eval split, a seeded random `data.eval_fraction` of the rows is
@@ -20,7 +20,7 @@ Handling of bad rows, every case counted in the statistics or raised as a one-li
   * a label outside the classes (negative id, id >= number of classes, a name not in `data.labels`, an eval label
     never seen in training, a fractional number): an error naming the file, row and value;
   * a text longer than `data.seq_len` tokens: cut (longest-first for pairs) and counted (`truncated_examples`,
-    `truncation_rate`); data.seq_len=0 chooses the length from the training texts (jaxlm/data/seq_lengths.py);
+    `truncation_rate`); data.seq_len=0 chooses the length from the training texts (jaxlm/data/tuning/seq_lengths.py);
   * a file that is missing, empty, binary or not UTF-8: an error naming the file (and the byte offset).
 
 Batching (`data.batching`): each batch is padded to its longest example rounded up to a power of two (>= 16, at
@@ -43,7 +43,9 @@ import numpy as np
 import tokenizers
 
 from jaxlm.config import DataConfig
-from jaxlm.data import files, seq_lengths, sources
+from jaxlm.data import files
+from jaxlm.data.corpora import sources
+from jaxlm.data.tuning import seq_lengths
 
 _MIN_PAD = 16  # smallest padded length; batch lengths are powers of two from here up to data.seq_len
 _BUCKET_WINDOW = 16  # batches per window whose examples are sorted by length (bucket batching)
@@ -235,8 +237,8 @@ def tokenize(tokenizer: tokenizers.Tokenizer, texts: list[str], pairs: list[str]
 def build_classification_data(config: DataConfig, tokenizer: tokenizers.Tokenizer, seed: int,
                               vocab_size: int | None = None, max_positions: int = 512) -> ClassificationData:
   """Reads, validates, splits and tokenizes the labelled rows described by `config` (module docstring).
-  data.seq_len=0 chooses the length from the training rows' tokenized lengths (`jaxlm.data.seq_lengths.choose_seq_len`,
-  at most `max_positions`)."""
+  data.seq_len=0 chooses the length from the training rows' tokenized lengths (`seq_lengths.choose_seq_len`, at most
+  `max_positions`)."""
   if vocab_size is not None and tokenizer.get_vocab_size(with_added_tokens=True) > vocab_size:
     raise ValueError(f"the tokenizer has {tokenizer.get_vocab_size(with_added_tokens=True)} tokens but the model's "
                      f"vocabulary holds {vocab_size}; use the tokenizer that came with init_from")

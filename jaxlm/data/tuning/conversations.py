@@ -5,9 +5,9 @@ pairs wrapped as one user turn and one assistant turn.
   rows, skipped = read_conversations(config.data, "train")   # [(where, row, messages)]
   tokens, weights, prompt, text = encode(folder, messages)
 
-The ids and weights are `jaxlm.data.chat.encode_conversation`'s: the conversation as the template writes it, weight 1
-on each assistant turn's content and its end-of-turn token, 0 elsewhere (system and user turns, the headers).
-jaxlm.data.instructions packs the examples as it packs plain pairs, so the loss falls on the assistant tokens only.
+The ids and weights are `chat.encode_conversation`'s: the conversation as the template writes it, weight 1 on each
+assistant turn's content and its end-of-turn token, 0 elsewhere (system and user turns, the headers).
+instructions.py packs the examples as it packs plain pairs, so the loss falls on the assistant tokens only.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from __future__ import annotations
 import numpy as np
 
 from jaxlm.config import DataConfig
-from jaxlm.data import chat
-from jaxlm.data import classification as cls_data
+from jaxlm.data.tuning import chat
+from jaxlm.data.tuning import classification as cls_data
 
 
 def read_conversations(config: DataConfig, split: str) -> tuple[list[tuple[str, int, list[dict]]], int]:

@@ -13,7 +13,7 @@ steps are pretraining's:
   * pairs are packed whole into rows of data.seq_len (first fit, longest first), each with its own segment id and
     positions from 0, so no token attends to another pair (models/masks.py) and each pair is computed as if alone.
 With a chat template in `chat_folder` (the checkpoint's tokenizer folder), every example is a conversation under the
-template (jaxlm/data/conversations.py): a pair becomes one user and one assistant turn, and `data.messages_column`
+template (conversations.py): a pair becomes one user and one assistant turn, and `data.messages_column`
 reads whole conversations; the loss is then on each assistant turn's content and its end-of-turn token. Without a
 template pairs keep the layout above, and `data.messages_column` is a one-line error.
 Sources: `.csv`/`.tsv`/`.jsonl`/`.json`/`.parquet` files or an HF dataset, read as for classification
@@ -21,9 +21,9 @@ Sources: `.csv`/`.tsv`/`.jsonl`/`.json`/`.parquet` files or an HF dataset, read 
 `data.response_column`.
 Bad input: a missing column or a prompt that fills data.seq_len by itself is a one-line error naming the key or the
 row; a row with an empty prompt or response is skipped and counted; a pair longer than data.seq_len keeps its prompt
-and the start of its response (counted, and warned about above `jaxlm.data.seq_lengths.TRUNCATION_WARNING_RATE`); a
-longer conversation keeps its first data.seq_len + 1 tokens, the same way. data.seq_len=0 chooses the length from the
-training examples (`jaxlm.data.seq_lengths.choose_seq_len`), long enough for every prompt.
+and the start of its response (counted, and warned about above `seq_lengths.TRUNCATION_WARNING_RATE`); a longer
+conversation keeps its first data.seq_len + 1 tokens, the same way. data.seq_len=0 chooses the length from the
+training examples (`seq_lengths.choose_seq_len`), long enough for every prompt.
 """
 
 from __future__ import annotations
@@ -37,10 +37,11 @@ import numpy as np
 import tokenizers
 
 from jaxlm.config import DataConfig
-from jaxlm.data import chat
-from jaxlm.data import classification as cls_data
-from jaxlm.data import conversations, files, seq_lengths
+from jaxlm.data import files
 from jaxlm.data.tokenizer import eos_id as tokenizer_eos_id
+from jaxlm.data.tuning import chat
+from jaxlm.data.tuning import classification as cls_data
+from jaxlm.data.tuning import conversations, seq_lengths
 
 
 @dataclasses.dataclass

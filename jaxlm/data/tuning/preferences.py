@@ -20,7 +20,7 @@ a decoder's standard-format prompts, which Gemma and Llama, trained with a BOS, 
 response tokens (EOS included) only.
 Too long: a pair whose prompt and longer response exceed data.seq_len + 1 tokens keeps the end of its prompt (at
 least the last half of the row's tokens, or the whole prompt if shorter), then the start of each response; such
-pairs are counted (`truncated_pairs`) and warned about above jaxlm.data.seq_lengths.TRUNCATION_WARNING_RATE. A row
+pairs are counted (`truncated_pairs`) and warned about above seq_lengths.TRUNCATION_WARNING_RATE. A row
 with an empty prompt, chosen or rejected response is skipped and counted. data.seq_len=0 chooses the length from
 the training pairs.
 """
@@ -37,10 +37,11 @@ import numpy as np
 import tokenizers
 
 from jaxlm.config import DataConfig
-from jaxlm.data import chat, files, seq_lengths
-from jaxlm.data import classification as cls_data
-from jaxlm.data.instructions import RowTable, naming_the_setting
+from jaxlm.data import files
 from jaxlm.data.tokenizer import eos_id as tokenizer_eos_id
+from jaxlm.data.tuning import chat, seq_lengths
+from jaxlm.data.tuning import classification as cls_data
+from jaxlm.data.tuning.instructions import RowTable, naming_the_setting
 
 
 @dataclasses.dataclass
