@@ -9,7 +9,9 @@ profile has (bf16 becomes fp16 on a V100 or T4, with a warning), it predicts the
 accumulation split (no compile), picks the split that fits (the fewest micro-batches; for a pipeline the fastest),
 and predicts step time, MFU, wall time and cost for the token budget (hours and kWh on owned hardware), with the
 kernels the run would use on that profile's platform (config.kernels, `auto` resolved there). LoRA/QLoRA configs
-(lora.rank > 0) get the bytes of the frozen base, adapters, optimizer state and activations. It prints, per profile
+(lora.rank > 0) get the bytes of the frozen base, adapters, optimizer state and activations; RL configs (rl.loss) the
+update step on prompt + completion sequences plus the rollout, the reference and the log-prob passes
+(jaxlm/planner/estimates_rl.py: rollout_sec, update_sec, kv_cache_bytes, reference_bytes). It prints, per profile
 and device count, which layout wins and why. It then compiles the train step on simulated CPU devices for each
 profile's recommended layout and the one-device mesh (kernels that cannot run on a CPU as their stand-ins;
 pipelines through jaxlm/training/pipeline.py's step), and reports the compiled memory and the collective bytes read from
@@ -43,6 +45,7 @@ from jaxlm import config as config_lib  # noqa: E402
 from jaxlm.kernels import runnable_on
 from jaxlm.planner import advice, check_against_runs, estimates, estimates_moe, plan
 from jaxlm.planner import estimates_preference as preference_predict
+from jaxlm.planner import estimates_rl as rl_predict
 from jaxlm.planner import hardware as hardware_lib
 from jaxlm.planner import layouts as layouts_lib
 from jaxlm.training import atomic_files  # noqa: E402
@@ -187,10 +190,12 @@ def main(argv):
   counts = [int(n) for n in _DEVICES.value]
   if any(n < 1 or n & (n - 1) for n in counts):
     raise ValueError(f"--devices={','.join(_DEVICES.value)} must be powers of two (1, 2, 4, 8)")
-  # A preference pair is two sequences (jaxlm/planner/estimates_preference.py): the tokens the steps process.
+  # A preference pair is two sequences (jaxlm/planner/estimates_preference.py), an RL completion one of prompt +
+  # completion tokens (jaxlm/planner/estimates_rl.py): the tokens the steps process.
   sequences = preference_predict.SEQUENCES_PER_PAIR if config.preference.loss else 1
+  seq_len = rl_predict.as_sequence_run(config).data.seq_len if config.rl.loss else config.data.seq_len
   assumptions = plan.RunAssumptions(
-      tokens=_TOKENS.value or config.train.steps * config.train.batch_size * sequences * config.data.seq_len,
+      tokens=_TOKENS.value or config.train.steps * config.train.batch_size * sequences * seq_len,
       checkpoint_every_steps=config.checkpoint.every_steps, checkpoint_bytes_per_sec=_CHECKPOINT_BPS.value,
       restart_sec=_RESTART_SEC.value)
   os.makedirs(_WORKDIR.value, exist_ok=True)
@@ -200,6 +205,14 @@ def main(argv):
           f"{sequences * config.train.batch_size} sequences; the reference pass before the first step is in the hours "
           f"(reference_pass_sec)")
     config = preference_predict.as_sequence_run(config)  # what the compile checks build
+  if config.rl.loss:
+    rl = config.rl
+    config = rl_predict.as_sequence_run(config)  # what the compile checks build: the update step
+    prompt = config.data.seq_len - rl.max_completion_length
+    print(f"RL ({rl.loss}): each step updates on {config.train.batch_size} completions of {prompt} prompt + "
+          f"{rl.max_completion_length} completion tokens (data.seq_len, or {rl_predict.DEFAULT_PROMPT_LENGTH} "
+          f"assumed when 0), one rollout every {rl.num_iterations} steps; rollout_sec, update_sec, kv_cache_bytes "
+          f"and reference_bytes in plan.json")
   for profile in hardware:
     if not any(r["hardware"] == profile.name for r in rows):
       print(f"{profile.name}: no mesh can run this config; on one device: "

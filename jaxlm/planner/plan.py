@@ -30,6 +30,7 @@ from jaxlm.parallel import sharding
 from jaxlm.planner import estimates_lora as lora_predict
 from jaxlm.planner import estimates_pipeline as pipeline_predict
 from jaxlm.planner import estimates_preference as preference_predict
+from jaxlm.planner import estimates_rl as rl_predict
 from jaxlm.planner import hlo_traffic
 from jaxlm.planner.estimates import (
   abstract_batch,
@@ -94,6 +95,8 @@ def _pipeline_problem(config: Config, layout: Layout) -> str | None:
   splits = accumulation_splits(config.train.batch_size, layout.data * layout.fsdp)
   if config.lora.rank:
     return f"lora.rank={config.lora.rank} does not run with mesh.pipeline > 1"
+  if config.rl.loss:
+    return f"rl.loss={config.rl.loss} samples its rollouts on the training mesh, which has no mesh.pipeline > 1"
   try:
     validate_pipeline(with_mesh(config, layout, splits[-1]))
   except ValueError as e:
@@ -201,7 +204,19 @@ def for_hardware(config: Config, hardware: Hardware) -> tuple[Config, str]:
 
 
 def _predict(config: Config, layout: Layout, grad_accum: int, hardware: Hardware) -> tuple[dict, dict, float, float]:
-  """(memory parts, timing parts, collective bytes, state bytes per device) of one layout and split."""
+  """(memory parts, timing parts, collective bytes, state bytes per device) of one layout and split; an RL config
+  (rl.loss, as `rl_predict.as_sequence_run` made it) adds its rollout, reference and log-prob passes to its update
+  step's (jaxlm/planner/estimates_rl.py)."""
+  memory, timing, collective, state = _predict_step(config, layout, grad_accum, hardware)
+  if config.rl.loss:
+    memory = rl_predict.predict_rl_memory(config, layout.sizes, grad_accum, hardware.platform or None, memory)
+    timing = rl_predict.predict_rl_step_time(config, layout.sizes, grad_accum, hardware, timing)
+  return memory, timing, collective, state
+
+
+def _predict_step(config: Config, layout: Layout, grad_accum: int, hardware: Hardware
+                  ) -> tuple[dict, dict, float, float]:
+  """`_predict` of the train step alone."""
   platform = hardware.platform or None
   sizes = layout.sizes
   if layout.pipeline > 1:
@@ -264,7 +279,7 @@ def plan_mesh(config: Config, sizes: "tuple[int, ...] | Layout", hardware: Hardw
   row.update({
       "fits": bool(candidates), "grad_accum": grad_accum, "micro_batch": config.train.batch_size // grad_accum,
       "largest_local_micro_batch": (largest_local_micro_batch(config, layout.sizes, usable, platform)
-                                    if layout.pipeline == 1 and not config.lora.rank
+                                    if layout.pipeline == 1 and not config.lora.rank and not config.rl.loss
                                     else _largest_by_search(config, layout, hardware)),
       "predicted_memory_gib": memory["total"] / GIB, "headroom_gib": (usable - memory["total"]) / GIB,
       "memory_parts_gib": {k: v / GIB for k, v in memory.items() if k != "total"},
@@ -305,10 +320,14 @@ def plan(config: Config, hardware: Sequence[Hardware], device_counts: Iterable[i
   `mesh_problem`) are left out, and so are device counts over a profile's `max_devices`. With `remat_fallback`,
   a device count where nothing fits without recomputation is planned again with kernels.remat=full (those rows
   have `remat_fallback` set). A preference-tuning config (preference.loss) is planned as the LM run of its
-  sequences, two per pair, with the reference pass added (jaxlm/planner/estimates_preference.py)."""
+  sequences, two per pair, with the reference pass added (jaxlm/planner/estimates_preference.py); an RL config
+  (rl.loss) as the LM run of its prompt + completion sequences, with the rollouts, the reference and the log-prob
+  passes added (jaxlm/planner/estimates_rl.py)."""
   preference_config = config if config.preference.loss else None
   if preference_config is not None:
     config = preference_predict.as_sequence_run(config)
+  if config.rl.loss:
+    config = rl_predict.as_sequence_run(config)
   assumptions = assumptions or RunAssumptions(
       tokens=config.train.steps * config.train.batch_size * config.data.seq_len,
       checkpoint_every_steps=config.checkpoint.every_steps)
@@ -342,7 +361,8 @@ def row_config(config: Config, row: dict[str, Any]) -> Config:
 
 def predict_row_memory(config: Config, sizes: "tuple[int, ...] | Layout", grad_accum: int,
                        platform: str | None = None) -> float:
-  """The predicted peak bytes per device of any layout (pipeline, LoRA or neither) on `platform` devices."""
+  """The predicted peak bytes per device of any layout (pipeline, LoRA or neither) on `platform` devices: the train
+  step alone (an RL config's update step, without its reference and rollout), as `compile_train_step` compiles it."""
   layout = as_layout(sizes)
   if layout.pipeline > 1:
     return pipeline_predict.predict_pipeline_memory(config, layout.sizes + (layout.pipeline,), grad_accum,
@@ -354,7 +374,16 @@ def predict_row_memory(config: Config, sizes: "tuple[int, ...] | Layout", grad_a
 
 def predict_row_time(config: Config, sizes: "tuple[int, ...] | Layout", grad_accum: int, hardware: Hardware,
                      collective_bytes: float) -> dict[str, Any]:
-  """The step-time parts of any layout with the given collective bytes (e.g. a compiled HLO's), on `hardware`."""
+  """The step-time parts of any layout with the given collective bytes (e.g. a compiled HLO's), on `hardware`; an RL
+  config's (`rl_predict.as_sequence_run`'s) with its rollout and log-prob passes."""
+  timing = _predict_row_step_time(config, sizes, grad_accum, hardware, collective_bytes)
+  if config.rl.loss:
+    return rl_predict.predict_rl_step_time(config, as_layout(sizes).sizes, grad_accum, hardware, timing)
+  return timing
+
+
+def _predict_row_step_time(config: Config, sizes: "tuple[int, ...] | Layout", grad_accum: int, hardware: Hardware,
+                           collective_bytes: float) -> dict[str, Any]:
   layout = as_layout(sizes)
   if layout.pipeline > 1:
     return pipeline_predict.predict_pipeline_step_time(config, layout.sizes + (layout.pipeline,), grad_accum,
