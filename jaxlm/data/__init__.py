@@ -12,7 +12,7 @@ vocabulary. Fine-tuning sets (tuning/) stay in memory as packed rows (packing.py
 corpora/loader.py.
 
 Two flows, a sub-package each: corpora/ (pretraining: sources, prepare, shards, cache, mixture, loader) and tuning/
-(fine-tuning rows: classification, instructions, conversations, preferences, chat templates). The modules
+(fine-tuning rows: classification, instructions, conversations, preferences, RL prompts, chat templates). The modules
 at this level (files, tokenizer, packing) serve both; tuning may import corpora, never the reverse.
 """
 

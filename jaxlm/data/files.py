@@ -1,7 +1,8 @@
 """Reading local data files as a stream: documents for pretraining, rows of named columns for fine-tuning.
 
 `iter_files(paths, text_column)` yields each document's text (jaxlm/data/corpora/sources.py counts and caps them);
-`iter_rows(paths, columns)` yields each row as a dict of the wanted columns. Text files are read in chunks, never
+`iter_rows(paths, columns)` yields each row as a dict of the wanted columns (of every column with
+`every_column`, for RL prompts, whose other columns go to the reward functions). Text files are read in chunks, never
 whole (except a .json file that is one array), and may be compressed; Parquet is read in Arrow batches.
 
 The fine-tuning sets (jaxlm/data/tuning/classification.py, instructions.py, conversations.py) read their rows here,
@@ -78,17 +79,18 @@ def iter_files(paths: Iterable[str], text_column: str) -> Iterator[Any]:
       yield from (row[text_column] for row in iter_rows([path], columns))
 
 
-def iter_rows(paths: Iterable[str], columns: dict[str, str]) -> Iterator[dict[str, Any]]:
+def iter_rows(paths: Iterable[str], columns: dict[str, str], every_column: bool = False) -> Iterator[dict[str, Any]]:
   """The rows of checked table files (TABLE_KINDS) in order, each a dict of `columns`' values (None where a row lacks
-  one). `columns` maps each wanted column to the setting that names it, for the `MissingColumn` error."""
+  one), and with `every_column` of the row's other columns too. `columns` maps each wanted column to the setting that
+  names it, for the `MissingColumn` error."""
   for path in paths:
     kind = file_kind(path)
     if kind == "parquet":
-      yield from _iter_parquet(path, columns)
+      yield from _iter_parquet(path, columns, every_column)
     elif kind in ("csv", "tsv"):
-      yield from _iter_csv(path, kind, columns)
+      yield from _iter_csv(path, kind, columns, every_column)
     elif kind in ("jsonl", "json"):
-      yield from _iter_json(path, kind, columns)
+      yield from _iter_json(path, kind, columns, every_column)
     else:
       raise ValueError(f"data file {path!r} is not a table ({', '.join(TABLE_KINDS)}); give rows with named columns")
 
@@ -135,7 +137,7 @@ def _iter_lines(path: str, split_any: bool) -> Iterator[str]:
         yield from lines
 
 
-def _iter_json(path: str, kind: str, columns: dict[str, str]) -> Iterator[dict[str, Any]]:
+def _iter_json(path: str, kind: str, columns: dict[str, str], every_column: bool) -> Iterator[dict[str, Any]]:
   if kind == "json" and _first_character(path) == "[":  # one JSON array: read whole (it cannot be streamed)
     with _open_stream(path) as f:
       raw = f.read()
@@ -161,7 +163,7 @@ def _iter_json(path: str, kind: str, columns: dict[str, str]) -> Iterator[dict[s
     if unseen:
       found.update(dict.fromkeys(row))
       unseen = {column: setting for column, setting in unseen.items() if column not in row}
-    yield {column: row.get(column) for column in columns}
+    yield {**{column: row.get(column) for column in columns}, **(row if every_column else {})}
     if unseen and number >= _ROWS_TO_FIND_A_COLUMN:  # a wrong column name fails early, not after a 40 GB file
       break
   if unseen:
@@ -169,7 +171,7 @@ def _iter_json(path: str, kind: str, columns: dict[str, str]) -> Iterator[dict[s
     raise MissingColumn(column, setting, path, list(found))
 
 
-def _iter_csv(path: str, kind: str, columns: dict[str, str]) -> Iterator[dict[str, Any]]:
+def _iter_csv(path: str, kind: str, columns: dict[str, str], every_column: bool) -> Iterator[dict[str, Any]]:
   import csv
 
   # A long document in a cell is no error (the module's default limit is 128 KiB).
@@ -187,7 +189,7 @@ def _iter_csv(path: str, kind: str, columns: dict[str, str]) -> Iterator[dict[st
         for column, setting in columns.items():
           if column not in header:
             raise MissingColumn(column, setting, path, header)
-        at = {column: header.index(column) for column in columns}
+        at = {column: header.index(column) for column in (header if every_column else columns)}
         continue
       if len(cells) > len(header):
         raise ValueError(f"data file {path!r} could not be read as {kind} (line {reader.line_num}: {len(cells)} "
@@ -207,7 +209,7 @@ def _first_character(path: str) -> str:
   return head[:1]
 
 
-def _iter_parquet(path: str, columns: dict[str, str]) -> Iterator[dict[str, Any]]:
+def _iter_parquet(path: str, columns: dict[str, str], every_column: bool) -> Iterator[dict[str, Any]]:
   import pyarrow.parquet as pq
 
   try:
@@ -216,7 +218,7 @@ def _iter_parquet(path: str, columns: dict[str, str]) -> Iterator[dict[str, Any]
     raise ValueError(f"data file {path!r} could not be read as parquet ({type(e).__name__}: "
                      f"{str(e).splitlines()[0][:200]}); fix the file or remove it from the data files") from None
   check_columns(parquet.schema_arrow.names, columns, path)
-  for batch in parquet.iter_batches(batch_size=ROWS_PER_READ, columns=list(columns)):
+  for batch in parquet.iter_batches(batch_size=ROWS_PER_READ, columns=None if every_column else list(columns)):
     try:
       rows = batch.to_pylist()
     except UnicodeDecodeError as e:  # Arrow keeps a string column's bytes; decoding fails only when a value is read

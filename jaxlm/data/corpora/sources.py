@@ -161,19 +161,21 @@ def open_hf(name: str, config_name: str, split: str, setting: str = "data.hf_spl
   return dataset
 
 
-def iter_hf_rows(dataset: Any, columns: dict[str, str], where: str) -> Iterator[dict[str, Any]]:
-  """The rows of an `open_hf` dataset, each a dict of `columns` (as `iter_rows`)."""
+def iter_hf_rows(dataset: Any, columns: dict[str, str], where: str,
+                 every_column: bool = False) -> Iterator[dict[str, Any]]:
+  """The rows of an `open_hf` dataset, each a dict of `columns` (of every column with `every_column`), as
+  `iter_rows`."""
   import datasets
 
   names = dataset.column_names  # None for a streamed dataset that does not know them: checked on its first row
   if names is not None:
     check_columns(list(names), columns, where)
   if isinstance(dataset, datasets.Dataset):
-    for batch in dataset.select_columns(list(columns)).iter(batch_size=ROWS_PER_READ):
+    for batch in (dataset if every_column else dataset.select_columns(list(columns))).iter(batch_size=ROWS_PER_READ):
       yield from (dict(zip(batch, values)) for values in zip(*batch.values()))
     return
   for row in dataset:
     if names is None:
       names = list(row)
       check_columns(names, columns, where)
-    yield {column: row.get(column) for column in columns}
+    yield {**{column: row.get(column) for column in columns}, **(row if every_column else {})}

@@ -87,22 +87,25 @@ class ClassificationData:
 # ----------------------------------------------------------------------------------------------- reading rows
 
 
-def read_rows(config: DataConfig, split: str, columns: dict[str, str]) -> list[tuple[str, Iterator[dict], Any]]:
+def read_rows(config: DataConfig, split: str, columns: dict[str, str],
+              every_column: bool = False) -> list[tuple[str, Iterator[dict], Any]]:
   """[(where, rows, features)] of `split` ("train" or "eval"): `rows` streams dicts of `columns` (each wanted column
-  -> the setting that names it, for the `files.MissingColumn` error); `where` names the file or dataset in errors;
-  `features` are an HF dataset's (a ClassLabel names the classes), else {}.
+  -> the setting that names it, for the `files.MissingColumn` error), and with `every_column` of the other columns
+  too; `where` names the file or dataset in errors; `features` are an HF dataset's (a ClassLabel names the classes),
+  else {}.
 
   Returns an empty list for eval when no eval files or eval split are configured."""
   paths = config.train_files if split == "train" else config.eval_files
   if paths:
-    return [(path, files.iter_rows([path], columns), {})
+    return [(path, files.iter_rows([path], columns, every_column), {})
             for path in files.check_files(paths, files.TABLE_KINDS)]
   if config.source == "hf" and (split == "train" or config.hf_eval_split):
     hf_split, setting = ((config.hf_split, "data.hf_split") if split == "train" else
                          (config.hf_eval_split, "data.hf_eval_split"))
     dataset = sources.open_hf(config.hf_name, config.hf_config, hf_split, setting)
     where = f"{config.hf_name}[{hf_split}]"
-    return [(where, sources.iter_hf_rows(dataset, columns, where), getattr(dataset, "features", None) or {})]
+    rows = sources.iter_hf_rows(dataset, columns, where, every_column)
+    return [(where, rows, getattr(dataset, "features", None) or {})]
   if split == "train":
     raise ValueError("fine-tuning needs data.train_files (.csv, .tsv, .jsonl, .parquet) or data.source=hf with "
                      "data.hf_name")

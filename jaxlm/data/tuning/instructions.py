@@ -162,6 +162,16 @@ def read_pairs(config: DataConfig, split: str) -> tuple[list[tuple[str, int, str
   return rows, skipped
 
 
+def hold_out(rows: list, eval_fraction: float, seed: int, what: str = "pairs") -> tuple[list, list]:
+  """(train, eval) of `rows`, a seeded random `eval_fraction` of them held out (at least one, and one left to train),
+  each part in the rows' order."""
+  if len(rows) < 2:
+    raise ValueError(f"holding out eval {what} needs >= 2 training {what}; add data or give data.eval_files")
+  order = np.random.default_rng(seed).permutation(len(rows))
+  held_out = min(len(rows) - 1, max(1, round(eval_fraction * len(rows))))
+  return [rows[i] for i in sorted(order[held_out:])], [rows[i] for i in sorted(order[:held_out])]
+
+
 @contextlib.contextmanager
 def naming_the_setting() -> Iterator[None]:
   """Instruction data's wording of a missing column (`files.MissingColumn`): the setting first, as it is written."""
@@ -191,13 +201,8 @@ def build_instruction_data(config: DataConfig, tokenizer: tokenizers.Tokenizer, 
                f"{config.prompt_column!r} and {config.response_column!r}")
     raise ValueError(f"the training data holds no example with a non-empty {columns} ({skipped} rows skipped); "
                      "check the files and data.*_column")
-  if not eval_rows:  # hold out a seeded random fraction
-    if len(train_rows) < 2:
-      raise ValueError("holding out eval pairs needs >= 2 training pairs; add data or give data.eval_files")
-    order = np.random.default_rng(seed).permutation(len(train_rows))
-    held_out = min(len(train_rows) - 1, max(1, round(config.eval_fraction * len(train_rows))))
-    eval_rows = [train_rows[i] for i in sorted(order[:held_out])]
-    train_rows = [train_rows[i] for i in sorted(order[held_out:])]
+  if not eval_rows:
+    train_rows, eval_rows = hold_out(train_rows, config.eval_fraction, seed)
 
   def encode(rows) -> list[Example]:
     if templated:  # a pair is one user turn and one assistant turn under the template

@@ -41,7 +41,7 @@ from jaxlm.data import files
 from jaxlm.data.tokenizer import eos_id as tokenizer_eos_id
 from jaxlm.data.tuning import chat, seq_lengths
 from jaxlm.data.tuning import classification as cls_data
-from jaxlm.data.tuning.instructions import RowTable, naming_the_setting
+from jaxlm.data.tuning.instructions import RowTable, hold_out, naming_the_setting
 
 
 @dataclasses.dataclass
@@ -113,7 +113,7 @@ def read_rows(config: DataConfig, split: str) -> list[tuple[str, int, Any, Any, 
   return out
 
 
-def _messages(value: Any, where: str, row: int, setting: str) -> list[dict] | None:
+def as_messages(value: Any, where: str, row: int, setting: str) -> list[dict] | None:
   """A cell as {role, content} messages, or None when it is a string."""
   if isinstance(value, str) or value is None:
     return None
@@ -136,7 +136,7 @@ def _shared_prefix(a, b):
 def _texts(record: tuple, template: chat.ChatTemplate | None) -> tuple[str, str, str] | None:
   """(prompt, chosen, rejected) as the text TRL tokenizes, or None for a row with an empty part."""
   where, row, prompt, chosen, rejected = record
-  c, r = _messages(chosen, where, row, "the chosen column"), _messages(rejected, where, row, "the rejected column")
+  c, r = as_messages(chosen, where, row, "the chosen column"), as_messages(rejected, where, row, "the rejected column")
   if (c is None) != (r is None):
     raise ValueError(f"row {row} of {where!r}: chosen and rejected must both be strings or both be message lists")
   if c is None:  # standard: strings
@@ -147,7 +147,7 @@ def _texts(record: tuple, template: chat.ChatTemplate | None) -> tuple[str, str,
   if template is None:
     raise ValueError(f"row {row} of {where!r} holds conversations, which need the checkpoint's chat template, and "
                      "the tokenizer's folder has none (chat_template.jinja or tokenizer_config.json's chat_template)")
-  p = _messages(prompt, where, row, "the prompt column") if prompt is not None else None
+  p = as_messages(prompt, where, row, "the prompt column") if prompt is not None else None
   if p is None and isinstance(prompt, str):
     p = [{"role": "user", "content": prompt}]
   if p is None:
@@ -159,6 +159,15 @@ def _texts(record: tuple, template: chat.ChatTemplate | None) -> tuple[str, str,
   # What the generation prompt adds may differ from how the template writes the reply's start: keep the shared part.
   prompt_text = "".join(x for x, _ in itertools.takewhile(lambda xy: xy[0] == xy[1], zip(prompt_text, with_chosen)))
   return prompt_text, with_chosen[len(prompt_text):], with_rejected[len(prompt_text):]
+
+
+def prompt_ids(tokenizer: tokenizers.Tokenizer, texts: list[str]) -> list[list[int]]:
+  """The prompts' ids as the module docstring makes them: tokenized without special tokens, then the tokenizer's BOS
+  in front where it has one and the text lacks it."""
+  # The tokens the tokenizer puts before a text (a BOS for Llama and Gemma; none for GPT-2 and Qwen).
+  prefix = tokenizer.encode("", add_special_tokens=True).ids
+  ids = [e.ids for e in tokenizer.encode_batch(texts, add_special_tokens=False)]
+  return [p if p[:len(prefix)] == prefix else [*prefix, *p] for p in ids]  # a template may write it already
 
 
 def response_end_id(tokenizer: tokenizers.Tokenizer, folder: str | None) -> int:
@@ -194,23 +203,14 @@ def build_preference_data(config: DataConfig, tokenizer: tokenizers.Tokenizer, s
     raise ValueError(f"the training data holds no pair with a non-empty prompt, chosen and rejected response "
                      f"({skipped} rows skipped); check the files and data.prompt_column / chosen_column / "
                      "rejected_column")
-  if not splits["eval"]:  # hold out a seeded random fraction
-    train = splits["train"]
-    if len(train) < 2:
-      raise ValueError("holding out eval pairs needs >= 2 training pairs; add data or give data.eval_files")
-    order = np.random.default_rng(seed).permutation(len(train))
-    held_out = min(len(train) - 1, max(1, round(config.eval_fraction * len(train))))
-    splits["eval"] = [train[i] for i in sorted(order[:held_out])]
-    splits["train"] = [train[i] for i in sorted(order[held_out:])]
-
-  # The tokens the tokenizer puts before a text (a BOS for Llama and Gemma; none for GPT-2 and Qwen).
-  prefix = tokenizer.encode("", add_special_tokens=True).ids
+  if not splits["eval"]:
+    splits["train"], splits["eval"] = hold_out(splits["train"], config.eval_fraction, seed)
 
   def encode(texts: list[tuple[str, str, str]]) -> list[Pair]:
     ids = lambda column: [e.ids for e in tokenizer.encode_batch([t[column] for t in texts],
                                                                 add_special_tokens=False)]
-    with_prefix = lambda p: p if p[:len(prefix)] == prefix else [*prefix, *p]  # a template may write it already
-    return [Pair(with_prefix(p), [*c, eos], [*r, eos], t) for p, c, r, t in zip(ids(0), ids(1), ids(2), texts)]
+    prompts = prompt_ids(tokenizer, [t[0] for t in texts])
+    return [Pair(p, [*c, eos], [*r, eos], t) for p, c, r, t in zip(prompts, ids(1), ids(2), texts)]
 
   pairs = {split: encode(texts) for split, texts in splits.items()}
   lengths = {split: np.array([len(p.prompt) + max(len(p.chosen), len(p.rejected)) - 1 for p in ps])
