@@ -8,7 +8,9 @@ and their gradient without [B, T, V] logits.
 Per completion token t of completion i, with the policy's log-prob l, the sampling-time one l_old, the reference's
 l_ref and the completion's advantage A_i (TRL `_compute_loss`):
   ratio    r = exp(l - l_old) per token, or (sequence: GSPO) exp(mean over the completion of l - l_old)
-  token    -min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A) + beta (exp(l_ref - l) - (l_ref - l) - 1)
+  token    -min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A) + beta r (exp(l_ref - l) - (l_ref - l) - 1)
+           (the k3 KL times r: TRL's use_bias_correction_kl, on by default, the unbiased reverse-KL gradient; r is
+           differentiable, so it changes the KL's gradient on-policy too, where its value is 1)
   grpo     mean over completions of each completion's token mean
   bnpo     sum over tokens / completion tokens
   dapo     the same (TRL: over the tokens of the whole generation batch; here always the whole batch)
@@ -82,7 +84,8 @@ def token_terms(logps, old_logps, ref_logps, advantages_N, mask, *, importance_s
   loss = -jnp.minimum(ratio * a, clipped * a)
   kl = None
   if beta:
-    kl = jnp.exp(ref_logps - logps) - (ref_logps - logps) - 1
+    # times the ratio: TRL's use_bias_correction_kl (its default); the kl metric is of this product too, as TRL's
+    kl = (jnp.exp(ref_logps - logps) - (ref_logps - logps) - 1) * ratio
     loss = loss + beta * kl
   return {"loss": loss, "ratio": ratio, "kl": kl, "low_clipped": (ratio < 1 - epsilon) & (a < 0),
           "high_clipped": (ratio > 1 + epsilon_high) & (a > 0)}
