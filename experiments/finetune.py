@@ -1,6 +1,7 @@
 """Fine-tune a pretrained model and evaluate it: a BERT encoder as a classifier (model.flavour=bert), a GPT-2 /
-Llama decoder on prompt/response pairs or conversations (model.flavour=gpt2 or llama: instruction tuning), or a
-decoder on preference pairs (preference.loss=dpo, ipo or simpo: preference tuning).
+Llama decoder on prompt/response pairs or conversations (model.flavour=gpt2 or llama: instruction tuning), a
+decoder on preference pairs (preference.loss=dpo, ipo or simpo: preference tuning), or a decoder on its own sampled
+completions scored by reward functions (rl.loss=dapo, grpo, dr_grpo or bnpo: online RL).
 
   python experiments/finetune.py --config=experiments/configs/finetune_bert.py --workdir=runs/ft \
       --config.data.train_files=train.csv --config.data.eval_files=test.csv --config.data.label_column=label
@@ -8,6 +9,9 @@ decoder on preference pairs (preference.loss=dpo, ipo or simpo: preference tunin
       --config.init_from=path/to/hf_gpt2_folder --config.data.train_files=pairs.jsonl
   python experiments/finetune.py --config=experiments/configs/finetune_preferences.py --workdir=runs/dpo \
       --config.init_from=path/to/hf_decoder_folder --config.data.train_files=preferences.jsonl
+  python experiments/finetune.py --config=experiments/configs/finetune_rl.py --workdir=runs/rl \
+      --config.init_from=path/to/hf_decoder_folder --config.data.train_files=prompts.jsonl \
+      --config.rl.rewards=jaxlm.recipes.rewards:exact_answer
 
 Writes metrics.jsonl, TensorBoard events, checkpoints/, eval.json and report.md into --workdir (a classifier also
 best_model/, a decoder hf_model/, both HF folders); re-running with the same --workdir resumes. See
@@ -22,7 +26,7 @@ from ml_collections import config_flags
 from jaxlm import cli
 from jaxlm import config as config_lib
 from jaxlm.parallel import distributed
-from jaxlm.recipes import classifier_finetuning, instruction_tuning, preference_tuning
+from jaxlm.recipes import classifier_finetuning, instruction_tuning, policy_optimization, preference_tuning
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file (experiments/configs/*.py)",
                                           lock_config=True)
@@ -40,7 +44,9 @@ def main(argv):
     raise ValueError(f"init_from={config.init_from!r} is not a folder; give an HF checkpoint folder or a jaxlm run "
                      "workdir")
   distributed.initialize()
-  if config.preference.loss:
+  if config.rl.loss:
+    tune = policy_optimization.policy_optimize
+  elif config.preference.loss:
     tune = preference_tuning.preference_tune
   else:
     tune = classifier_finetuning.finetune if config.model.flavour == "bert" else instruction_tuning.instruction_tune
@@ -48,6 +54,11 @@ def main(argv):
   if "preempted_at_step" in result:
     print(f"stopped by a signal after step {result['preempted_at_step']} (checkpoint saved); "
           f"re-run the same command to resume")
+    return
+  if config.rl.loss:
+    print(f"done: {config.rl.loss} eval_reward {result['eval_reward']:.4f}, eval_accuracy {result['eval_accuracy']:.3f} "
+          f"(before tuning {result.get('start_eval_accuracy', float('nan')):.3f}) on {result['eval_prompts']} held-out "
+          f"prompts; eval.json, report.md, rollouts.jsonl and hf_model/ in {_WORKDIR.value}")
     return
   if config.preference.loss:
     print(f"done: {config.preference.loss} eval_preference_loss {result['eval_preference_loss']:.4f}, "

@@ -395,7 +395,9 @@ def from_config_dict(cd: ml_collections.ConfigDict | dict) -> Config:
     if unknown:
       raise ValueError(f"unknown config key {field.name}.{unknown[0]}; known keys: {', '.join(sorted(known))}")
     for name, value in values.items():
-      if isinstance(value, list):
+      if isinstance(value, (list, tuple)) and known[name].type == "tuple[float, ...]":  # flags may give strings
+        values[name] = tuple(float(v) for v in value if v != "")
+      elif isinstance(value, list):
         values[name] = tuple(value)
       elif isinstance(value, str) and known[name].type in ("tuple[str, ...]",):
         values[name] = tuple(p for p in value.split(",") if p)

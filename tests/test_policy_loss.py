@@ -96,7 +96,8 @@ def test_whole_batch_normalisation_of_one_batch_is_policy_loss(loss):
   expected = policy_loss.policy_loss(logps, batch["old_logp"], batch["ref_logp"], batch["advantages"],
                                      batch["loss_mask"], loss=loss, beta=0.04, max_completion_length=C)
   np.testing.assert_allclose(total / N, expected, rtol=1e-6)
-  kl = jnp.exp(batch["ref_logp"] - logps) - (batch["ref_logp"] - logps) - 1
+  # TRL's k3 estimator times the importance ratio (its use_bias_correction_kl, on by default)
+  kl = (jnp.exp(batch["ref_logp"] - logps) - (batch["ref_logp"] - logps) - 1) * jnp.exp(logps - batch["old_logp"])
   np.testing.assert_allclose(metrics["kl"] / N, (kl * batch["loss_mask"]).sum() / batch["loss_mask"].sum(),
                              rtol=1e-6)
 
