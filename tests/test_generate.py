@@ -1,6 +1,8 @@
-"""KV-cache decoding equals recomputing the whole sequence (1 and 4 devices, packed documents); sampling filters;
-batched generation of prompts of different lengths; stop tokens; the int8 KV cache (logits near the float cache's,
-the same greedy tokens, with float and int8 weights; its bytes); the experiments/generate.py loader."""
+"""KV-cache decoding equals recomputing the whole sequence (1 and 4 devices, packed documents); sampling filters (the
+top-k candidates' cutoff equals a full sort's, draws follow the filtered distribution, settings that need no filter
+run none); batched generation of prompts of different lengths; stop tokens; the group sampler (greedy groups, stops,
+1 vs 4 devices); the int8 KV cache (logits near the float cache's, the same greedy tokens, with float and int8
+weights; its bytes); the experiments/generate.py loader."""
 
 import dataclasses
 import json
@@ -123,6 +125,99 @@ def test_filters_keep_the_top_k_and_the_nucleus():
   assert kept(generate.filter_logits(logits, one, 0, one)) == [True] * 4
 
 
+def _sorted_filter(logits, temperature, top_k, top_p):
+  """The filter as a full sort of every row computes it (jaxlm's before the top-k candidates): the reference."""
+  logits = logits.astype(jnp.float32) / jnp.maximum(temperature, 1e-6)
+  sorted_BV = jnp.sort(logits, axis=-1)[:, ::-1]
+  v = logits.shape[-1]
+  k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)
+  sorted_BV = jnp.where(jnp.arange(v)[None, :] < k, sorted_BV, -jnp.inf)
+  probs_BV = jax.nn.softmax(sorted_BV, axis=-1)
+  kept_BV = ((jnp.cumsum(probs_BV, axis=-1) - probs_BV) < jnp.where(top_p < 1.0, top_p, jnp.inf)) & (
+      jnp.arange(v)[None, :] < k)
+  cutoff_B1 = jnp.min(jnp.where(kept_BV, sorted_BV, jnp.inf), axis=-1, keepdims=True)
+  return jnp.where(logits < cutoff_B1, -jnp.inf, logits)
+
+
+FILTER_VOCAB = 5000  # above both NUCLEUS_TIERS, so every tier and the full sort get their turn
+
+
+def _filter_logits():
+  """Rows [8, FILTER_VOCAB] from sharp to flat, on a grid of 1/4 (ties everywhere, also at the k-th token)."""
+  rng = np.random.default_rng(0)
+  scales = np.array([40.0, 20.0, 8.0, 3.0, 1.0, 0.3, 0.05, 0.0])[:, None]  # the last row: every token tied
+  return jnp.asarray(np.round(rng.standard_normal((8, FILTER_VOCAB)) * scales * 4) / 4, jnp.float32)
+
+
+def test_filter_equals_a_full_sort_on_every_path_with_ties():
+  assert max(generate.NUCLEUS_TIERS) < FILTER_VOCAB
+  logits = _filter_logits()
+  ours, reference = jax.jit(generate.filter_logits), jax.jit(_sorted_filter)
+  kept_sizes = set()
+  for temperature in (1.0, 0.5, 2.0):
+    for top_k in (0, 1, 3, 50, 256, 257, 1000, 4096, 4500, FILTER_VOCAB, FILTER_VOCAB + 7):
+      for top_p in (1.0, 0.95, 0.5, 1e-3):
+        args = (logits, np.float32(temperature), np.int32(top_k), np.float32(top_p))
+        want = np.asarray(reference(*args))
+        np.testing.assert_array_equal(np.asarray(ours(*args)), want, err_msg=f"{temperature=} {top_k=} {top_p=}")
+        kept_sizes.update(np.isfinite(want).sum(-1).tolist())
+  # The cases covered: one token, a nucleus within each tier, beyond both (the sort), and every tied token kept.
+  tiers = generate.NUCLEUS_TIERS
+  assert 1 in kept_sizes and FILTER_VOCAB in kept_sizes
+  assert any(1 < n <= tiers[0] for n in kept_sizes) and any(tiers[0] < n <= tiers[1] for n in kept_sizes)
+  assert any(tiers[1] < n < FILTER_VOCAB for n in kept_sizes)
+
+
+def _frequencies(tokens, v):
+  return np.bincount(np.asarray(tokens).ravel(), minlength=v) / np.asarray(tokens).size
+
+
+def _chi_square_fits(got, want, rows):
+  """Whether frequencies `got` of `rows` draws fit probabilities `want`: Pearson's chi-square over bins of tokens
+  pooled (least likely first) until each expects 100 draws, below its mean + 5 standard deviations."""
+  observed, expected, bins = 0.0, 0.0, []
+  for token in np.argsort(want):
+    observed, expected = observed + got[token] * rows, expected + want[token] * rows
+    if expected >= 100:
+      bins.append((observed, expected))
+      observed, expected = 0.0, 0.0
+  chi2 = sum((o - e) ** 2 / e for o, e in bins)
+  return chi2 < len(bins) - 1 + 5 * np.sqrt(2 * (len(bins) - 1))
+
+
+def test_draws_follow_the_filtered_distribution():
+  """Many rows of one set of logits, one draw each: the frequencies match softmax(filter_logits) and never fall
+  outside it, on the candidates' path, the whole row's (tokens tied with the last candidate) and without a filter."""
+  v, rows = 600, 20000
+  rng = np.random.default_rng(1)
+  spread = np.round(rng.standard_normal(v) * 8) / 4  # ties
+  spread[:300] = np.sort(spread[:300])[::-1]
+  spread[250:300] = spread[250]  # 50 tokens tied around the 256th largest: top_k=256 keeps all of them
+  spread[300:] = np.minimum(spread[300:], spread[250] - 1.0)
+  logits = jnp.asarray(np.broadcast_to(rng.permutation(spread), (rows, v)), jnp.float32)
+  draw = jax.jit(generate.sample)
+  for temperature, top_k, top_p in ((1.0, 0, 1.0), (1.0, 5, 1.0), (0.7, 0, 0.8), (1.5, 40, 0.9), (1.0, 256, 1.0)):
+    settings = (np.float32(temperature), np.int32(top_k), np.float32(top_p))
+    want = np.asarray(jax.nn.softmax(generate.filter_logits(logits[:1], *settings)))[0]
+    got = _frequencies(draw(logits, jax.random.key(top_k), *settings), v)
+    assert np.all(got[want == 0] == 0), (temperature, top_k, top_p)
+    assert _chi_square_fits(got, want, rows), (temperature, top_k, top_p)
+  with_minus_inf = jnp.asarray([[0.0, -jnp.inf, 1.0, 2.0, -jnp.inf]] * rows)
+  got = _frequencies(generate.categorical(jax.random.key(5), with_minus_inf), 5)
+  assert _chi_square_fits(got, np.asarray(jax.nn.softmax(with_minus_inf[0])), rows)
+  assert got[1] == got[4] == 0
+
+
+def test_settings_that_need_no_filter_run_none():
+  """Greedy, unfiltered and filtered sampling are branches of lax.cond on the traced settings: the sort, the
+  candidates and the random draw all sit inside branches, none at the top of the program."""
+  logits = jnp.zeros((2, 1000))
+  jaxpr = jax.make_jaxpr(generate.sample)(logits, jax.random.key(0), np.float32(0), np.int32(0), np.float32(1))
+  top = {e.primitive.name for e in jaxpr.jaxpr.eqns}
+  assert "cond" in top and not top & {"sort", "top_k", "random_bits", "random_wrap", "threefry2x32"}
+  assert np.asarray(generate.sample(logits.at[1, 7].set(1), jax.random.key(0), 0.0, 0, 1.0)).tolist() == [0, 7]
+
+
 def test_sampling_is_seeded_and_top_k_1_is_greedy():
   graphdef, params = _split("llama_gqa")
   prompts = [[3, 4, 5], [7, 8, 9, 10, 11]]
@@ -145,6 +240,63 @@ def test_kv_cache_and_generation_on_a_four_device_mesh_equal_one_device():
   _assert_close(cached, _full(graphdef, params, TOKENS, POSITIONS, SEGMENTS))
   prompts = [[3, 4, 5], [7, 8, 9, 10, 11]]
   assert generate.generate(graphdef, sharded, prompts, 6) == generate.generate(graphdef, params, prompts, 6)
+
+
+def _groups(graphdef, params, prompts, key, **settings):
+  """sample_groups inside a jitted function, as an RL step calls it, on the prompts left-padded to one width."""
+  tokens, pads = generate.left_pad(prompts, 16)
+
+  @jax.jit
+  def run(params, tokens, pads, key):
+    return generate.sample_groups(nnx.merge(graphdef, params), tokens, pads, key, **settings)
+
+  return np.asarray(run(params, tokens, pads, key))
+
+
+GROUP_PROMPTS = [[3, 4, 5], [7, 8, 9, 10, 11], [42]]
+
+
+def test_greedy_groups_repeat_the_greedy_generation():
+  graphdef, params = _split("llama_gqa")
+  out = _groups(graphdef, params, GROUP_PROMPTS, jax.random.key(0), num_generations=3, max_new_tokens=6,
+                temperature=0.0)
+  greedy = generate.generate(graphdef, params, GROUP_PROMPTS, 6)
+  assert out.shape == (9, 6) and out.tolist() == [row for row in greedy for _ in range(3)]
+
+
+def test_sampled_groups_stop_pad_and_repeat_exactly():
+  graphdef, params = _split("llama_gqa")
+  stops = list(range(0, 300, 3))  # a third of the vocabulary: most rows stop within a few tokens
+  settings = dict(num_generations=4, max_new_tokens=8, temperature=3.0, top_k=100, top_p=0.95, stop_ids=stops,
+                  pad_id=299)
+  out = _groups(graphdef, params, GROUP_PROMPTS, jax.random.key(1), **settings)
+  assert out.shape == (12, 8)
+  ends = []
+  for row in out.tolist():
+    hits = [i for i, t in enumerate(row) if t in stops]
+    ends.append(hits[0] + 1 if hits else len(row))
+    assert row[ends[-1]:] == [299] * (len(row) - ends[-1])
+  assert min(ends) < 8 and len({tuple(r) for r in out.tolist()}) > 3  # rows stopped early; the samples differ
+  np.testing.assert_array_equal(_groups(graphdef, params, GROUP_PROMPTS, jax.random.key(1), **settings), out)
+
+
+def test_groups_on_a_four_device_mesh_equal_one_device():
+  graphdef, params = _split("llama_gqa")
+  prompts = GROUP_PROMPTS + [[1, 2]]  # four prompts: two per data shard
+  settings = dict(num_generations=3, max_new_tokens=6, temperature=1.5, top_k=50, top_p=0.9, stop_ids=[7])
+  mesh = sharding.make_mesh(MeshConfig(data=2, fsdp=1, tensor=2), jax.devices()[:4])
+  sharded = jax.device_put(params, sharding.param_shardings(nnx.split(nnx.merge(graphdef, params))[1], mesh))
+  tokens, pads = generate.left_pad(prompts, 16)
+  tokens, pads = (jax.device_put(x, sharding.batch_sharding(mesh, x.ndim)) for x in (tokens, pads))
+
+  @jax.jit
+  def run(params, tokens, pads, key):
+    return generate.sample_groups(nnx.merge(graphdef, params), tokens, pads, key, **settings)
+
+  with jax.set_mesh(mesh):
+    on_mesh = run(sharded, tokens, pads, jax.random.key(2))
+  assert len(on_mesh.sharding.device_set) == 4
+  np.testing.assert_array_equal(np.asarray(on_mesh), _groups(graphdef, params, prompts, jax.random.key(2), **settings))
 
 
 # Three prompts within one prompt bucket and six new tokens: the float run shares its compiled program with
