@@ -168,6 +168,21 @@ def test_filter_equals_a_full_sort_on_every_path_with_ties():
   assert any(tiers[1] < n < FILTER_VOCAB for n in kept_sizes)
 
 
+def test_top_candidates_of_a_long_row_equal_lax_top_k_with_ties():
+  """Over 70,000 entries the candidates come from the blocks with the largest maxima: the same values as lax.top_k
+  (tied ones may carry other ids), and the filter built on them still equals the full sort."""
+  v = 70000
+  assert 256 * generate.TOP_K_BLOCK * 4 <= v  # the two-step path
+  logits = jnp.asarray(np.round(np.random.default_rng(2).standard_normal((4, v)) * 12) / 4, jnp.float32)
+  values, ids = jax.jit(generate.top_candidates, static_argnums=1)(logits, 256)
+  np.testing.assert_array_equal(values, jax.lax.top_k(logits, 256)[0])
+  np.testing.assert_array_equal(np.take_along_axis(np.asarray(logits), np.asarray(ids), -1), values)
+  assert all(len(set(row)) == 256 for row in np.asarray(ids).tolist())
+  for top_k, top_p in ((50, 0.95), (0, 0.9), (300, 1.0)):
+    args = (logits, np.float32(1.0), np.int32(top_k), np.float32(top_p))
+    np.testing.assert_array_equal(jax.jit(generate.filter_logits)(*args), jax.jit(_sorted_filter)(*args))
+
+
 def _frequencies(tokens, v):
   return np.bincount(np.asarray(tokens).ravel(), minlength=v) / np.asarray(tokens).size
 
