@@ -13,8 +13,9 @@ does before its prefill; greedy search refuses that argument). --shapes lists pr
 generations (1x1: batch 1; 1x8 and 8x8: 8 and 64 rows). --settings: greedy; sampled (temperature 1, no filter);
 top_k50_top_p095 (temperature 1, top-k 50, then top-p 0.95). Neither stops early: jaxlm gets no stop tokens and HF
 no eos_token_id, so every row makes exactly --new_tokens tokens (checked). Each (shape, setting, framework) is
-called twice and the second call timed (the first compiles / warms up); the time includes the prefill and the
-tokens' copy to the host. tokens/s = rows x new tokens / seconds.
+called once untimed (jaxlm compiles, HF warms up), then timed --rounds times, the frameworks taking turns, and the
+median reported (a shared machine's load comes in bursts); the time includes the prefill and the tokens' copy to the
+host. tokens/s = rows x new tokens / seconds.
 
 Beside them, the limit a decode step can reach on this machine: the bytes of the weights one step reads (every
 parameter once: the layers and the [V, D] output table) over the memory bandwidth of a large numpy copy (read +
@@ -28,6 +29,7 @@ from __future__ import annotations
 import functools
 import os
 import platform
+import statistics
 import sys
 import time
 
@@ -46,6 +48,8 @@ _SHAPES = flags.DEFINE_list("shapes", ["1x1", "1x8", "8x8"], "prompts x generati
 _SETTINGS = flags.DEFINE_list("settings", ["greedy", "sampled", "top_k50_top_p095"], "sampling settings")
 _FRAMEWORKS = flags.DEFINE_list("frameworks", ["jaxlm", "hf"], "jaxlm and/or hf")
 _NEW = flags.DEFINE_integer("new_tokens", 32, "tokens generated per row (no early stop)")
+_ROUNDS = flags.DEFINE_integer("rounds", 3, "timed calls per framework and setting (after one untimed call); the "
+                               "median is reported")
 _OUT = flags.DEFINE_string("out", "", "results JSON (and a .md beside it)")
 
 SETTINGS = {  # (temperature, top_k, top_p)
@@ -138,13 +142,15 @@ def hf_runner(model, prompts, generations, new_tokens):
 
 def markdown(result: dict) -> str:
   rows = ["| setting | prompts x generations (rows) | jaxlm tokens/s | HF tokens/s | jaxlm / HF | jaxlm ms per step "
-          "| memory limit tokens/s | compute limit tokens/s |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+          "| memory limit tokens/s | compute limit tokens/s | jaxlm / limit |",
+          "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
   for key, row in result["rows"].items():
     setting, shape = key.split("/")
     cell = lambda name, fmt="{:,.1f}": fmt.format(row[name]) if name in row else "-"  # noqa: E731
     rows.append(f"| {setting} | {shape} ({row['rows']}) | {cell('jaxlm_tokens_per_s')} | {cell('hf_tokens_per_s')} "
                 f"| {cell('jaxlm_vs_hf', '{:.2f}x')} | {cell('jaxlm_ms_per_step')} "
-                f"| {row['memory_limit_tokens_per_s']:,.1f} | {row['compute_limit_tokens_per_s']:,.1f} |")
+                f"| {row['memory_limit_tokens_per_s']:,.1f} | {row['compute_limit_tokens_per_s']:,.1f} "
+                f"| {cell('jaxlm_of_limit', '{:.0%}')} |")
   limit = result["decode_step_limit"]
   m = result["machine"]
   return "\n".join([
@@ -153,8 +159,9 @@ def markdown(result: dict) -> str:
       f"`{result['command']}`",
       "",
       f"{result['model']}, {result['new_tokens']} new tokens per row (no early stop), prompts of "
-      f"{min(result['prompt_tokens'])}-{max(result['prompt_tokens'])} tokens; the second of two calls timed, prefill "
-      f"included. Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB, load average "
+      f"{min(result['prompt_tokens'])}-{max(result['prompt_tokens'])} tokens; after an untimed first call, the median "
+      f"of {result['rounds']} timed calls, the frameworks taking turns, prefill included. Machine: {m['cpu']}, "
+      f"{m['cores']} cores, {m['memory_gib']} GiB, load average "
       f"{m['load_average_at_start'][0]:.1f} at the start and {m['load_average_at_end'][0]:.1f} at the end (shared "
       f"with other work); jax {m['jax']}, torch {m['torch']} ({m['torch_threads']} threads), transformers "
       f"{m['transformers']}.",
@@ -165,7 +172,7 @@ def markdown(result: dict) -> str:
       f"{limit['copy_bandwidth_gb_per_s']:.1f} GB/s (read + write), so a step takes at least "
       f"{limit['memory_floor_ms_per_step']:.1f} ms (memory limit = rows / that). Its matmuls do 2 x "
       f"{limit['parameters'] / 1e6:.0f}M FLOPs per row; a numpy f32 matmul runs {limit['matmul_gflop_per_s']:.1f} "
-      f"GFLOP/s (compute limit). The slower of the two bounds each row.",
+      f"GFLOP/s (compute limit). The lower of the two is each row's limit.",
       ""])
 
 
@@ -180,7 +187,7 @@ def main(argv):
   if max(p for p, _ in shapes) > len(PROMPTS):
     raise ValueError(f"--shapes: at most {len(PROMPTS)} prompts")
   result = {"command": " ".join(["python", *sys.argv]), "model": _MODEL.value, "new_tokens": _NEW.value,
-            "machine": machine(), "rows": {}}
+            "rounds": _ROUNDS.value, "machine": machine(), "rows": {}}
   config, graphdef, params, tokenizer, _ = trained_runs.load_decoder(_MODEL.value)
   bos = 2  # Gemma's <bos>, first in every prompt for both frameworks
   prompts = [[bos] + [t for t in tokenizer.encode(text).ids if t != bos] for text in PROMPTS]
@@ -218,17 +225,26 @@ def main(argv):
       row["compute_limit_tokens_per_s"] = flops / (2 * parameters)  # per token, whatever the batch
       row["limit_tokens_per_s"] = rows / step_s
       outputs = {}
-      for name, run in runners.items():
-        first, first_s = _timed(functools.partial(run, SETTINGS[setting], 0))
-        out, seconds = _timed(functools.partial(run, SETTINGS[setting], 1))
-        if out.shape != (rows, _NEW.value):
-          raise RuntimeError(f"{name} made {out.shape} tokens, not {(rows, _NEW.value)}: it stopped early")
-        outputs[name] = out
-        row[f"{name}_first_call_s"], row[f"{name}_s"] = first_s, seconds
+      for r in range(_ROUNDS.value):  # the frameworks take turns, so a burst of load from elsewhere hits both
+        for name, run in runners.items():
+          if r == 0:  # compiles (jaxlm) or warms up (HF)
+            row[f"{name}_first_call_s"] = _timed(functools.partial(run, SETTINGS[setting], 0))[1]
+          out, seconds = _timed(functools.partial(run, SETTINGS[setting], 1 + r))
+          if out.shape != (rows, _NEW.value):
+            raise RuntimeError(f"{name} made {out.shape} tokens, not {(rows, _NEW.value)}: it stopped early")
+          outputs[name] = out
+          row.setdefault(f"{name}_times_s", []).append(seconds)
+          print(f"{setting:18s} {n_prompts}x{g} ({rows:2d} rows)  {name:5s} round {r}: "
+                f"{1e3 * seconds / _NEW.value:.0f} ms per token step", flush=True)
+      for name in outputs:
+        seconds = statistics.median(row[f"{name}_times_s"])
+        row[f"{name}_s"] = seconds
         row[f"{name}_tokens_per_s"] = rows * _NEW.value / seconds
         row[f"{name}_ms_per_step"] = 1e3 * seconds / _NEW.value
         print(f"{setting:18s} {n_prompts}x{g} ({rows:2d} rows)  {name:5s} {row[f'{name}_tokens_per_s']:8.1f} tokens/s "
-              f"({row[f'{name}_ms_per_step']:.0f} ms per token step; first call {first_s:.1f} s)", flush=True)
+              f"(median of {_ROUNDS.value}; first call {row[f'{name}_first_call_s']:.1f} s)", flush=True)
+      if "jaxlm" in outputs:
+        row["jaxlm_of_limit"] = row["jaxlm_tokens_per_s"] / row["limit_tokens_per_s"]
       if len(outputs) == 2:
         row["jaxlm_vs_hf"] = row["jaxlm_tokens_per_s"] / row["hf_tokens_per_s"]
         if setting == "greedy":  # the same model: greedy tokens agree until float rounding flips a near-tie
