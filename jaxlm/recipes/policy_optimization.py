@@ -16,7 +16,7 @@ through the one training loop.
               (rollout_batch.npz) so a run resumed mid-cycle trains on the same batch.
   eval        greedy answers to the held-out prompts, scored by the same rewards, before tuning (start_eval.json),
               every train.eval_every_steps and at the end (eval.json): eval_reward, eval_reward/<function>,
-              eval_accuracy (the share whose first reward function scores above 0), eval_completion_length.
+              eval_accuracy (the share that every reward function scores above 0), eval_completion_length.
   files       rollouts.jsonl (a few completions with their rewards at every logged step), answers.json and
               report.md (held-out answers before and after, the reward curve), hf_model/ (and adapter/ with LoRA).
 """
@@ -45,7 +45,7 @@ from jaxlm.recipes import data_defaults, instruction_tuning
 from jaxlm.recipes import features as features_lib
 from jaxlm.recipes import rewards as rewards_lib
 from jaxlm.recipes.rollouts import Rollout, RolloutSampler, PromptBatches
-from jaxlm.training import atomic_files, loop, optim, policy_loss, reliability, telemetry
+from jaxlm.training import atomic_files, loop, optim, policy_loss, reliability, report, telemetry
 from jaxlm.training import steps as steps_lib
 
 ROLLOUTS = "rollouts.jsonl"  # a few completions of every logged step, with their rewards and advantages
@@ -109,7 +109,9 @@ def policy_task(config: Config, workdir: str, mesh: Mesh, kernels: Kernels) -> t
   per_step: dict[int, dict[str, float]] = {}  # host metrics of the steps not yet written
   cycle: dict[str, Any] = {}  # rl.num_iterations > 1: {"start": step, "rows": this process's rows}
   latest: dict[str, Any] = {}
-  sampling = {"seconds": 0.0}  # the rollout time of the step being counted (0 for a step that reuses one)
+  # The share of each step spent sampling: its rollout's seconds over the time from its prepare to the next one
+  # (sampling, the update and the host's work), evaluation excluded; the loop's own step clock runs one step late.
+  clock: dict[str, Any] = {"step": None, "started": 0.0, "eval": 0.0}
   log_every = config.log.every_steps
 
   def evaluate(params) -> tuple[dict[str, float], list[str]]:
@@ -144,8 +146,17 @@ def policy_task(config: Config, workdir: str, mesh: Mesh, kernels: Kernels) -> t
       _truncate_log(rollouts_log, start_step)
     return state
 
+  def close_step(now: float) -> None:
+    if clock["step"] in per_step:
+      seconds = now - clock["started"] - clock["eval"]
+      per_step[clock["step"]]["sampling_share"] = per_step[clock["step"]]["sampling_sec"] / max(seconds, 1e-9)
+    clock.update(step=None, eval=0.0)
+
   def prepare(state, step: int, indices: np.ndarray) -> dict[str, np.ndarray]:
     """The rows of `step`'s rollout batch this process trains on (sampled now, or kept from the cycle's start)."""
+    now = time.perf_counter()
+    close_step(now)
+    clock.update(step=step, started=now)
     first = step - (step - 1) % rl.num_iterations  # the step that sampled this cycle's rollout
     if first != step:  # the cycle's rollout again (kept in the workdir for a run resumed inside the cycle)
       if cycle.get("start") != first:
@@ -155,7 +166,6 @@ def policy_task(config: Config, workdir: str, mesh: Mesh, kernels: Kernels) -> t
       return cycle["rows"]
     rollout: Rollout = sampler.rollout(state, [data.train.ids[i] for i in indices],
                                        jax.random.fold_in(jax.random.key(t.seed), step))
-    sampling["seconds"] = sampler.last_seconds
     texts = [decoder.tokenizer.decode(ids) for ids in rollout.completion_texts_ids]
     completions = [[{"role": "assistant", "content": x}] for x in texts] if data.conversational else texts
     g = rl.num_generations
@@ -177,21 +187,23 @@ def policy_task(config: Config, workdir: str, mesh: Mesh, kernels: Kernels) -> t
     return rows
 
   def host_metrics(step: int) -> dict[str, float]:
+    if clock["step"] == step:  # the run's last step (its update is done: the loop has waited for it)
+      close_step(time.perf_counter())
     return per_step.pop(step, {})
 
   def count(local: dict) -> dict[str, float]:
     processes = jax.process_count()
-    # sampling_seconds / step seconds: the share of the step spent sampling (renamed sampling_share)
-    seconds, sampling["seconds"] = sampling["seconds"], 0.0
     (n, width), c = local["inputs"].shape, local["targets"].shape[1]
     body = telemetry.flops_per_token(model_config, width, lora=config.lora) - head_flops
     flops = n * (width * body + c * (head_flops + 2 * model_config.d_model * model_config.vocab_size))
     return {"tokens": float(local["inputs"].size) * processes,
             "completion_tokens": float(local["loss_mask"].sum()) * processes,
-            "flops": flops * processes, "sampling_seconds": seconds}
+            "flops": flops * processes}
 
   def evaluate_step(step: int, params) -> dict[str, float]:
+    started = time.perf_counter()
     metrics, answers = evaluate(params)
+    clock["eval"] += time.perf_counter() - started
     latest.clear()
     latest.update(metrics)
     latest["answers"] = answers
@@ -211,7 +223,10 @@ def policy_task(config: Config, workdir: str, mesh: Mesh, kernels: Kernels) -> t
                    "eval_prompts": len(data.eval), "final_train_loss": end.last.get("loss"),
                    "init_from": config.init_from, "rollout_compiles": sampler.compiles,
                    "wall_time_sec": end.facts["wall_time_sec"], "devices": jax.device_count()})
-    result.update({k: v for k, v in end.rates.items() if k.endswith("_per_sec") or k in ("mfu", "sampling_share")})
+    result.update({k: v for k, v in end.rates.items() if k.endswith("_per_sec") or k == "mfu"})
+    shares = [x["sampling_share"] for x in report.read_metrics(workdir) if "sampling_share" in x]
+    if shares:  # the mean over the logged lines (steps that reuse a rollout count as 0)
+      result["sampling_share"] = float(np.mean(shares))
     result.update(lora.state_bytes(end.state))
     result.update(saved)
     atomic_files.write_json_on_process_0(os.path.join(workdir, "eval.json"), result)
@@ -229,8 +244,7 @@ def policy_task(config: Config, workdir: str, mesh: Mesh, kernels: Kernels) -> t
       batches=PromptBatches(len(data.train), prompts_per_step, t.seed, d.shuffle), count=count,
       evaluate=evaluate_step, finish=finish, start=start, prepare=prepare, host_metrics=host_metrics,
       features=features,
-      renames={"token_accuracy": "frac_positive_advantage", "tokens": "completions_in_step",
-               "sampling_seconds_per_sec": "sampling_share"})
+      renames={"token_accuracy": "frac_positive_advantage", "tokens": "completions_in_step"})
 
 
 def _write_cycle(path: str, step: int, rows: dict[str, np.ndarray], metrics: dict[str, float]) -> None:
@@ -274,7 +288,6 @@ def _truncate_log(path: str, last_step: int) -> None:
 
 def reward_curve(workdir: str) -> str:
   """reward_curve.png (mean reward of the rollouts and of the held-out greedy answers by step) and its markdown."""
-  from jaxlm.training import report  # the report's reader of metrics.jsonl
   records = report.read_metrics(workdir)
   train = [(r["step"], r["reward"]) for r in records if "reward" in r]
   held_out = [(r["step"], r["eval_reward"]) for r in records if "eval_reward" in r]

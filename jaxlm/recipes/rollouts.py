@@ -182,8 +182,8 @@ class RolloutSampler:
   def evaluate(self, params, rows, conversational: bool, functions, tokenizer, count: int, batch: int
                ) -> tuple[dict[str, float], list[str]]:
     """Greedy answers to the first `count` held-out prompts (`rows`: PromptRows), scored by the reward functions:
-    eval_reward (mean weighted total), eval_reward/<name>, eval_accuracy (share whose first function scores above
-    0), eval_completion_length; and the answers' texts."""
+    eval_reward (mean weighted total), eval_reward/<name>, eval_accuracy (the share that every function scores
+    above 0), eval_completion_length; and the answers' texts."""
     texts, ids_out, lengths = [], [], []
     for begin in range(0, count, batch):
       chunk = [rows.ids[i] for i in range(begin, min(begin + batch, count))]
@@ -202,7 +202,7 @@ class RolloutSampler:
     scores = rewards_lib.score(functions, list(rows.prompts[:count]), completions, ids_out, columns)
     total = rewards_lib.weighted_total(scores, [f.weight for f in functions])
     metrics = {"eval_reward": float(np.nanmean(total)) if np.isfinite(total).any() else 0.0,
-               "eval_accuracy": float(np.mean(np.nan_to_num(scores[:, 0], nan=0.0) > 0)),
+               "eval_accuracy": float(np.mean(np.all(np.nan_to_num(scores, nan=0.0) > 0, axis=1))),
                "eval_completion_length": float(np.mean(lengths))}
     for j, fn in enumerate(functions):
       column = scores[:, j]
