@@ -340,6 +340,7 @@ class RLConfig:
   temperature: float = _ranged(1.0, 0, low_open=True)  # sampling temperature of the rollouts
   top_p: float = _ranged(1.0, 0, 1, low_open=True)  # nucleus of the rollouts; 1 = off
   top_k: int = _ranged(0, 0, note="0 = off")  # the rollouts draw from the k most likely tokens; 0 = off
+  stop_tokens: tuple[str, ...] = ()  # tokens (as the tokenizer spells them) that end a completion besides the EOS
   rewards: tuple[str, ...] = ()  # reward functions, "module:function" or "path.py:function", comma-separated
   reward_weights: tuple[float, ...] = ()  # one weight per reward function; empty = all 1
   max_prompt_length: int = _ranged(0, 0, note="0 = what the position table leaves")  # longer prompts are dropped
@@ -397,6 +398,8 @@ def from_config_dict(cd: ml_collections.ConfigDict | dict) -> Config:
     for name, value in values.items():
       if isinstance(value, (list, tuple)) and known[name].type == "tuple[float, ...]":  # flags may give strings
         values[name] = tuple(float(v) for v in value if v != "")
+      elif isinstance(value, (list, tuple)) and known[name].type == "tuple[str, ...]":  # `--config.x=` is empty
+        values[name] = tuple(v for v in value if v != "")
       elif isinstance(value, list):
         values[name] = tuple(value)
       elif isinstance(value, str) and known[name].type in ("tuple[str, ...]",):

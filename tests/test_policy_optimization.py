@@ -80,7 +80,7 @@ def _overrides(setup, **changes) -> dict:
 
 def _config(setup, **changes):
   config = load_script("experiments/configs/finetune_rl.py").get_config()  # what the one-device command reads
-  config.rl.reward_weights = ()
+  config.rl.reward_weights, config.rl.stop_tokens = (), ()  # the tiny tokenizer's EOS ends completions
   for key, value in _overrides(setup, **changes).items():
     if "." in key:
       section, name = key.split(".")
@@ -142,7 +142,7 @@ def test_one_device_gives_the_losses_of_four(setup, tmp_path):
   flags = [f"--config.{k}={','.join(v) if isinstance(v, tuple) else v}" for k, v in _overrides(setup).items()]
   command = [sys.executable, os.path.join(ROOT, "experiments", "finetune.py"),
              "--config=" + os.path.join(ROOT, "experiments", "configs", "finetune_rl.py"), f"--workdir={workdir}",
-             "--config.rl.reward_weights=", *flags,
+             "--config.rl.reward_weights=", "--config.rl.stop_tokens=", *flags,
              # one device picks the CPU's fused attention and BLAS matmuls: the 4-device run's kernels instead, so
              # the two runs differ by their layout alone
              *[f"--config.kernels.{k}={v}" for k, v in kernels.items()]]

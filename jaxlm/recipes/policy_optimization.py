@@ -74,6 +74,13 @@ def policy_task(config: Config, workdir: str, mesh: Mesh, kernels: Kernels) -> t
     raise ValueError(f"rl.max_completion_length={rl.max_completion_length} leaves no room for a prompt in the "
                      f"model's {model_config.max_seq_len} positions; lower it")
   data = prompt_data.build_prompt_data(d, decoder.tokenizer, t.seed, max_prompt, decoder.chat_folder)
+  stop_ids = list(data.stop_ids)
+  for token in rl.stop_tokens:
+    token_id = decoder.tokenizer.token_to_id(token)
+    if token_id is None:
+      raise ValueError(f"rl.stop_tokens has {token!r}, which is not one token of init_from's tokenizer; give tokens "
+                       "as the tokenizer spells them")
+    stop_ids.append(token_id)
   prompts_per_step = t.batch_size // rl.num_generations
   if len(data.train) < prompts_per_step:
     raise ValueError(f"{len(data.train)} training prompts cannot fill a step of train.batch_size/rl.num_generations="
@@ -95,7 +102,7 @@ def policy_task(config: Config, workdir: str, mesh: Mesh, kernels: Kernels) -> t
       config, mesh, optimizer, make_model, language_model_loss=False)
   train_step, _ = steps_lib.jit_steps(graphdef, optimizer, config, mesh, state_shardings, features,
                                       loss_fn=policy_loss.make_policy_loss_fn(graphdef, rl, t.batch_size))
-  sampler = RolloutSampler(graphdef, features, state_shardings, mesh, rl, data.stop_ids,
+  sampler = RolloutSampler(graphdef, features, state_shardings, mesh, rl, stop_ids,
                            pad_id=decoder.tokenizer.token_to_id("<pad>") or 0,
                            overrides=sharding.rule_overrides(config.mesh))
   eval_count = min(len(data.eval), rl.eval_prompts or len(data.eval))

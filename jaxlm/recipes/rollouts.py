@@ -129,9 +129,10 @@ class RolloutSampler:
 
   def rollout(self, state, prompt_ids: list[list[int]], key) -> Rollout:
     """rl.num_generations completions of every prompt, sampled on the state's parameters (timed)."""
+    params = self.features.model_params(state)
+    jax.block_until_ready(params)  # the previous update's time is not sampling time
     started = time.perf_counter()
-    tokens, pads, completions = self.sample(self.features.model_params(state), prompt_ids, key,
-                                            self.rl.num_generations)
+    tokens, pads, completions = self.sample(params, prompt_ids, key, self.rl.num_generations)
     seconds = time.perf_counter() - started
     self.last_seconds = seconds
     c = completions.shape[1]
