@@ -47,7 +47,6 @@ from flax import nnx
 from jaxlm import kernels as kernels_lib
 from jaxlm.config import Config, ModelConfig
 from jaxlm.kernels import Kernels
-from jaxlm.models.gpt import GPT
 from jaxlm.parallel import sharding
 from jaxlm.planner import estimates_lora as lora_predict
 from jaxlm.planner.estimates import _abstract_mesh, abstract_model, planned_kernels, sharded_bytes
