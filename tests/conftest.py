@@ -67,9 +67,10 @@ def pytest_sessionfinish(session, exitstatus):
 
 # The files that take longest, started first: both xdist workers (--dist loadfile: one file to one worker) then end
 # together instead of one waiting on a long file handed out last.
-LONGEST_FIRST = ("test_slurm", "test_finetune", "test_parallel", "test_kernels", "test_plan", "test_multiprocess",
-                 "test_train", "test_gpu_checks", "test_reliability_soak", "test_lora", "test_distill", "test_hf",
-                 "test_moe", "test_optimize", "test_config_ranges", "test_pipeline", "test_generate", "test_streaming",
+LONGEST_FIRST = ("test_slurm", "test_finetune", "test_parallel", "test_kernels", "test_plan",
+                 "test_policy_optimization", "test_multiprocess", "test_train", "test_gpu_checks",
+                 "test_reliability_soak", "test_lora", "test_distill", "test_hf", "test_moe", "test_optimize",
+                 "test_config_ranges", "test_pipeline", "test_generate", "test_policy_loss", "test_streaming",
                  "test_context", "test_quantization", "test_conversations", "test_prune", "test_plan_moe",
                  "test_reliability_inputs", "test_loss_scale", "test_peft_folders", "test_instructions",
                  "test_reliability", "test_model", "test_lm_eval", "test_kernels_tokamax", "test_hf_encoders",
