@@ -73,7 +73,8 @@ def _overrides(setup, **changes) -> dict:
             "rl.num_generations": 4, "rl.max_completion_length": 6, "rl.beta": 0.04, "rl.num_iterations": 2,
             "rl.epsilon_high": 0.28, "lora.rank": 8, "train.steps": STEPS, "train.batch_size": 16,
             "train.learning_rate": 1e-2, "train.warmup_steps": 0, "train.weight_decay": 0.0,
-            "checkpoint.every_steps": 1, "log.every_steps": 1, "log.progress_bar": False}
+            "train.eval_every_steps": 0, "checkpoint.every_steps": 1, "log.every_steps": 1,
+            "log.progress_bar": False}
   values.update(changes)
   return values
 

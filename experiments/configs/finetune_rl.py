@@ -9,7 +9,9 @@ Command:  python experiments/hf_from_gguf.py --out=runs/gemma3_270m       # the 
            to the starting weights: --config.rl.beta=0.04; your own rewards: --config.rl.rewards=my_rewards.py:fn,
            signature f(prompts, completions, **columns) -> list[float | None] as TRL's; your own prompts:
            --config.data.train_files=prompts.jsonl with a `prompt` column, plain or conversational)
-Runtime:  see docs/finetuning.md (measured on a 2-core CPU); minutes on a GPU.
+Runtime:  about 20 minutes on a 2-core CPU (steps of 35-90 s); minutes on a GPU.
+Result:   held-out greedy accuracy (the right number on a final "#### <number>" line, then a stop) 5 of 64 -> 55 of
+          64, measured with this file's settings on a 36-step schedule stopped after step 15 (docs/finetuning.md).
 Output:   runs/rl/eval.json (eval_reward, eval_accuracy, eval_reward/<function>; start_* before tuning),
           metrics.jsonl (TRL's names: reward, reward_std, rewards/<function>/mean, frac_reward_zero_std,
           completions/mean_length, clip_ratio/*, kl, entropy, sampled_tokens_per_sec, sampling_share),
@@ -39,12 +41,12 @@ def get_config():
   config.data.seq_len = 0  # rows are prompt + rl.max_completion_length slots
   config.data.train_files = ("runs/rl_tasks/train.jsonl",)
   config.data.eval_files = ("runs/rl_tasks/eval.jsonl",)
-  config.train.steps = 40
-  config.train.batch_size = 64  # completions: 8 prompts x 8 generations
-  config.train.learning_rate = 2e-4
-  config.train.warmup_steps = 2
+  config.train.steps = 15
+  config.train.batch_size = 32  # completions: 4 prompts x 8 generations
+  config.train.learning_rate = 1e-4
+  config.train.warmup_steps = 3
   config.train.weight_decay = 0.0
-  config.train.eval_every_steps = 10
+  config.train.eval_every_steps = 5
   config.checkpoint.every_steps = 5
   config.checkpoint.keep = 1
   config.log.every_steps = 1

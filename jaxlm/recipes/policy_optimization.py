@@ -227,7 +227,7 @@ def policy_task(config: Config, workdir: str, mesh: Mesh, kernels: Kernels) -> t
     result: dict[str, Any] = {f"start_{k}": v for k, v in start_eval.items()}
     result.update({**latest, "step": t.steps, "rl_loss": rl.loss, "importance_sampling": rl.importance_sampling,
                    "num_generations": rl.num_generations, "beta": rl.beta, "train_prompts": len(data.train),
-                   "eval_prompts": len(data.eval), "final_train_loss": end.last.get("loss"),
+                   "eval_prompts": eval_count, "final_train_loss": end.last.get("loss"),
                    "init_from": config.init_from, "rollout_compiles": sampler.compiles,
                    "wall_time_sec": end.facts["wall_time_sec"], "devices": jax.device_count()})
     result.update({k: v for k, v in end.rates.items() if k.endswith("_per_sec") or k == "mfu"})
