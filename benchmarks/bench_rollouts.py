@@ -27,6 +27,7 @@ machine) and a markdown table beside it (--out with .md).
 from __future__ import annotations
 
 import functools
+import json
 import os
 import platform
 import statistics
@@ -51,6 +52,8 @@ _NEW = flags.DEFINE_integer("new_tokens", 32, "tokens generated per row (no earl
 _ROUNDS = flags.DEFINE_integer("rounds", 3, "timed calls per framework and setting (after one untimed call); the "
                                "median is reported")
 _OUT = flags.DEFINE_string("out", "", "results JSON (and a .md beside it)")
+_RESUME = flags.DEFINE_bool("resume", False, "keep the rows --out already holds for the same model, lengths and "
+                            "rounds, and measure only the others (a run that was cut short)")
 
 SETTINGS = {  # (temperature, top_k, top_p)
     "greedy": (0.0, 0, 1.0),
@@ -168,6 +171,9 @@ def markdown(result: dict) -> str:
       "",
       *rows,
       "",
+      *([f"Resumed {len(result['resumed'])} time(s) after the run was cut short: the rows were measured in separate "
+         "processes (each row's `measured_at` and load average are in the JSON), against the first run's limits.",
+         ""] if result.get("resumed") else []),
       f"Limits: a decode step reads the {limit['weight_bytes'] / 1e9:.2f} GB of weights once; a numpy copy moves "
       f"{limit['copy_bandwidth_gb_per_s']:.1f} GB/s (read + write), so a step takes at least "
       f"{limit['memory_floor_ms_per_step']:.1f} ms (memory limit = rows / that). Its matmuls do 2 x "
@@ -186,8 +192,19 @@ def main(argv):
   shapes = [tuple(map(int, s.split("x"))) for s in _SHAPES.value]
   if max(p for p, _ in shapes) > len(PROMPTS):
     raise ValueError(f"--shapes: at most {len(PROMPTS)} prompts")
-  result = {"command": " ".join(["python", *sys.argv]), "model": _MODEL.value, "new_tokens": _NEW.value,
-            "rounds": _ROUNDS.value, "machine": machine(), "rows": {}}
+  command = " ".join(["python", *sys.argv])
+  result = {"command": command, "model": _MODEL.value, "new_tokens": _NEW.value, "rounds": _ROUNDS.value,
+            "machine": machine(), "rows": {}}
+  if _RESUME.value and _OUT.value and os.path.exists(_OUT.value):
+    with open(_OUT.value) as f:
+      previous = json.load(f)
+    same = {key: previous.get(key) for key in ("model", "new_tokens", "rounds")}
+    if same != {key: result[key] for key in same}:
+      raise ValueError(f"--resume: {_OUT.value} holds a run of {same}, not of this command's settings")
+    result = previous
+    result.setdefault("resumed", []).append({"command": command, "at": time.strftime("%Y-%m-%d %H:%M:%S UTC",
+                                                                                      time.gmtime()),
+                                              "load_average": list(os.getloadavg())})
   config, graphdef, params, tokenizer, _ = trained_runs.load_decoder(_MODEL.value)
   bos = 2  # Gemma's <bos>, first in every prompt for both frameworks
   prompts = [[bos] + [t for t in tokenizer.encode(text).ids if t != bos] for text in PROMPTS]
@@ -201,7 +218,11 @@ def main(argv):
 
   parameters = sum(int(x.size) for x in jax.tree.leaves(params))
   weight_bytes = sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(params))
-  bandwidth, flops = copy_bandwidth(), matmul_flops()
+  if "decode_step_limit" in result:  # resumed: the limits the rows were measured against
+    bandwidth = result["decode_step_limit"]["copy_bandwidth_gb_per_s"] * 1e9
+    flops = result["decode_step_limit"]["matmul_gflop_per_s"] * 1e9
+  else:
+    bandwidth, flops = copy_bandwidth(), matmul_flops()
   floor_s = weight_bytes / bandwidth
   result["decode_step_limit"] = {"parameters": parameters, "weight_bytes": weight_bytes,
                                  "copy_bandwidth_gb_per_s": bandwidth / 1e9, "matmul_gflop_per_s": flops / 1e9,
@@ -218,7 +239,11 @@ def main(argv):
     if hf_model is not None:
       runners["hf"] = hf_runner(hf_model, chosen, g, _NEW.value)
     for setting in _SETTINGS.value:
-      row = result["rows"].setdefault(f"{setting}/{n_prompts}x{g}", {"rows": rows})
+      key = f"{setting}/{n_prompts}x{g}"
+      if all(f"{name}_tokens_per_s" in result["rows"].get(key, {}) for name in runners):
+        continue  # measured by the run this one resumes
+      row = result["rows"][key] = {"rows": rows, "load_average_at_start": list(os.getloadavg()),
+                                   "measured_at": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
       # Memory-bound until the matmuls' arithmetic takes longer than reading the weights.
       step_s = max(floor_s, 2 * parameters * rows / flops)
       row["memory_limit_tokens_per_s"] = rows / floor_s
