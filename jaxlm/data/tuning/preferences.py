@@ -31,6 +31,7 @@ import dataclasses
 import itertools
 import json
 import os
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -68,28 +69,43 @@ class PreferenceData:
   stats: dict[str, Any]
 
 
+def pair_sequences(pair: Pair, seq_len: int) -> tuple[tuple[np.ndarray, np.ndarray], int, bool]:
+  """The pair's two sequences (the prompt then chosen, the prompt then rejected), each at most seq_len + 1 tokens, cut
+  by the module's rule; the prompt's length in them; and whether the pair was cut."""
+  length, prompt = seq_len + 1, pair.prompt  # tokens a row holds: its inputs and one more target
+  longest = max(len(pair.chosen), len(pair.rejected))
+  cut = len(prompt) + longest > length
+  if cut:
+    prompt = prompt[-max(length - longest, min(len(prompt), length // 2)):]
+  sequences = tuple(np.array([*prompt, *response][:length], np.int32) for response in (pair.chosen, pair.rejected))
+  return sequences, len(prompt), cut
+
+
 def lay_out(pairs: list[Pair], seq_len: int, pad_id: int) -> tuple[PreferencePairs, int]:
-  """The pairs as [N, 2, T] rows, each sequence the prompt then one response, cut by the module's rule; returns the
-  rows and how many pairs were cut."""
-  n, length = len(pairs), seq_len + 1  # tokens a row holds: its inputs and one more target
+  """The pairs as [N, 2, T] rows (`pair_sequences`); returns the rows and how many pairs were cut."""
+  n = len(pairs)
   rows = {"inputs": np.full((n, 2, seq_len), pad_id, np.int32), "targets": np.full((n, 2, seq_len), pad_id, np.int32),
           "positions": np.zeros((n, 2, seq_len), np.int32), "segment_ids": np.zeros((n, 2, seq_len), np.int32),
           "loss_mask": np.zeros((n, 2, seq_len), np.float32), "ref_logp": np.zeros((n, 2), np.float32),
           "pair_weight": np.ones(n, np.float32)}
   cut = 0
   for i, pair in enumerate(pairs):
-    prompt = pair.prompt
-    longest = max(len(pair.chosen), len(pair.rejected))
-    if len(prompt) + longest > length:
-      cut += 1
-      prompt = prompt[-max(length - longest, min(len(prompt), length // 2)):]
-    for j, response in enumerate((pair.chosen, pair.rejected)):
-      tokens = np.array([*prompt, *response][:length], np.int32)
+    sequences, prompt_length, was_cut = pair_sequences(pair, seq_len)
+    cut += was_cut
+    for j, tokens in enumerate(sequences):
       k = len(tokens) - 1
       rows["inputs"][i, j, :k], rows["targets"][i, j, :k] = tokens[:-1], tokens[1:]
       rows["positions"][i, j, :k], rows["segment_ids"][i, j, :k] = np.arange(k), 1
-      rows["loss_mask"][i, j, len(prompt) - 1:k] = 1.0  # targets from the first response token on
+      rows["loss_mask"][i, j, prompt_length - 1:k] = 1.0  # targets from the first response token on
   return PreferencePairs(rows), cut
+
+
+Layout = Callable[[dict[str, list[Pair]], int, int], dict[str, tuple[PreferencePairs, int]]]
+
+
+def lay_out_splits(splits: dict[str, list[Pair]], seq_len: int, pad_id: int) -> dict[str, tuple[PreferencePairs, int]]:
+  """`lay_out` of each split: the default `Layout`."""
+  return {split: lay_out(pairs, seq_len, pad_id) for split, pairs in splits.items()}
 
 
 # ----------------------------------------------------------------------------------------------- reading pairs
@@ -184,8 +200,10 @@ def response_end_id(tokenizer: tokenizers.Tokenizer, folder: str | None) -> int:
 
 
 def build_preference_data(config: DataConfig, tokenizer: tokenizers.Tokenizer, seed: int, max_positions: int,
-                          chat_folder: str | None = None) -> PreferenceData:
-  """Reads, splits, tokenizes and lays out the preference pairs described by `config` (module docstring)."""
+                          chat_folder: str | None = None, layout: Layout | None = None) -> PreferenceData:
+  """Reads, splits, tokenizes and lays out the preference pairs described by `config` (module docstring); `layout`
+  lays out both splits ({split: pairs}, seq_len, pad id) -> {split: (rows, pairs cut)}: `lay_out`'s [N, 2, T] rows
+  when None, or padding-free rows (pair_packing.py)."""
   template = chat.load(chat_folder) if chat_folder else None
   eos = response_end_id(tokenizer, chat_folder)
   splits, skipped = {}, 0
@@ -216,10 +234,12 @@ def build_preference_data(config: DataConfig, tokenizer: tokenizers.Tokenizer, s
   lengths = {split: np.array([len(p.prompt) + max(len(p.chosen), len(p.rejected)) - 1 for p in ps])
              for split, ps in pairs.items()}
   seq_len = config.seq_len or seq_lengths.choose_seq_len(lengths["train"], max_positions, at_least=2)
-  (train, train_cut), (eval_, eval_cut) = (lay_out(pairs[s], seq_len, eos) for s in ("train", "eval"))
+  laid = (layout or lay_out_splits)(pairs, seq_len, eos)
+  (train, train_cut), (eval_, eval_cut) = laid["train"], laid["eval"]
   every = np.concatenate(list(lengths.values()))
   stats: dict[str, Any] = {
-      "train_pairs": len(train), "eval_pairs": len(eval_), "skipped_empty_pairs": skipped, "seq_len": seq_len,
+      "train_pairs": len(pairs["train"]), "eval_pairs": len(pairs["eval"]), "skipped_empty_pairs": skipped,
+      "seq_len": seq_len,
       **{f"tokens_p{q}": float(np.percentile(every, q)) for q in (50, 90, 99)}, "tokens_max": int(every.max()),
       "truncated_pairs": train_cut + eval_cut, "truncation_rate": (train_cut + eval_cut) / len(every),
       "train_response_tokens": int(train.rows["loss_mask"].sum()),
