@@ -1,6 +1,7 @@
 """Chat templates: jaxlm.data.tuning.chat.encode_conversation gives exactly transformers' apply_chat_template ids for
 Llama-3-, ChatML (Qwen)-, Gemma- and Mistral-style templates, and its mask selects exactly the assistant contents with
-their end-of-turn tokens. Each template is written here in its family's format; the tokenizer is a small byte-level
+their end-of-turn tokens (and the newline a template writes after one); a template with {% generation %} markers gets
+transformers' own assistant mask. Each template is written here in its family's format; the tokenizer is a small byte-level
 BPE trained on the spot with the family's special tokens."""
 
 import json
@@ -39,6 +40,12 @@ FAMILIES = {
               ["<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"], "<end_of_turn>"),
     "mistral": (MISTRAL, {"bos_token": "<s>", "eos_token": "</s>"}, ["<s>", "</s>", "[INST]", "[/INST]"], "</s>"),
 }
+# What each template writes after an assistant turn's end-of-turn token: the mask covers it too (TRL 1.16's completion).
+AFTER_TURN = {"chatml": "\n", "gemma": "\n"}
+# ChatML with transformers' {% generation %} markers around what the assistant writes (TRL's training templates).
+MARKED_CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' %}"
+                 "{% generation %}{{ m['content'] }}<|im_end|>{% endgeneration %}\n{% else %}{{ m['content'] }}"
+                 "<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 CONVERSATION = [
     {"role": "system", "content": "Answer in one short sentence."},
     {"role": "user", "content": "What does a tokenizer do?"},
@@ -75,7 +82,24 @@ def test_ids_equal_transformers_and_the_mask_selects_the_assistant_turns(tmp_pat
   decode = tokenizers.Tokenizer.from_file(f"{folder}/tokenizer.json").decode
   end_of_turn = FAMILIES[family][3]
   selected = decode(ids[mask == 1].tolist(), skip_special_tokens=False)
-  assert selected == "".join(m["content"] + end_of_turn for m in messages if m["role"] == "assistant")
+  assert selected == "".join(m["content"] + end_of_turn + AFTER_TURN.get(family, "")
+                             for m in messages if m["role"] == "assistant")
+
+
+def test_generation_markers_give_transformers_assistant_mask(tmp_path):
+  """A template with {% generation %} blocks: the mask is what they write (here without the newline after the end of
+  turn), token for token transformers' return_assistant_tokens_mask."""
+  folder = _folder(tmp_path, "chatml")
+  (tmp_path / "chatml" / "chat_template.jinja").write_text(MARKED_CHATML)
+  chat.load.cache_clear()
+  ids, mask = chat.encode_conversation(folder, CONVERSATION)
+  reference = transformers.AutoTokenizer.from_pretrained(folder).apply_chat_template(
+      CONVERSATION, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+  np.testing.assert_array_equal(ids, reference["input_ids"])
+  np.testing.assert_array_equal(mask, reference["assistant_masks"])
+  assert chat.render(chat.load(folder), CONVERSATION).count("\ue000") == 0 and mask.sum() > 0
+  assert chat.end_of_turn_ids(folder) == [tokenizers.Tokenizer.from_file(f"{folder}/tokenizer.json").token_to_id(
+      "<|im_end|>")]
 
 
 def test_a_template_that_fails_names_its_file_and_the_message(tmp_path):

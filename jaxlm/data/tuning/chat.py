@@ -8,10 +8,13 @@ conversations turned into token ids with a loss mask on the assistant turns.
 `folder` is what transformers' `save_pretrained` writes for a tokenizer: tokenizer.json, and the template in
 chat_template.jinja or in tokenizer_config.json's `chat_template` (with the special tokens the template refers to,
 `bos_token`, `eos_token`, ...). The ids are transformers' `apply_chat_template(messages, tokenize=True)`: the rendered
-text tokenized without adding special tokens (the template writes them). The mask covers each assistant turn from
-the end of its header to its end-of-turn token: the text that rendering the conversation up to that turn adds to
-rendering the one before it with `add_generation_prompt=True` (trailing whitespace dropped), so it needs no
-`{% generation %}` markers, which few templates have.
+text tokenized without adding special tokens (the template writes them). The mask covers the tokens of the text a
+template marks with `{% generation %}...{% endgeneration %}` where it has such markers (what transformers'
+`return_assistant_tokens_mask` selects, and TRL's SFTTrainer with `assistant_only_loss`); a template without them
+(most) gets each assistant turn from the end of its header through what the template writes after the turn's
+end-of-turn token (a newline for ChatML): the text that rendering the conversation up to that turn adds to rendering
+the one before it with `add_generation_prompt=True`, as TRL 1.16 takes a completion to be everything after the
+generation prompt.
 """
 
 from __future__ import annotations
@@ -24,12 +27,15 @@ import os
 import shutil
 
 import jinja2
+import jinja2.ext
 import numpy as np
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+# Private-use characters put around what a template's {% generation %} block writes, taken out after rendering.
+GENERATION_START, GENERATION_END = "\ue000", "\ue001"
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
@@ -41,13 +47,29 @@ class ChatTemplate:
   template: jinja2.Template
   special_tokens: dict
   tokenizer: tokenizers.Tokenizer
+  marks_generation: bool  # the template has {% generation %} markers around the assistant's text
+
+
+class _GenerationMarkers(jinja2.ext.Extension):
+  """`{% generation %}...{% endgeneration %}` (transformers' tag for the text a model learns to write): the block's
+  output between GENERATION_START and GENERATION_END, which `_render` takes out and records as spans."""
+  tags = {"generation"}
+
+  def parse(self, parser):
+    lineno = next(parser.stream).lineno
+    body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+    return jinja2.nodes.CallBlock(self.call_method("_mark"), [], [], body).set_lineno(lineno)
+
+  def _mark(self, caller) -> str:
+    return GENERATION_START + caller() + GENERATION_END
 
 
 def _environment() -> ImmutableSandboxedEnvironment:
   """jinja2's sandbox with what transformers gives templates: trimmed blocks, loop controls, `raise_exception`,
   a `tojson` that does not escape HTML, and `strftime_now`. The sandbox is why a checkpoint's template is safe to
   run: it is code from whoever published the checkpoint."""
-  env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+  env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                      extensions=["jinja2.ext.loopcontrols", _GenerationMarkers])
 
   def raise_exception(message):
     raise jinja2.exceptions.TemplateError(message)
@@ -93,7 +115,9 @@ def load(folder: str) -> ChatTemplate | None:
   except jinja2.TemplateSyntaxError as e:
     raise ValueError(f"{source}: the chat template does not compile (line {e.lineno}: {e.message})") from None
   special = {key: _token_text(config[key]) for key in SPECIAL_TOKEN_KEYS if config.get(key) is not None}
-  return ChatTemplate(source, text, template, special, tokenizers.Tokenizer.from_file(tokenizer_path))
+  marks = any(isinstance(node.call.node, jinja2.nodes.ExtensionAttribute)
+              for node in _environment().parse(text).find_all(jinja2.nodes.CallBlock))
+  return ChatTemplate(source, text, template, special, tokenizers.Tokenizer.from_file(tokenizer_path), marks)
 
 
 def copy_template(folder: str, destination: str) -> None:
@@ -110,13 +134,30 @@ def copy_template(folder: str, destination: str) -> None:
 def render(chat: ChatTemplate, messages: list[dict], add_generation_prompt: bool = False) -> str:
   """The conversation as the template writes it. A template that fails names its file and the first message at
   which it fails."""
+  return render_marked(chat, messages, add_generation_prompt)[0]
+
+
+def render_marked(chat: ChatTemplate, messages: list[dict],
+                  add_generation_prompt: bool = False) -> tuple[str, list[tuple[int, int]]]:
+  """(the conversation as `render` writes it, the [start, end) character ranges its {% generation %} blocks wrote)."""
   _check_messages(messages)
   try:
-    return _render(chat, messages, add_generation_prompt)
+    marked = _render(chat, messages, add_generation_prompt)
   except jinja2.TemplateError as e:
     failing = next((i for i in range(len(messages)) if not _renders(chat, messages[:i + 1])), len(messages) - 1)
     raise ValueError(f"{chat.source}: the chat template failed at message {failing} "
                      f"({messages[failing].get('role')!r}): {e}") from None
+  pieces, spans, length, start = [], [], 0, None
+  for piece in marked.replace(GENERATION_END, GENERATION_START).split(GENERATION_START):
+    if pieces:  # a marker stood before this piece: a block opens or closes
+      if start is None:
+        start = length
+      else:
+        spans.append((start, length))
+        start = None
+    pieces.append(piece)
+    length += len(piece)
+  return "".join(pieces), spans
 
 
 def _render(chat: ChatTemplate, messages: list[dict], add_generation_prompt: bool) -> str:
@@ -138,6 +179,9 @@ def _check_messages(messages: list[dict]) -> None:
   for i, message in enumerate(messages):
     if not isinstance(message, dict) or "role" not in message or "content" not in message:
       raise ValueError(f"message {i} is not a {{role, content}} dict: {message!r}")
+    if any(c in str(message["content"]) for c in (GENERATION_START, GENERATION_END)):
+      raise ValueError(f"message {i} holds the private-use character U+E000 or U+E001, which jaxlm uses to mark "
+                       "the assistant's text while rendering; remove it from the data")
 
 
 def assistant_spans(chat: ChatTemplate, messages: list[dict], text: str) -> list[tuple[int, int]]:
@@ -152,7 +196,7 @@ def assistant_spans(chat: ChatTemplate, messages: list[dict], text: str) -> list
       raise ValueError(f"{chat.source}: the chat template writes the conversation before message {i} differently "
                        "once later messages follow it, so the assistant's tokens cannot be located; train on "
                        "prompt/response pairs instead")
-    spans.append((len(before), len(before) + len(through[len(before):].rstrip())))
+    spans.append((len(before), len(through)))
   return spans
 
 
@@ -160,12 +204,14 @@ def encode_conversation(folder: str, messages: list[dict]) -> tuple[np.ndarray, 
   """(token ids int32 [N], loss mask float32 [N]: 1 on each assistant turn's tokens and its end-of-turn token) of
   `messages` under `folder`'s chat template (module docstring)."""
   chat = require(folder)
-  text = render(chat, messages)
+  text, spans = render_marked(chat, messages)
+  if not chat.marks_generation:
+    spans = assistant_spans(chat, messages, text)
   encoding = chat.tokenizer.encode(text, add_special_tokens=False)
   ids = np.asarray(encoding.ids, np.int32)
   mask = np.zeros(len(ids), np.float32)
   offsets = np.asarray(encoding.offsets).reshape(len(ids), 2)  # [N, (start, end)] characters of each token
-  for start, end in assistant_spans(chat, messages, text):
+  for start, end in spans:
     mask[(offsets[:, 0] < end) & (offsets[:, 1] > start)] = 1.0
   return ids, mask
 
