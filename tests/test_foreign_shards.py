@@ -1,5 +1,6 @@
-"""Foreign shards: llm.c .bin and datatrove .ds files indexed in place read back as the windows and documents they
-hold, verify catches a changed file, and a run trains on an indexed llm.c folder."""
+"""Foreign shards: llm.c .bin (both of llm.c's formats) and datatrove .ds files (written by datatrove itself)
+indexed in place read back as the tokens and documents they hold, verify catches a changed file, and runs train on
+indexed llm.c folders of both formats."""
 
 import hashlib
 import json
@@ -16,35 +17,63 @@ from jaxlm.data.corpora import foreign_shards, prepare
 from jaxlm.data.corpora.shards import TokenWindows
 from jaxlm.recipes import pretraining
 
-EOT = 50256
+EOT, BOS = 50256, 128000  # GPT-2's <|endoftext|>, Llama 3's <|begin_of_text|>
 SEQ = 8
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# llm.c's shard headers as its HEADERS_INFO lists them: format -> (magic, version, token dtype, separator that
+# precedes every document).
+LLMC = {"gpt-2": (20240520, 1, "<u2", EOT), "llama-3": (20240801, 7, "<u4", BOS)}
 
 
-def _write_llmc(path, tokens, version=1):
+def _write_llmc(path, tokens, fmt="gpt-2"):
+  """A shard as llm.c writes one: 256 int32 (magic, version, token count, zeros), then the tokens."""
+  magic, version, dtype, _ = LLMC[fmt]
   header = np.zeros(256, "<i4")
-  header[:3] = foreign_shards.LLMC_MAGIC, version, len(tokens)
+  header[:3] = magic, version, len(tokens)
   with open(path, "wb") as f:
     f.write(header.tobytes())
-    f.write(np.asarray(tokens, "<u2" if version == 1 else "<u4").tobytes())
+    f.write(np.asarray(tokens, dtype).tobytes())
   return str(path)
 
 
-def _llmc_stream(documents, seed):
-  """llm.c's layout: every document preceded by EOT; the file ends mid-way through the last one."""
+def _read_like_llmc(path, fmt):
+  """What llm.c's own Python loader does with a shard: check the header's magic and version, then read header[2]
+  tokens of the format's dtype from byte 1024 (and insist that is all the file holds)."""
+  magic, version, dtype, _ = LLMC[fmt]
+  with open(path, "rb") as f:
+    header = np.frombuffer(f.read(1024), np.int32)
+    assert header[0] == magic and header[1] == version
+    tokens = np.frombuffer(f.read(), dtype)
+  assert len(tokens) == header[2]
+  return tokens
+
+
+def _document_ends(tokens, fmt):
+  """Where the documents of an llm.c stream end, from the format alone: GPT-2's end-of-text separator closes the
+  document before it, Llama 3's begin-of-text opens the one after it; the file's end closes the last one."""
+  separator = LLMC[fmt][3]
+  at = np.flatnonzero(tokens == separator)
+  ends = at + 1 if fmt == "gpt-2" else at[at > 0]
+  return np.union1d(ends, [len(tokens)]).astype(np.int64)
+
+
+def _llmc_stream(documents, seed, separator=EOT):
+  """llm.c's layout: every document preceded by the separator; the file ends mid-way through the last one."""
   rng = np.random.default_rng(seed)
   tokens = []
   for _ in range(documents):
-    tokens += [EOT, *rng.integers(0, 100, size=rng.integers(0, 12))]  # 0: two EOTs in a row, an empty document
+    tokens += [separator, *rng.integers(0, 100, size=rng.integers(0, 12))]  # 0: an empty document
   return np.array(tokens)
 
 
 def _write_datatrove(path, documents, token_size=2):
-  tokens = np.concatenate(documents)
-  tokens.astype(f"<u{token_size}").tofile(path)
-  np.cumsum([len(d) for d in documents]).astype("<u8").tofile(f"{path}.index")
-  with open(f"{path}.metadata", "w") as f:
-    f.write(f"gpt2|{token_size}\n{tokens.size}\n{tokens.size} T")
+  """Token documents written by datatrove's own writer (TokenizedFile, as DocumentTokenizer uses it)."""
+  tokenized_file = pytest.importorskip("datatrove.pipeline.tokens.tokenizer").TokenizedFile
+  writer = tokenized_file(os.path.dirname(path), os.path.basename(path), tokenizer_name_or_path="gpt2",
+                          save_final_metadata=True, token_size=token_size)
+  for document in documents:
+    writer.write([int(t) for t in document], None)
+  writer.close()
   return str(path)
 
 
@@ -60,29 +89,60 @@ def _check_windows(out, split, stream, ends):
     np.testing.assert_array_equal(segments[w], document[place] - document[place][0] + 1)
 
 
+@pytest.mark.parametrize("fmt, tiny, tiny_ends", [
+    ("gpt-2", [EOT, 1, 2, EOT, 3, 4, EOT, 5], [1, 4, 7, 8]),  # [EOT] [1 2 EOT] [3 4 EOT] [5]
+    ("llama-3", [BOS, 1, 2, BOS, 3, 4, BOS, 5], [3, 6, 8]),  # [BOS 1 2] [BOS 3 4] [BOS 5]
+])
 @pytest.mark.parametrize("chunk", [foreign_shards._CHUNK, 5])  # 5: document ends found across chunk boundaries
-def test_llmc_documents_end_after_each_separator(tmp_path, monkeypatch, chunk):
+def test_llmc_shards_hold_what_llmcs_reader_reads(tmp_path, monkeypatch, chunk, fmt, tiny, tiny_ends):
+  """Both of llm.c's formats: the tokens, their count and the document ends are the ones llm.c's reader and its
+  format give."""
   monkeypatch.setattr(foreign_shards, "_CHUNK", chunk)
-  tiny = _write_llmc(tmp_path / "tiny.bin", [EOT, 1, 2, EOT, 3, 4, EOT, 5])
+  separator, dtype = LLMC[fmt][3], np.dtype(LLMC[fmt][2])
+  tiny = _write_llmc(tmp_path / "tiny.bin", tiny, fmt)
   manifest = foreign_shards.index_prepared([tiny], [tiny], str(tmp_path / "tiny"))
-  np.testing.assert_array_equal(np.load(tmp_path / "tiny" / "train-00000.ends.npy"), [1, 4, 7, 8])
-  assert manifest["eos_id"] == EOT and manifest["vocab_size"] == EOT + 1 and manifest["dtype"] == "uint16"
+  np.testing.assert_array_equal(np.load(tmp_path / "tiny" / "train-00000.ends.npy"), tiny_ends)
+  assert manifest["eos_id"] == separator and manifest["vocab_size"] == separator + 1
+  assert manifest["dtype"] == dtype.name
 
-  stream, ending_in_eot = _llmc_stream(40, seed=0), np.array([EOT, 7, 8, EOT, 9, EOT])
-  train = [_write_llmc(tmp_path / "train_0.bin", stream), _write_llmc(tmp_path / "train_1.bin", ending_in_eot)]
-  val = _write_llmc(tmp_path / "val.bin", _llmc_stream(10, seed=1))
+  # A shard that starts mid-document (llm.c cuts its shards at a token count), one ending in a separator.
+  stream = _llmc_stream(40, seed=0, separator=separator)[3:]
+  ending_in_separator = np.array([separator, 7, 8, separator, 9, separator])
+  train = [_write_llmc(tmp_path / "train_0.bin", stream, fmt),
+           _write_llmc(tmp_path / "train_1.bin", ending_in_separator, fmt)]
+  val = _write_llmc(tmp_path / "val.bin", _llmc_stream(10, seed=1, separator=separator), fmt)
   assert foreign_shards.detect(train[0]) == "llmc" and foreign_shards.detect(str(tmp_path / "tiny")) is None
   out = str(tmp_path / "out")
   manifest = foreign_shards.index_prepared(train, [val], out)
-  ends = np.flatnonzero(stream == EOT) + 1
-  ends = np.append(ends, len(stream)) if stream[-1] != EOT else ends
-  np.testing.assert_array_equal(np.load(os.path.join(out, "train-00000.ends.npy")), ends)
-  np.testing.assert_array_equal(np.load(os.path.join(out, "train-00001.ends.npy")), [1, 4, 6])
+  for shard, path in zip(manifest["shards"], [*train, val]):
+    tokens = _read_like_llmc(path, fmt)
+    assert shard["tokens"] == len(tokens) and shard["offset"] == 1024 and shard["tokens_file"] == path
+    assert shard["sha256"] == hashlib.sha256(tokens.tobytes()).hexdigest()
+    ends = np.load(os.path.join(out, shard["ends_file"]))
+    np.testing.assert_array_equal(ends, _document_ends(tokens, fmt))
+    assert shard["documents"] == len(ends)
   assert [s["split"] for s in manifest["shards"]] == ["train", "train", "eval"]
-  assert manifest["shards"][0]["tokens_file"] == train[0] and manifest["shards"][0]["offset"] == 1024
-  assert manifest["splits"]["train"]["tokens"] == len(stream) + len(ending_in_eot)
-  _check_windows(out, "train", stream, ends)  # the windows of the first file (the second is shorter than one)
+  assert manifest["splits"]["train"]["tokens"] == len(stream) + len(ending_in_separator)
+  # the windows of the first file (the second is shorter than one)
+  _check_windows(out, "train", _read_like_llmc(train[0], fmt), _document_ends(stream, fmt))
   assert foreign_shards.index_prepared(train, [val], out) == manifest  # done: returned as it is
+
+
+@pytest.mark.parametrize("header", [(123, 9), (20240520, 2), (20240801, 1)])  # (20240520, 2): never written by llm.c
+def test_a_bin_with_another_header_is_named_not_taken_for_text(tmp_path, header):
+  path = tmp_path / "shard.bin"
+  _write_llmc(path, [EOT, 1, 2])
+  with open(path, "r+b") as f:
+    f.write(np.array(header, "<i4").tobytes())
+  message = rf"magic {header[0]}, version {header[1]}: not an llm.c shard header this jaxlm reads"
+  with pytest.raises(ValueError, match=message) as error:
+    foreign_shards.detect(str(path))
+  assert "\n" not in str(error.value) and "llama-3 (magic 20240801, version 7)" in str(error.value)
+  (tmp_path / "short.bin").write_bytes(b"abc")
+  with pytest.raises(ValueError, match="3 bytes, too few for an llm.c shard header"):
+    foreign_shards.detect(str(tmp_path / "short.bin"))
+  (tmp_path / "notes.txt").write_text("plain text")
+  assert foreign_shards.detect(str(tmp_path / "notes.txt")) is None  # text stays text
 
 
 @pytest.mark.parametrize("token_size", [2, 4])
@@ -112,6 +172,41 @@ def test_datatrove_documents_follow_the_index(tmp_path, monkeypatch, token_size)
       foreign_shards.index_prepared([train], [val], str(tmp_path / "small"), tokenizer=str(tmp_path / "small.json"))
 
 
+@pytest.mark.parametrize("eos_token", ["<|endoftext|>", None])
+@pytest.mark.parametrize("words", [64, 70_000])  # 70,000 ids: datatrove writes uint32 tokens
+def test_datatrove_document_tokenizer_files_read_as_it_wrote_them(tmp_path, eos_token, words):
+  """DocumentTokenizer itself writes the files, with and without eos_token (it appends an EOS only when given one):
+  the indexed documents are its tokens, and the end-of-document id is the EOS either way with the tokenizer."""
+  tokenizer_step = pytest.importorskip("datatrove.pipeline.tokens.tokenizer").DocumentTokenizer
+  from datatrove.data import Document  # noqa: PLC0415
+  tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel({f"w{i}": i for i in range(words)}, unk_token="w0"))
+  tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+  tokenizer.add_special_tokens(["<|endoftext|>"])
+  eos = tokenizer.token_to_id("<|endoftext|>")
+  os.makedirs(tmp_path / "tokenizer")
+  tokenizer.save(str(tmp_path / "tokenizer" / "tokenizer.json"))
+  rng = np.random.default_rng(0)
+  texts = [" ".join(f"w{i}" for i in rng.integers(0, words, size=rng.integers(1, 12))) for _ in range(30)]
+
+  def tokenized(name, texts):
+    step = tokenizer_step(str(tmp_path / "datatrove"), str(tmp_path / "tokenizer" / "tokenizer.json"),
+                          save_filename=name, eos_token=eos_token, shuffle_documents=False)
+    step.run(iter(Document(text=text, id=str(i)) for i, text in enumerate(texts)))
+    return str(tmp_path / "datatrove" / f"{name}_00000_unshuffled.ds")
+
+  train, val = tokenized("train", texts), tokenized("val", texts[:5])
+  documents = [tokenizer.encode(text).ids + ([eos] if eos_token else []) for text in texts]
+  manifest = foreign_shards.index_prepared([train], [val], str(tmp_path / "out"), tokenizer=str(tmp_path / "tokenizer"))
+  assert manifest["eos_id"] == eos and manifest["dtype"] == ("uint32" if words > 65536 else "uint16")
+  assert manifest["splits"]["train"]["documents"] == 30 and manifest["vocab_size"] == words + 1
+  _check_windows(str(tmp_path / "out"), "train", np.concatenate(documents), np.cumsum([len(d) for d in documents]))
+  if eos_token:  # without the tokenizer the one token every document ends with is the EOS
+    assert foreign_shards.index_prepared([train], [val], str(tmp_path / "bare"))["eos_id"] == eos
+  else:  # nothing says which id ends a document
+    with pytest.raises(ValueError, match="datatrove appends one only when DocumentTokenizer was given eos_token"):
+      foreign_shards.index_prepared([train], [val], str(tmp_path / "bare"))
+
+
 def test_inputs_that_cannot_be_indexed_are_one_line_errors(tmp_path):
   bin_file = _write_llmc(tmp_path / "a.bin", [EOT, 1, 2])
   ds_file = _write_datatrove(tmp_path / "b.ds", [np.array([1, 2, 0])])
@@ -120,7 +215,7 @@ def test_inputs_that_cannot_be_indexed_are_one_line_errors(tmp_path):
   with pytest.raises(ValueError, match="mix formats"):
     foreign_shards.index_prepared([bin_file], [ds_file], str(tmp_path / "out"))
   with pytest.raises(ValueError, match="mix token sizes"):
-    foreign_shards.index_prepared([bin_file], [_write_llmc(tmp_path / "c.bin", [128000, 5], version=2)],
+    foreign_shards.index_prepared([bin_file], [_write_llmc(tmp_path / "c.bin", [BOS, 5], "llama-3")],
                                   str(tmp_path / "out"))
   with open(bin_file, "ab") as f:
     f.write(b"\0\0")
@@ -156,19 +251,24 @@ def test_verify_finds_a_changed_shard_in_indexed_and_prepared_folders(tmp_path):
   assert len(problems) == 1 and "train-00001" in problems[0]
 
 
-def test_a_run_trains_on_an_indexed_llmc_folder(tmp_path):
-  """pretraining reads an indexed folder; prepare_data.py's command line (run meanwhile) indexes the same one."""
+def test_a_run_trains_on_indexed_llmc_folders_of_both_formats(tmp_path):
+  """pretraining reads indexed folders of both of llm.c's formats, as a mixture of the two (every batch half each,
+  jaxlm/data/corpora/mixture.py: one compile for both); prepare_data.py's command line (run meanwhile) indexes the
+  gpt-2 one alike."""
   train = _write_llmc(tmp_path / "fineweb_train_000001.bin", _llmc_stream(200, seed=0))
   val = _write_llmc(tmp_path / "fineweb_val_000000.bin", _llmc_stream(40, seed=1))
   command = subprocess.Popen([sys.executable, "experiments/prepare_data.py", f"--input={tmp_path}/fineweb_train_*.bin",
                               f"--eval_input={val}", f"--out={tmp_path / 'by_cli'}"], cwd=ROOT, text=True,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-  out = str(tmp_path / "corpus")
-  manifest = foreign_shards.index_prepared([train], [val], out)
+  llama = [_write_llmc(tmp_path / f"llama_{split}.bin", _llmc_stream(n, seed=seed, separator=BOS), "llama-3")
+           for split, n, seed in (("train", 200, 2), ("val", 40, 3))]
+  manifests = {fmt: foreign_shards.index_prepared([train_file], [val_file], str(tmp_path / fmt))
+               for fmt, (train_file, val_file) in (("gpt-2", (train, val)), ("llama-3", llama))}
+  assert manifests["llama-3"]["dtype"] == "uint32" and manifests["llama-3"]["eos_id"] == BOS
   config = Config(
-      model=ModelConfig(vocab_size=manifest["vocab_size"], num_layers=1, d_model=32, num_heads=2, max_seq_len=16,
+      model=ModelConfig(vocab_size=BOS + 1, num_layers=1, d_model=32, num_heads=2, max_seq_len=16,
                         compute_dtype="float32"),
-      data=DataConfig(source="prepared", prepared=out, seq_len=16),
+      data=DataConfig(source="prepared", mixture=f"{tmp_path / 'gpt-2'}=1,{tmp_path / 'llama-3'}=1", seq_len=16),
       train=TrainConfig(steps=2, batch_size=4, warmup_steps=1, eval_batches=1),
       checkpoint=CheckpointConfig(every_steps=0), log=LogConfig(every_steps=1, sample_tokens=0, progress_bar=False))
   workdir = tmp_path / "run"
@@ -178,4 +278,4 @@ def test_a_run_trains_on_an_indexed_llmc_folder(tmp_path):
 
   stdout, stderr = command.communicate(timeout=120)
   assert command.returncode == 0, stderr[-2000:]
-  assert "in 2 shards" in stdout and prepare.read_json(str(tmp_path / "by_cli" / "manifest.json")) == manifest
+  assert "in 2 shards" in stdout and prepare.read_json(str(tmp_path / "by_cli" / "manifest.json")) == manifests["gpt-2"]

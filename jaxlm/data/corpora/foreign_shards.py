@@ -5,18 +5,23 @@ Tokenizing a corpus again that llm.c or datatrove already tokenized costs hours 
 them: manifest.json lists each file by absolute path with the byte `offset` of its first token (shards.py reads it
 from there), and only the document ends are written, into the folder:
 
-  llm.c (.bin)       a header of 256 little-endian int32 (magic 20240520, version 1: uint16 GPT-2 tokens, version 2:
-                     uint32 tokens such as Llama 3's, then the token count), the tokens from byte 1024. llm.c writes
-                     every document as [separator, its tokens...] (50256 <|endoftext|> for version 1, 128000
-                     <|begin_of_text|> for version 2), so the separator stands between documents. Here a document
-                     ends right after each separator, and the file's last tokens end one too: `EOT a b EOT c d EOT e`
-                     is [EOT] [a b EOT] [c d EOT] [e]. Each document then ends with the separator, as a prepared
-                     document ends with its EOS; the leading separator is a one-token document, and a document that
-                     llm.c cut at the file's end is two documents, one in each file.
+  llm.c (.bin)       a header of 256 little-endian int32 (magic, version, token count), the tokens from byte 1024.
+                     llm.c writes two formats (its HEADERS_INFO): gpt-2, magic 20240520 version 1, uint16
+                     tokens, every document preceded by <|endoftext|> (50256); llama-3, magic 20240801 version 7,
+                     uint32 tokens, every document preceded by <|begin_of_text|> (128000). The separator joins the
+                     document its name says it belongs to, so that each segment reads as a prepared document does:
+                     gpt-2's end-of-text closes the document before it (`EOT a b EOT c d EOT e` is [EOT] [a b EOT]
+                     [c d EOT] [e]: the leading EOT is a one-token document), llama-3's begin-of-text opens the one
+                     after it (`BOS a b BOS c` is [BOS a b] [BOS c]). A document that llm.c cut at a file's end is
+                     two documents, one in each file. A .bin with another header is an error naming its magic and
+                     version, never taken for text.
   datatrove (.ds)    the raw tokens (uint16, or uint32 when .ds.metadata's first line ends in "|4"; without it, the
                      file's size over the index's token count says which) beside .ds.index, the documents' ends as
                      little-endian uint64 token positions (DocumentTokenizer's TokenizedFile), used as they are.
-                     DocumentTokenizer appends the EOS to every document, so the token they all end with is the EOS.
+                     DocumentTokenizer appends an EOS to each document only when it was given `eos_token`, so the
+                     manifest's eos_id is --eos_id; else the one token every document ends with (that eos_token)
+                     when the tokenizer, if given, calls it special; else the tokenizer's EOS; else that common
+                     token all the same; else an error asking for --eos_id or --tokenizer.
 
 Indexing reads each file once, in chunks (memory stays flat for multi-GB files), for the document ends, the largest
 id (the vocabulary size, without a tokenizer) and a sha256 of the token bytes; `verify` re-reads any prepared folder
@@ -25,6 +30,7 @@ against those checksums. Text bytes are unknown here, so the manifest's `bytes` 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 from collections.abc import Iterator, Sequence
@@ -35,22 +41,52 @@ import numpy as np
 from jaxlm.data import tokenizer as tokenizer_lib
 from jaxlm.data.corpora import prepare, shards
 
-LLMC_MAGIC = 20240520
 LLMC_HEADER_BYTES = 256 * 4
-LLMC_SEPARATORS = {1: 50256, 2: 128000}  # GPT-2's <|endoftext|>, Llama 3's <|begin_of_text|>
-_LLMC_DTYPES = {1: np.dtype("<u2"), 2: np.dtype("<u4")}
+
+
+@dataclasses.dataclass(frozen=True)
+class LlmcFormat:
+  """One of llm.c's shard formats: its name, token dtype, the separator written before every document, and whether
+  that separator ends the document before it (end-of-text) or starts the one after it (begin-of-text)."""
+  name: str
+  dtype: np.dtype
+  separator: int
+  separator_ends: bool
+
+
+# (magic, version) of llm.c's headers (its HEADERS_INFO) -> the format.
+LLMC_FORMATS = {
+    (20240520, 1): LlmcFormat("gpt-2", np.dtype("<u2"), 50256, separator_ends=True),  # <|endoftext|>
+    (20240801, 7): LlmcFormat("llama-3", np.dtype("<u4"), 128000, separator_ends=False),  # <|begin_of_text|>
+}
 _CHUNK = 64 << 20  # tokens read at a time
 
 
 def detect(path: str) -> str | None:
-  """"llmc" for an llm.c token shard, "datatrove" for a datatrove .ds file beside its .ds.index, else None."""
+  """"llmc" for an llm.c token shard, "datatrove" for a datatrove .ds file beside its .ds.index, else None (text).
+  A .bin file, or one with an llm.c magic, whose header is not a format here raises a one-line error."""
   if path.endswith(".ds") and os.path.isfile(path) and os.path.isfile(f"{path}.index"):
     return "datatrove"
-  if os.path.isfile(path) and os.path.getsize(path) >= LLMC_HEADER_BYTES:
-    header = np.fromfile(path, "<i4", count=3)
-    if header[0] == LLMC_MAGIC and int(header[1]) in _LLMC_DTYPES:
-      return "llmc"
+  if not os.path.isfile(path):
+    return None
+  magic, version = _llmc_header(path)
+  if (magic, version) in LLMC_FORMATS:
+    return "llmc"
+  if path.endswith(".bin") or magic in {m for m, _ in LLMC_FORMATS}:
+    if version is None:
+      raise ValueError(f"{path!r} holds {os.path.getsize(path)} bytes, too few for an llm.c shard header")
+    known = ", ".join(f"{f.name} (magic {m}, version {v})" for (m, v), f in LLMC_FORMATS.items())
+    raise ValueError(f"{path!r}: magic {magic}, version {version}: not an llm.c shard header this jaxlm reads; it "
+                     f"reads llm.c's {known}")
   return None
+
+
+def _llmc_header(path: str) -> tuple[int | None, int | None]:
+  """The first two int32 of `path` (llm.c's magic and version); None for what the file is too short to hold."""
+  with open(path, "rb") as f:
+    head = f.read(8)
+  values = [int(v) for v in np.frombuffer(head[:len(head) // 4 * 4], "<i4")]
+  return (values + [None, None])[0], (values + [None, None])[1]
 
 
 def index_prepared(train_paths: Sequence[str], eval_paths: Sequence[str], out: str, tokenizer: str = "",
@@ -95,14 +131,15 @@ def index_prepared(train_paths: Sequence[str], eval_paths: Sequence[str], out: s
     raise ValueError(f"{out!r} holds a corpus prepared from other inputs; choose another output folder or delete it")
   os.makedirs(out, exist_ok=True)
 
-  separator = eos_id
-  if separator is None and kind == "llmc":
-    separator = LLMC_SEPARATORS[next(iter(layouts.values()))["version"]]
+  separator, llmc = eos_id, None
+  if kind == "llmc":
+    llmc = next(iter(layouts.values()))["format"]
+    separator = llmc.separator if eos_id is None else eos_id
   listed, last_tokens, max_id = [], set(), -1
   for split, paths in (("train", train_paths), ("eval", eval_paths)):
     for number, path in enumerate(paths):
       layout = layouts[path]
-      scan = _scan(path, layout, separator)
+      scan = _scan(path, layout, separator, separator_ends=llmc is None or llmc.separator_ends)
       name = f"{split}-{number:05d}"
       prepare._save_npy(os.path.join(out, f"{name}.ends.npy"), scan["ends"])
       listed.append({"name": name, "split": split, "tokens_file": os.path.abspath(path), "offset": layout["offset"],
@@ -110,14 +147,8 @@ def index_prepared(train_paths: Sequence[str], eval_paths: Sequence[str], out: s
                      "bytes": 0, "sha256": scan["sha256"]})
       last_tokens |= scan["last_tokens"]
       max_id = max(max_id, scan["max_id"])
-  if separator is None:  # datatrove appends the tokenizer's EOS to every document: the one token they all end with
-    if len(last_tokens) == 1:
-      separator = last_tokens.pop()
-    elif tokenizer_json is not None:
-      separator = tokenizer_lib.eos_id(loaded)
-    else:
-      raise ValueError("the documents do not all end with one token, so their end-of-document id is unknown; give "
-                       "--eos_id or --tokenizer")
+  if separator is None:
+    separator = _datatrove_eos(last_tokens, loaded if tokenizer_json is not None else None)
   vocab_size = max_id + 1
   if tokenizer_json is not None:
     vocab_size = loaded.get_vocab_size(with_added_tokens=True)
@@ -174,17 +205,41 @@ def verify(folder: str) -> list[str]:
   return problems
 
 
+def _datatrove_eos(last_tokens: set[int], tokenizer: Any) -> int:
+  """The end-of-document id of datatrove files. DocumentTokenizer appends its eos_token only when given one, so the
+  token every document ends with is taken when the tokenizer (if given) calls it special; else the tokenizer's EOS;
+  else that common token all the same; else an error."""
+  common = next(iter(last_tokens)) if len(last_tokens) == 1 else None
+  special = {i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special} if tokenizer else set()
+  if common is not None and (tokenizer is None or common in special):
+    return common
+  if tokenizer is not None:
+    try:
+      return tokenizer_lib.eos_id(tokenizer)
+    except ValueError:
+      if common is None:
+        raise
+  if common is None:
+    raise ValueError("the documents do not all end with one token (datatrove appends one only when DocumentTokenizer "
+                     "was given eos_token), so their end-of-document id is unknown; give --eos_id or --tokenizer")
+  return common
+
+
 def _layout(path: str, kind: str) -> dict[str, Any]:
-  """Where the tokens of `path` lie: dtype, byte offset, token count (and llm.c's version, datatrove's ends)."""
+  """Where the tokens of `path` lie: dtype, byte offset, token count (and llm.c's format, datatrove's ends)."""
   size = os.path.getsize(path)
   if kind == "llmc":
-    version, tokens = (int(v) for v in np.fromfile(path, "<i4", count=3)[1:])
-    dtype = _LLMC_DTYPES[version]
+    if size < LLMC_HEADER_BYTES:
+      raise ValueError(f"{path!r} holds {size} bytes, fewer than llm.c's {LLMC_HEADER_BYTES}-byte header; it is "
+                       f"truncated")
+    magic, version, tokens = (int(v) for v in np.fromfile(path, "<i4", count=3))
+    llmc = LLMC_FORMATS[magic, version]
+    dtype = llmc.dtype
     if size != LLMC_HEADER_BYTES + tokens * dtype.itemsize:
       raise ValueError(f"{path!r}: its header says {tokens} {dtype.name} tokens, which take "
                        f"{LLMC_HEADER_BYTES + tokens * dtype.itemsize} bytes, but the file has {size}; it is "
                        f"truncated or was not written by llm.c")
-    return {"dtype": dtype, "offset": LLMC_HEADER_BYTES, "tokens": tokens, "version": version}
+    return {"dtype": dtype, "offset": LLMC_HEADER_BYTES, "tokens": tokens, "format": llmc}
   ends = np.fromfile(f"{path}.index", "<u8")
   tokens = int(ends[-1]) if ends.size else 0
   itemsize = _datatrove_token_size(path) or (size // tokens if tokens else 2)
@@ -206,9 +261,10 @@ def _datatrove_token_size(path: str) -> int | None:
   return int(size) if size in ("2", "4") else None
 
 
-def _scan(path: str, layout: dict[str, Any], separator: int | None) -> dict[str, Any]:
+def _scan(path: str, layout: dict[str, Any], separator: int | None, separator_ends: bool = True) -> dict[str, Any]:
   """One pass over a file: its document ends, sha256, largest id and the distinct tokens documents end with (at
-  most two are kept: more than one is enough to know that they differ)."""
+  most two are kept: more than one is enough to know that they differ). Without the layout's ends (llm.c) a
+  document ends after each separator (`separator_ends`) or before each one (the separator starts a document)."""
   digest, max_id, found = hashlib.sha256(), -1, []
   ends = layout.get("ends")
   last_tokens: set[int] = set()
@@ -216,12 +272,13 @@ def _scan(path: str, layout: dict[str, Any], separator: int | None) -> dict[str,
     digest.update(chunk)
     max_id = max(max_id, int(chunk.max()))
     if ends is None:
-      found.append(np.flatnonzero(chunk == separator).astype(np.uint64) + np.uint64(start + 1))
+      found.append(np.flatnonzero(chunk == separator).astype(np.uint64) + np.uint64(start + separator_ends))
     elif len(last_tokens) < 2:
       inside = ends[(ends > start) & (ends <= start + chunk.size)].astype(np.int64) - start - 1
       last_tokens.update(int(t) for t in np.unique(chunk[inside])[:2])
   if ends is None:
     ends = np.concatenate(found) if found else np.zeros(0, np.uint64)
+    ends = ends[ends > 0]  # a file that opens with a begin-of-text separator: no empty document before it
     if layout["tokens"] and (not ends.size or int(ends[-1]) != layout["tokens"]):
       ends = np.append(ends, np.uint64(layout["tokens"]))  # the file's last document has no separator after it
   return {"ends": ends, "sha256": digest.hexdigest(), "max_id": max_id, "last_tokens": last_tokens}
