@@ -64,26 +64,59 @@ def pair_sums(loss_B: jax.Array, rewards_B2: jax.Array, logp_B2: jax.Array, weig
 
 
 def _hidden_states(model, batch: dict):
-  """The final hidden states [2B*T, D] of both responses of every pair (one forward), targets and mask [2B*T]."""
-  b, _, t = batch["inputs"].shape
-  flat = lambda key: batch[key].reshape(2 * b, t)
-  x_BTD = model.features(flat("inputs"), flat("positions"), flat("segment_ids"))
-  return x_BTD.reshape(2 * b * t, -1), flat("targets").reshape(-1), flat("loss_mask").reshape(-1)
+  """The final hidden states [N, D] of every token slot of the batch (both responses of every pair in one forward),
+  targets and mask [N]. Padded batches are [B, 2, T], padding-free ones [B, L] (jaxlm/data/tuning/pair_packing.py)."""
+  rows = lambda key: batch[key].reshape(-1, batch[key].shape[-1])
+  x_BTD = model.features(rows("inputs"), rows("positions"), rows("segment_ids"))
+  return x_BTD.reshape(-1, x_BTD.shape[-1]), rows("targets").reshape(-1), rows("loss_mask").reshape(-1)
 
 
-def _summed_log_probs(model, x_ND, targets_N, mask_N, b: int) -> jax.Array:
+def _padding_free(batch: dict) -> bool:
+  return batch["inputs"].ndim == 2
+
+
+def _per_response(values_N: jax.Array, batch: dict) -> jax.Array:
+  """[pairs, 2] sums of per-token values over each response: padded, a sequence's slots; padding-free, its segment's
+  (the j-th pair of a row: segments 2j + 1 and 2j + 2), as [B * P, 2]."""
+  if not _padding_free(batch):
+    return values_N.reshape(batch["inputs"].shape).sum(-1)
+  b, length = batch["inputs"].shape
+  responses = 2 * batch["pair_weight"].shape[1]
+  # A masked sum per segment (not a scatter-add): exact in f32 and deterministic on every backend.
+  in_segment_BLS = batch["segment_ids"][..., None] == jnp.arange(1, responses + 1).reshape(1, 1, -1)
+  sums_BS = jnp.where(in_segment_BLS, values_N.reshape(b, length, 1), 0.0).sum(1)
+  return sums_BS.reshape(-1, 2)
+
+
+def _per_token(per_response: jax.Array, batch: dict) -> jax.Array:
+  """[N]: the value of each token slot's response (`per_response` [pairs, 2]); padding slots get some response's
+  value, which the caller's mask zeroes."""
+  if not _padding_free(batch):
+    return jnp.broadcast_to(per_response[..., None], batch["inputs"].shape).reshape(-1)
+  b = batch["inputs"].shape[0]
+  index_BL = jnp.maximum(batch["segment_ids"] - 1, 0)
+  return jnp.take_along_axis(per_response.reshape(b, -1), index_BL, axis=1).reshape(-1)
+
+
+def _pair_inputs(batch: dict) -> tuple[jax.Array, jax.Array]:
+  """The reference's summed log-probs [pairs, 2] and the pairs' weights [pairs], in either layout."""
+  return batch["ref_logp"].reshape(-1, 2), batch["pair_weight"].reshape(-1)
+
+
+def _summed_log_probs(model, x_ND, targets_N, mask_N, batch: dict) -> jax.Array:
   table = jax.lax.stop_gradient(model.output_table())
   logp_N = model.kernels.token_log_probs(jax.lax.stop_gradient(x_ND), table, targets_N, model.config.logit_softcap)
-  return (logp_N * mask_N).reshape(b, 2, -1).sum(-1)
+  return _per_response(logp_N * mask_N, batch)
 
 
 def make_log_probs_fn(graphdef: nnx.GraphDef):
-  """(params, batch) -> [B, 2] summed log-probabilities of the chosen and rejected responses (the reference pass)."""
+  """(params, batch) -> summed log-probabilities of the chosen and rejected responses (the reference pass), in the
+  shape of batch["ref_logp"]: [B, 2] padded, [B, P, 2] padding-free."""
 
   def log_probs(params, batch):
     model = nnx.merge(graphdef, params)
     x_ND, targets_N, mask_N = _hidden_states(model, batch)
-    return _summed_log_probs(model, x_ND, targets_N, mask_N, batch["inputs"].shape[0])
+    return _summed_log_probs(model, x_ND, targets_N, mask_N, batch).reshape(batch["ref_logp"].shape)
 
   return log_probs
 
@@ -94,19 +127,19 @@ def make_preference_loss_fn(graphdef: nnx.GraphDef, p: PreferenceConfig):
 
   def loss_fn(params, batch):
     model = nnx.merge(graphdef, params)
-    b = batch["inputs"].shape[0]
     x_ND, targets_N, mask_N = _hidden_states(model, batch)
-    logp_B2 = _summed_log_probs(model, x_ND, targets_N, mask_N, b)
-    lengths_B2 = batch["loss_mask"].sum(-1)
+    logp_B2 = _summed_log_probs(model, x_ND, targets_N, mask_N, batch)
+    lengths_B2 = _per_response(mask_N, batch)
+    ref_logp_B2, weight_B = _pair_inputs(batch)
 
     def objective(logp):
-      loss_B, rewards_B2, used_B2 = pair_losses(logp, batch["ref_logp"], lengths_B2, p)
-      sums = pair_sums(loss_B, rewards_B2, used_B2, batch["pair_weight"])
+      loss_B, rewards_B2, used_B2 = pair_losses(logp, ref_logp_B2, lengths_B2, p)
+      sums = pair_sums(loss_B, rewards_B2, used_B2, weight_B)
       return sums["loss_sum"], sums
 
     (loss_sum, sums), dloss_B2 = jax.value_and_grad(objective, has_aux=True)(logp_B2)
     # logp of a response = -(its tokens' cross-entropy sum): token weight -d loss / d logp_response.
-    weights_N = jax.lax.stop_gradient(-(dloss_B2[..., None] * mask_N.reshape(b, 2, -1)).reshape(-1))
+    weights_N = jax.lax.stop_gradient(-_per_token(dloss_B2, batch) * mask_N)
     surrogate, _ = model.kernels.cross_entropy_sums(x_ND, model.output_table(), targets_N, weights_N,
                                                     model.config.logit_softcap)
     loss_sum = loss_sum + (surrogate - jax.lax.stop_gradient(surrogate))  # the value of the loss, its gradient
@@ -121,9 +154,10 @@ def make_eval_fn(graphdef: nnx.GraphDef, p: PreferenceConfig):
   log_probs = make_log_probs_fn(graphdef)
 
   def eval_fn(params, batch):
-    loss_B, rewards_B2, used_B2 = pair_losses(log_probs(params, batch), batch["ref_logp"],
-                                              batch["loss_mask"].sum(-1), p)
-    return pair_sums(loss_B, rewards_B2, used_B2, batch["pair_weight"])
+    ref_logp_B2, weight_B = _pair_inputs(batch)
+    lengths_B2 = _per_response(batch["loss_mask"].reshape(-1), batch)
+    loss_B, rewards_B2, used_B2 = pair_losses(log_probs(params, batch).reshape(-1, 2), ref_logp_B2, lengths_B2, p)
+    return pair_sums(loss_B, rewards_B2, used_B2, weight_B)
 
   return eval_fn
 
