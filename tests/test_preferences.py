@@ -1,8 +1,9 @@
 """Preference tuning: for a small random Llama-style policy and a different random reference, both saved by
-transformers, jaxlm's held-out preference metrics equal those computed from transformers' log-probabilities with
-TRL's formulas (DPO and IPO, standard and conversational pairs, tokenized as TRL tokenizes them); the step's
-gradient equals the gradient of the loss written directly on full logits; and a run through the one loop (DPO with
-LoRA, the reference the base) writes start_eval.json at log 2 and learns."""
+transformers with a Llama-style tokenizer (a BOS before every text, EOS </s>) and a ChatML template, jaxlm's token
+ids, held-out losses and every logged metric equal those of TRL 1.16's own DPOTrainer (its tokenization and its
+evaluate(), DPO and IPO, standard and conversational pairs); the step's gradient equals the gradient of the loss
+written directly on full logits; and a run through the one loop (DPO with LoRA, the reference the base) writes
+start_eval.json at log 2 and learns."""
 
 import json
 import os
@@ -18,17 +19,24 @@ from flax import nnx
 torch = pytest.importorskip("torch", reason="HF parity tests need the hf extra: pip install -e '.[hf]'")
 transformers = pytest.importorskip("transformers", reason="HF parity tests need the hf extra: pip install -e '.[hf]'")
 
-from experiments import conversations as conversation_data  # noqa: E402
 from jaxlm import config as config_lib  # noqa: E402
 from jaxlm.config import DataConfig, PreferenceConfig  # noqa: E402
 from jaxlm.data import load_tokenizer  # noqa: E402
-from jaxlm.data.tuning import chat  # noqa: E402
 from jaxlm.data.tuning import preferences as pref_data  # noqa: E402
 from jaxlm.interop import hf_weights  # noqa: E402
 from jaxlm.recipes import preference_tuning  # noqa: E402
 from jaxlm.training import preference_loss  # noqa: E402
 
 WORDS = "apple river stone cloud maple tiger lemon piano silver garden".split()
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+# jaxlm's held-out metric <- the one TRL's DPOTrainer.evaluate() logs (eval_num_tokens counts training tokens only)
+TRL_METRICS = {"eval_preference_loss": "eval_loss", "eval_reward_accuracy": "eval_rewards/accuracies",
+               "eval_reward_margin": "eval_rewards/margins", "eval_chosen_reward": "eval_rewards/chosen",
+               "eval_rejected_reward": "eval_rewards/rejected", "eval_chosen_logp": "eval_logps/chosen",
+               "eval_rejected_logp": "eval_logps/rejected", "eval_entropy": "eval_entropy",
+               "eval_token_accuracy": "eval_mean_token_accuracy", "eval_chosen_mean_logit": "eval_logits/chosen",
+               "eval_rejected_mean_logit": "eval_logits/rejected"}
 
 
 def _pairs(count: int, seed: int) -> list[dict]:
@@ -47,6 +55,24 @@ def _conversational(rows: list[dict]) -> list[dict]:
            "rejected": message("assistant", r["rejected"])} for r in rows]
 
 
+def _write_tokenizer(folder: str, rows: list[dict]) -> str:
+  """A Llama-style tokenizer saved by transformers: a byte-level BPE trained on the pairs, a BOS (<s>) before every
+  text, EOS </s>, and a ChatML template, whose end of turn (<|im_end|>) is not the EOS."""
+  import tokenizers  # noqa: PLC0415
+  from tokenizers import decoders, models, pre_tokenizers, processors, trainers  # noqa: PLC0415
+
+  tokenizer = tokenizers.Tokenizer(models.BPE())
+  tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tokenizer.decoder = decoders.ByteLevel()
+  texts = [r[k] for r in rows for k in ("prompt", "chosen", "rejected")] + ["user\nassistant\n"]
+  tokenizer.train_from_iterator(texts, trainers.BpeTrainer(
+      vocab_size=320, special_tokens=["<s>", "</s>", "<pad>", "<|im_start|>", "<|im_end|>"],
+      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+  tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+  transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>",
+                                       pad_token="<pad>", chat_template=CHATML).save_pretrained(folder)
+  return folder
+
 
 def _save_llama(folder: str, tokenizer_folder: str, seed: int) -> str:
   torch.manual_seed(seed)
@@ -54,7 +80,7 @@ def _save_llama(folder: str, tokenizer_folder: str, seed: int) -> str:
                                     num_key_value_heads=2, vocab_size=320, max_position_embeddings=128,
                                     initializer_range=0.2, tie_word_embeddings=False, rms_norm_eps=1e-6)
   transformers.LlamaForCausalLM(config).save_pretrained(folder)
-  for name in ("tokenizer.json", "tokenizer_config.json"):
+  for name in os.listdir(tokenizer_folder):
     shutil.copy(os.path.join(tokenizer_folder, name), folder)
   return folder
 
@@ -62,10 +88,9 @@ def _save_llama(folder: str, tokenizer_folder: str, seed: int) -> str:
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
   folder = tmp_path_factory.mktemp("preferences")
-  train, held_out = _pairs(40, 0), _pairs(6, 1)
-  chats = [{"messages": [{"role": "user", "content": r["prompt"]}, {"role": "assistant", "content": r[k]}]}
-           for r in train for k in ("chosen", "rejected")]
-  tokenizer = conversation_data.write_chat_tokenizer(str(folder / "tokenizer"), chats, 320, 128)
+  train, held_out = _pairs(40, 0), _pairs(8, 1)
+  held_out[0]["prompt"] = "<s>" + held_out[0]["prompt"]  # a BOS in the text too: TRL's tokenizer call adds another
+  tokenizer = _write_tokenizer(str(folder / "tokenizer"), train)
   files = {}
   for name, rows in (("train", train), ("eval", held_out)):
     files[name] = write_jsonl(folder / f"{name}.jsonl", rows)
@@ -74,62 +99,22 @@ def setup(tmp_path_factory):
               reference=_save_llama(str(folder / "reference"), tokenizer, 2))
 
 
-# ------------------------------------------------------------------------- the reference: transformers + TRL
+@pytest.fixture(scope="module")
+def trl_dpo(setup):
+  """TRL 1.16's own DPOTrainer on the policy and the reference (transformers' models read from their folders),
+  evaluating every held-out pair in one batch, as jaxlm's means are over all of them."""
+  trl = pytest.importorskip("trl", reason="TRL parity tests need trl")
+  if trl.__version__ != "1.16.0":
+    pytest.skip(f"jaxlm follows TRL 1.16.0's DPOTrainer; trl {trl.__version__} is installed")
+  import datasets  # noqa: PLC0415
 
-
-def _trl_tokens(hf_tokenizer, row: dict) -> tuple[list[int], list[int], list[int]]:
-  """TRL's DPOTrainer tokens: maybe_apply_chat_template, then tokenize_row (prompt, response + EOS, no specials)."""
-  prompt, chosen, rejected = row["prompt"], row["chosen"], row["rejected"]
-  if isinstance(chosen, list):
-    prompt_text = hf_tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-    with_chosen = hf_tokenizer.apply_chat_template(prompt + chosen, tokenize=False)
-    with_rejected = hf_tokenizer.apply_chat_template(prompt + rejected, tokenize=False)
-    n = 0
-    while n < min(len(prompt_text), len(with_chosen)) and prompt_text[n] == with_chosen[n]:
-      n += 1
-    prompt, chosen, rejected = prompt_text[:n], with_chosen[n:], with_rejected[n:]
-  ids = lambda text: hf_tokenizer(text, add_special_tokens=False)["input_ids"]
-  eos, bos = hf_tokenizer.eos_token_id, hf_tokenizer.bos_token_id
-  prompt_ids = ids(prompt)
-  if bos is not None and prompt_ids[:1] != [bos]:  # TRL's add_bos_token_if_needed (before 0.12)
-    prompt_ids = [bos] + prompt_ids
-  return prompt_ids, ids(chosen) + [eos], ids(rejected) + [eos]
-
-
-def _hf_logps(model, prompt: list[int], response: list[int]) -> tuple[float, int]:
-  """Summed log-probability of `response` after `prompt` under a transformers model, and its length."""
-  ids = torch.tensor([prompt + response])
-  with torch.no_grad():
-    logits = model(ids).logits[0, :-1].double()
-  logps = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0]
-  return float(logps[len(prompt) - 1:].sum()), len(response)
-
-
-def _trl_metrics(policy, reference, hf_tokenizer, rows, loss: str, beta: float) -> dict:
-  """TRL's dpo_loss (loss_type sigmoid or ipo) and its logged metrics, means over the pairs."""
-  logps, ref_logps = [], []
-  for row in rows:
-    prompt, chosen, rejected = _trl_tokens(hf_tokenizer, row)
-    (c, nc), (r, nr) = _hf_logps(policy, prompt, chosen), _hf_logps(policy, prompt, rejected)
-    (c0, _), (r0, _) = _hf_logps(reference, prompt, chosen), _hf_logps(reference, prompt, rejected)
-    if loss == "ipo":  # TRL averages the log-probs over the response tokens for IPO
-      c, r, c0, r0 = c / nc, r / nr, c0 / nc, r0 / nr
-    logps.append((c, r))
-    ref_logps.append((c0, r0))
-  logps, ref_logps = torch.tensor(logps), torch.tensor(ref_logps)
-  logits = (logps[:, 0] - logps[:, 1]) - (ref_logps[:, 0] - ref_logps[:, 1])
-  losses = (logits - 1 / (2 * beta)) ** 2 if loss == "ipo" else -torch.nn.functional.logsigmoid(beta * logits)
-  chosen_rewards, rejected_rewards = beta * (logps[:, 0] - ref_logps[:, 0]), beta * (logps[:, 1] - ref_logps[:, 1])
-  return {"eval_preference_loss": float(losses.mean()),
-          "eval_reward_accuracy": float((chosen_rewards > rejected_rewards).double().mean()),
-          "eval_reward_margin": float((chosen_rewards - rejected_rewards).mean()),
-          "eval_chosen_logp": float(logps[:, 0].mean()), "eval_rejected_logp": float(logps[:, 1].mean())}
-
-
-def _hf_tokenizer(folder: str):
-  tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
-  tokenizer.chat_template = chat.load(folder).text
-  return tokenizer
+  # bf16=False: TRL's default bf16 autocasts the reference's forward (not the policy's) even on a CPU.
+  args = trl.DPOConfig(output_dir=str(setup["folder"] / "trl"), report_to=[], use_cpu=True, bf16=False,
+                       max_length=None, per_device_eval_batch_size=64)
+  policy, reference = (transformers.LlamaForCausalLM.from_pretrained(setup[k]) for k in ("policy", "reference"))
+  rows = [json.loads(line) for line in open(setup["files"]["eval_chat"])]
+  return trl.DPOTrainer(model=policy, ref_model=reference, args=args, train_dataset=datasets.Dataset.from_list(rows),
+                        processing_class=transformers.AutoTokenizer.from_pretrained(setup["policy"]))
 
 
 # ------------------------------------------------------------------------------------------------- tests
@@ -152,22 +137,28 @@ def _load(folder: str):
 
 
 @pytest.mark.parametrize("form", ["standard", "conversational"])
-def test_held_out_metrics_equal_trl_formulas_on_transformers_log_probs(setup, form):
+def test_tokens_losses_and_logged_metrics_equal_trl_dpo_trainers(setup, trl_dpo, form):
+  import datasets  # noqa: PLC0415
+
   suffix = "_chat" if form == "conversational" else ""
   config = DataConfig(source="files", train_files=(setup["files"]["train" + suffix],),
                       eval_files=(setup["files"]["eval" + suffix],), seq_len=0)
   data = pref_data.build_preference_data(config, load_tokenizer(setup["policy"]), 0, 128, setup["policy"])
-  rows = [json.loads(line) for line in open(setup["files"]["eval" + suffix])]
-  hf_tokenizer = _hf_tokenizer(setup["policy"])
-  for pair, row in zip(data.eval_pairs, rows):  # the tokens are TRL's
-    assert (pair.prompt, pair.chosen, pair.rejected) == _trl_tokens(hf_tokenizer, row)
-  policy, reference = (transformers.LlamaForCausalLM.from_pretrained(setup[k]).eval() for k in ("policy", "reference"))
+  rows = datasets.Dataset.from_list([json.loads(line) for line in open(setup["files"]["eval" + suffix])])
+  tokenized = trl_dpo._prepare_dataset(rows, trl_dpo.processing_class, trl_dpo.args, "eval")  # DPOTrainer's own
+  assert len(data.eval_pairs) == len(tokenized) == 8
+  for pair, row in zip(data.eval_pairs, tokenized):
+    assert (pair.prompt, pair.chosen, pair.rejected) == (row["prompt_ids"], row["chosen_ids"], row["rejected_ids"])
+  end_of_turn, eos = (trl_dpo.processing_class.convert_tokens_to_ids(t) for t in ("<|im_end|>", "</s>"))
+  for pair in data.eval_pairs:  # a conversational response ends with the template's end of turn and no EOS
+    assert (eos in pair.chosen) == (form == "standard") and (end_of_turn in pair.chosen) == (form != "standard")
   for loss, beta in (("dpo", 0.1), ("ipo", 0.5)):
-    expected = _trl_metrics(policy, reference, hf_tokenizer, rows, loss, beta)
+    trl_dpo.loss_types, trl_dpo.beta = ["sigmoid" if loss == "dpo" else "ipo"], beta
+    expected = trl_dpo.evaluate(rows)
     found = _jaxlm_metrics(setup, data, loss, beta)
-    assert expected["eval_reward_accuracy"] not in (0.0, 1.0)  # a test that can tell right from wrong rankings
-    for key, value in expected.items():
-      assert found[key] == pytest.approx(value, rel=1e-4, abs=1e-6), (loss, key)
+    assert 0 < expected["eval_rewards/accuracies"] < 1  # a test that can tell right from wrong rankings
+    for ours, theirs in TRL_METRICS.items():
+      assert found[ours] == pytest.approx(expected[theirs], rel=1e-5, abs=1e-7), (loss, ours)
 
 
 def test_the_step_gradient_is_the_gradient_of_the_loss_on_full_logits(setup):
@@ -235,24 +226,6 @@ def test_lora_dpo_through_the_loop_starts_at_log_2_learns_and_resumes(setup):
   lines = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
   assert {"reward_accuracy", "reward_margin", "chosen_logp", "rejected_logp"} <= set(lines[-1])
   assert "After tuning" in open(os.path.join(workdir, "report.md")).read()
-
-
-def test_a_prompt_starts_with_the_tokenizers_bos_once(setup, tmp_path):
-  """A tokenizer that puts a BOS before every text (Llama's, Gemma's): each prompt starts with exactly one, whether
-  the text has it or not; responses never get one."""
-  import tokenizers  # noqa: PLC0415
-
-  tokenizer = load_tokenizer(setup["policy"])
-  bos = tokenizer.token_to_id("<|endoftext|>")
-  tokenizer.post_processor = tokenizers.processors.TemplateProcessing(single="<|endoftext|> $A",
-                                                                       special_tokens=[("<|endoftext|>", bos)])
-  rows = [{"prompt": "Repeat in capitals: apple", "chosen": "APPLE", "rejected": "apple"},
-          {"prompt": "<|endoftext|>Repeat in capitals: pear", "chosen": "PEAR", "rejected": "pear"}]
-  files = write_jsonl(tmp_path / "pairs.jsonl", rows)
-  data = pref_data.build_preference_data(DataConfig(source="files", train_files=(files,), eval_files=(files,)),
-                                         tokenizer, 0, 128, None)
-  for pair in data.eval_pairs:
-    assert pair.prompt[0] == bos and bos not in pair.prompt[1:] and bos not in pair.chosen[:1]
 
 
 def test_ipo_with_a_jaxlm_run_as_the_reference(setup):

@@ -185,3 +185,25 @@ def token_log_probs(x_ND: jax.Array, table_VD: jax.Array, targets_N: jax.Array, 
 
   out = jax.lax.map(one_chunk, (_blocks(x_ND, shards, chunk), _blocks(targets_N, shards, chunk)))
   return jax.tree.map(lambda a: _unblocks(a, n), out)
+
+
+def token_statistics(x_ND: jax.Array, table_VD: jax.Array, targets_N: jax.Array, chunk: int, einsum=jnp.einsum,
+                     softcap=lambda logits: logits) -> dict[str, jax.Array]:
+  """Per token, [N] in f32, from one forward pass over the vocabulary `chunk` tokens at a time (evaluation's
+  diagnostics, as TRL logs them): `log_probs` of the target, predictive `entropy`, `mean_logit` (the logits' mean
+  over the vocabulary) and `top1` (1 where the target is the first largest logit, as argmax picks)."""
+  n = x_ND.shape[0]
+  shards = _batch_shards(n)
+  chunk = min(chunk, n // shards)
+
+  def one_chunk(xs):
+    x_PCD, targets_PC = xs
+    logits_PCV = softcap(einsum("pcd,vd->pcv", x_PCD, table_VD, **_F32))
+    lse_PC = jax.nn.logsumexp(logits_PCV, axis=-1)
+    return {"log_probs": jnp.take_along_axis(logits_PCV, targets_PC[..., None], axis=-1)[..., 0] - lse_PC,
+            "entropy": lse_PC - jnp.sum(jax.nn.softmax(logits_PCV, axis=-1) * logits_PCV, axis=-1),
+            "mean_logit": jnp.mean(logits_PCV, axis=-1),
+            "top1": (jnp.argmax(logits_PCV, axis=-1) == targets_PC).astype(jnp.float32)}
+
+  out = jax.lax.map(one_chunk, (_blocks(x_ND, shards, chunk), _blocks(targets_N, shards, chunk)))
+  return jax.tree.map(lambda a: _unblocks(a, n), out)

@@ -322,6 +322,12 @@ class Kernels:
     return chunked_ce.token_log_probs(x_ND, table_VD, targets_N, self.cross_entropy_chunk, self.einsum,
                                       lambda logits: self.softcap(logits, logit_softcap), with_entropy)
 
+  def token_statistics(self, x_ND, table_VD, targets_N, logit_softcap: float = 0.0) -> dict:
+    """Per token [N] in f32: `log_probs`, `entropy`, `mean_logit` and `top1` of the targets, `cross_entropy_chunk`
+    tokens at a time (forward only: evaluation's diagnostics)."""
+    return chunked_ce.token_statistics(x_ND, table_VD, targets_N, self.cross_entropy_chunk, self.einsum,
+                                       lambda logits: self.softcap(logits, logit_softcap))
+
 
 def validate_kernels(config: KernelsConfig) -> None:
   """Names the registry knows at all; whether one fits this platform, dtype and mesh is `resolve`'s check."""

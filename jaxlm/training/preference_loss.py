@@ -6,10 +6,12 @@
 Per pair, with the policy's summed response log-probabilities (chosen c, rejected r) and the reference's (c0, r0):
   dpo    loss = -log sigmoid(beta * z) (1 - eps) - log sigmoid(-beta * z) eps,  z = (c - r) - (c0 - r0)
          rewards beta (c - c0), beta (r - r0)                       (TRL DPOTrainer, loss_type="sigmoid")
-  ipo    loss = (z - 1 / (2 beta))^2 on log-probs averaged over each response's tokens (TRL loss_type="ipo")
-  simpo  loss = -log sigmoid(beta (c - r) - gamma) (1 - eps) - log sigmoid(-(...)) eps on averaged log-probs,
-         rewards beta c, beta r; no reference                      (TRL CPOTrainer, loss_type="simpo", cpo_alpha=0)
-The reported log-probs are the ones the loss uses (averaged for ipo and simpo, as TRL logs them). With
+  ipo    loss = (z' - 1 / (2 beta))^2, z' = (c - c0) / chosen tokens - (r - r0) / rejected tokens;
+         rewards as dpo's                                            (TRL DPOTrainer, loss_type="ipo")
+  simpo  loss = -log sigmoid(beta (c - r) - gamma) (1 - eps) - log sigmoid(-(...)) eps on log-probs averaged over
+         each response's tokens, rewards beta c, beta r; no reference (TRL CPOTrainer, loss_type="simpo", cpo_alpha=0)
+The logged log-probs and rewards are TRL 1.16's: sums for dpo and ipo (the averaging is inside ipo's loss only),
+averages for simpo (its CPOTrainer logs the averaged log-probs its loss uses). With
 `preference.rpo_alpha`, each pair's loss adds alpha * (-c / chosen tokens), the chosen response's mean token NLL
 (TRL's rpo_alpha averages it over all chosen tokens of the batch instead; per pair, it accumulates exactly).
 
@@ -28,20 +30,24 @@ from flax import nnx
 
 from jaxlm.config import PreferenceConfig
 
-PAIR_METRICS = ("reward_margin", "chosen_logp", "rejected_logp")  # summed over pairs, reported as means
+# summed over pairs, reported as means
+PAIR_METRICS = ("reward_margin", "chosen_reward", "rejected_reward", "chosen_logp", "rejected_logp")
 
 
 def pair_losses(logp_B2: jax.Array, ref_logp_B2: jax.Array, lengths_B2: jax.Array,
                 p: PreferenceConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """(loss [B], rewards [B, 2], the log-probs the loss uses [B, 2]) from summed response log-probs."""
-  chosen_nll_B = -logp_B2[:, 0] / jnp.maximum(lengths_B2[:, 0], 1.0)
-  if p.loss in ("ipo", "simpo"):  # length-averaged log-probabilities
-    logp_B2, ref_logp_B2 = logp_B2 / jnp.maximum(lengths_B2, 1.0), ref_logp_B2 / jnp.maximum(lengths_B2, 1.0)
+  """(loss [B], rewards [B, 2], the log-probs to log [B, 2]) from summed response log-probs (module docstring)."""
+  tokens_B2 = jnp.maximum(lengths_B2, 1.0)
+  chosen_nll_B = -logp_B2[:, 0] / tokens_B2[:, 0]
   if p.loss == "simpo":
+    logp_B2 = logp_B2 / tokens_B2
     logits_B = p.beta * (logp_B2[:, 0] - logp_B2[:, 1]) - p.simpo_gamma
     rewards_B2 = p.beta * logp_B2
   else:
-    z_B = (logp_B2[:, 0] - logp_B2[:, 1]) - (ref_logp_B2[:, 0] - ref_logp_B2[:, 1])
+    ratios_B2 = logp_B2 - ref_logp_B2
+    if p.loss == "ipo":  # each log-ratio averaged over its response's tokens, in the loss only
+      ratios_B2 = ratios_B2 / tokens_B2
+    z_B = ratios_B2[:, 0] - ratios_B2[:, 1]
     logits_B = p.beta * z_B
     rewards_B2 = p.beta * (logp_B2 - ref_logp_B2)
   if p.loss == "ipo":
@@ -59,7 +65,8 @@ def pair_sums(loss_B: jax.Array, rewards_B2: jax.Array, logp_B2: jax.Array, weig
   margin_B = rewards_B2[:, 0] - rewards_B2[:, 1]
   return {"loss_sum": jnp.sum(loss_B * weight_B), "pairs": jnp.sum(weight_B),
           "correct": jnp.sum((margin_B > 0).astype(jnp.float32) * weight_B),
-          "reward_margin": jnp.sum(margin_B * weight_B), "chosen_logp": jnp.sum(logp_B2[:, 0] * weight_B),
+          "reward_margin": jnp.sum(margin_B * weight_B), "chosen_reward": jnp.sum(rewards_B2[:, 0] * weight_B),
+          "rejected_reward": jnp.sum(rewards_B2[:, 1] * weight_B), "chosen_logp": jnp.sum(logp_B2[:, 0] * weight_B),
           "rejected_logp": jnp.sum(logp_B2[:, 1] * weight_B)}
 
 
@@ -150,21 +157,41 @@ def make_preference_loss_fn(graphdef: nnx.GraphDef, p: PreferenceConfig):
 
 
 def make_eval_fn(graphdef: nnx.GraphDef, p: PreferenceConfig):
-  """(params, batch) -> the batch's pair sums (`pair_sums`), for the held-out evaluation."""
-  log_probs = make_log_probs_fn(graphdef)
+  """(params, batch) -> the batch's pair sums (`pair_sums`) and response-token sums (`eval_metrics`), for the
+  held-out evaluation."""
 
   def eval_fn(params, batch):
+    model = nnx.merge(graphdef, params)
+    x_ND, targets_N, mask_N = _hidden_states(model, batch)
+    stats = model.kernels.token_statistics(x_ND, model.output_table(), targets_N, model.config.logit_softcap)
     ref_logp_B2, weight_B = _pair_inputs(batch)
-    lengths_B2 = _per_response(batch["loss_mask"].reshape(-1), batch)
-    loss_B, rewards_B2, used_B2 = pair_losses(log_probs(params, batch).reshape(-1, 2), ref_logp_B2, lengths_B2, p)
-    return pair_sums(loss_B, rewards_B2, used_B2, weight_B)
+    loss_B, rewards_B2, used_B2 = pair_losses(_per_response(stats["log_probs"] * mask_N, batch), ref_logp_B2,
+                                              _per_response(mask_N, batch), p)
+    sums = pair_sums(loss_B, rewards_B2, used_B2, weight_B)
+    # TRL's token diagnostics, means over response tokens: entropy over both responses, the rest over each one.
+    weight_N = _per_token(jnp.broadcast_to(weight_B[:, None], ref_logp_B2.shape), batch) * mask_N
+    chosen_N = _per_token(jnp.broadcast_to(jnp.array([1.0, 0.0]), ref_logp_B2.shape), batch) * weight_N
+    rejected_N = weight_N - chosen_N
+    sums.update({"response_tokens": weight_N.sum(), "entropy": (stats["entropy"] * weight_N).sum(),
+                 "chosen_tokens": chosen_N.sum(), "rejected_tokens": rejected_N.sum(),
+                 "chosen_mean_logit": (stats["mean_logit"] * chosen_N).sum(),
+                 "rejected_mean_logit": (stats["mean_logit"] * rejected_N).sum(),
+                 "chosen_top1": (stats["top1"] * chosen_N).sum()})
+    return sums
 
   return eval_fn
 
 
 def eval_metrics(totals: dict) -> dict[str, float]:
-  """The held-out means, under the names metrics.jsonl and eval.json keep."""
+  """The held-out means, under the names metrics.jsonl and eval.json keep: per pair, and per response token
+  (`eval_entropy` over both responses; `eval_token_accuracy`, the chosen tokens that are the policy's first choice,
+  and `eval_chosen_mean_logit` over the chosen ones; `eval_rejected_mean_logit` over the rejected ones)."""
   pairs = max(float(totals["pairs"]), 1.0)
+  per_token = lambda key, tokens: float(totals[key]) / max(float(totals[tokens]), 1.0)
   return {"eval_preference_loss": float(totals["loss_sum"]) / pairs,
           "eval_reward_accuracy": float(totals["correct"]) / pairs,
-          **{f"eval_{k}": float(totals[k]) / pairs for k in PAIR_METRICS}}
+          **{f"eval_{k}": float(totals[k]) / pairs for k in PAIR_METRICS},
+          "eval_entropy": per_token("entropy", "response_tokens"),
+          "eval_token_accuracy": per_token("chosen_top1", "chosen_tokens"),
+          "eval_chosen_mean_logit": per_token("chosen_mean_logit", "chosen_tokens"),
+          "eval_rejected_mean_logit": per_token("rejected_mean_logit", "rejected_tokens")}

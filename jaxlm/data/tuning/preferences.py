@@ -11,13 +11,13 @@ Formats (TRL's preference datasets):
     template; the prompt's turns ending where the responses begin;
   * implicit prompt: no prompt column; the prompt is what chosen and rejected share at their start (messages, or
     text for strings).
-Tokens, as TRL's DPOTrainer makes them: a conversational pair is rendered whole, prompt + chosen and prompt +
-rejected, and the prompt is the rendered prompt with the generation prompt (cut to what the rendered chosen starts
-with); the prompt and each response are then tokenized apart without special tokens and joined, and each response
-ends with the checkpoint's EOS (tokenizer_config.json's eos_token, as transformers reads it). The prompt starts with
-the tokenizer's BOS where it has one and the prompt lacks it (TRL before 0.12 did the same; TRL 0.12+ adds none to
-a decoder's standard-format prompts, which Gemma and Llama, trained with a BOS, answer badly). The loss is on the
-response tokens (EOS included) only.
+Tokens, as TRL 1.16's DPOTrainer makes them (completions.py): prompt + chosen and prompt + rejected are each tokenized
+whole, the prompt alone too, and the responses start where the prompt's ids and both wholes diverge. Standard pairs
+are tokenized with the tokenizer's special tokens (a Llama or Gemma tokenizer's BOS starts the prompt) and each
+response ends with the checkpoint's EOS (tokenizer_config.json's eos_token); conversational pairs are rendered by
+the template (prompt with the generation prompt) and tokenized without special tokens, and get no EOS: a response
+ends with the template's end of turn and what follows it (TRL before 1.16 appended the EOS after it too). The loss is
+on the response tokens only.
 Too long: a pair whose prompt and longer response exceed data.seq_len + 1 tokens keeps the end of its prompt (at
 least the last half of the row's tokens, or the whole prompt if shorter), then the start of each response; such
 pairs are counted (`truncated_pairs`) and warned about above seq_lengths.TRUNCATION_WARNING_RATE. A row
@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -39,15 +37,14 @@ import tokenizers
 
 from jaxlm.config import DataConfig
 from jaxlm.data import files
-from jaxlm.data.tokenizer import eos_id as tokenizer_eos_id
-from jaxlm.data.tuning import chat, seq_lengths
+from jaxlm.data.tuning import chat, completions, seq_lengths
 from jaxlm.data.tuning import classification as cls_data
 from jaxlm.data.tuning.instructions import RowTable, hold_out, naming_the_setting
 
 
 @dataclasses.dataclass
 class Pair:
-  """One tokenized preference pair, before the layout: prompt ids, and each response's ids ending with EOS."""
+  """One tokenized preference pair, before the layout: prompt ids and each response's ids (module docstring)."""
   prompt: list[int]
   chosen: list[int]
   rejected: list[int]
@@ -149,8 +146,9 @@ def _shared_prefix(a, b):
   return a[:n], a[n:], b[n:]
 
 
-def _texts(record: tuple, template: chat.ChatTemplate | None) -> tuple[str, str, str] | None:
-  """(prompt, chosen, rejected) as the text TRL tokenizes, or None for a row with an empty part."""
+def _parts(record: tuple, template: chat.ChatTemplate | None) -> tuple[Any, Any, Any] | None:
+  """(prompt, chosen, rejected): three strings, or three message lists (a string prompt before message responses is
+  one user turn); None for a row with an empty part."""
   where, row, prompt, chosen, rejected = record
   c, r = as_messages(chosen, where, row, "the chosen column"), as_messages(rejected, where, row, "the rejected column")
   if (c is None) != (r is None):
@@ -158,8 +156,8 @@ def _texts(record: tuple, template: chat.ChatTemplate | None) -> tuple[str, str,
   if c is None:  # standard: strings
     if prompt is None:
       prompt, chosen, rejected = _shared_prefix(chosen or "", rejected or "")
-    texts = (prompt, chosen, rejected)
-    return texts if all(isinstance(t, str) and t.strip() for t in texts) else None
+    parts = (prompt, chosen, rejected)
+    return parts if all(isinstance(t, str) and t.strip() for t in parts) else None
   if template is None:
     raise ValueError(f"row {row} of {where!r} holds conversations, which need the checkpoint's chat template, and "
                      "the tokenizer's folder has none (chat_template.jinja or tokenizer_config.json's chat_template)")
@@ -168,35 +166,35 @@ def _texts(record: tuple, template: chat.ChatTemplate | None) -> tuple[str, str,
     p = [{"role": "user", "content": prompt}]
   if p is None:
     p, c, r = _shared_prefix(c, r)
-  if not p or not c or not r:
-    return None
-  prompt_text = chat.render(template, p, add_generation_prompt=True)
-  with_chosen, with_rejected = chat.render(template, p + c), chat.render(template, p + r)
+  return (p, c, r) if p and c and r else None
+
+
+def encode_pair(parts: tuple[Any, Any, Any], tokenizer: tokenizers.Tokenizer, eos: int,
+                template: chat.ChatTemplate | None) -> Pair:
+  """One pair's tokens as the module docstring makes them, with its text for the report (a conversational pair's
+  as the template writes it)."""
+  prompt, chosen, rejected = parts
+  if isinstance(chosen, str):
+    ids, (c, r) = completions.text_completions(tokenizer, tokenizer.id_to_token(eos), prompt, [chosen, rejected])
+    return Pair(ids, c, r, parts)
+  ids, (c, r) = completions.chat_completions(template, prompt, [chosen, rejected])
+  prompt_text = chat.render(template, prompt, add_generation_prompt=True)
+  with_chosen, with_rejected = chat.render(template, prompt + chosen), chat.render(template, prompt + rejected)
   # What the generation prompt adds may differ from how the template writes the reply's start: keep the shared part.
   prompt_text = "".join(x for x, _ in itertools.takewhile(lambda xy: xy[0] == xy[1], zip(prompt_text, with_chosen)))
-  return prompt_text, with_chosen[len(prompt_text):], with_rejected[len(prompt_text):]
+  return Pair(ids, c, r, (prompt_text, with_chosen[len(prompt_text):], with_rejected[len(prompt_text):]))
 
 
 def prompt_ids(tokenizer: tokenizers.Tokenizer, texts: list[str]) -> list[list[int]]:
-  """The prompts' ids as the module docstring makes them: tokenized without special tokens, then the tokenizer's BOS
-  in front where it has one and the text lacks it."""
+  """RL prompts' ids (prompts.py): tokenized without special tokens, then the tokenizer's BOS in front where it has
+  one and the text lacks it."""
   # The tokens the tokenizer puts before a text (a BOS for Llama and Gemma; none for GPT-2 and Qwen).
   prefix = tokenizer.encode("", add_special_tokens=True).ids
   ids = [e.ids for e in tokenizer.encode_batch(texts, add_special_tokens=False)]
   return [p if p[:len(prefix)] == prefix else [*prefix, *p] for p in ids]  # a template may write it already
 
 
-def response_end_id(tokenizer: tokenizers.Tokenizer, folder: str | None) -> int:
-  """The token TRL appends to each response: the checkpoint's `eos_token` (tokenizer_config.json), else the
-  tokenizer's end-of-document token."""
-  config_path = os.path.join(folder or "", chat.TOKENIZER_CONFIG_FILE)
-  if folder and os.path.isfile(config_path):
-    with open(config_path) as f:
-      token = json.load(f).get("eos_token")
-    token = token.get("content") if isinstance(token, dict) else token
-    if isinstance(token, str) and tokenizer.token_to_id(token) is not None:
-      return tokenizer.token_to_id(token)
-  return tokenizer_eos_id(tokenizer)
+response_end_id = completions.eos_id  # the EOS of a standard pair's responses (RL prompts read it too)
 
 
 def build_preference_data(config: DataConfig, tokenizer: tokenizers.Tokenizer, seed: int, max_positions: int,
@@ -205,18 +203,18 @@ def build_preference_data(config: DataConfig, tokenizer: tokenizers.Tokenizer, s
   lays out both splits ({split: pairs}, seq_len, pad id) -> {split: (rows, pairs cut)}: `lay_out`'s [N, 2, T] rows
   when None, or padding-free rows (pair_packing.py)."""
   template = chat.load(chat_folder) if chat_folder else None
-  eos = response_end_id(tokenizer, chat_folder)
+  eos = completions.eos_id(tokenizer, chat_folder)
   splits, skipped = {}, 0
   for split in ("train", "eval"):
-    texts = []
+    parts = []
     with naming_the_setting():
       records = read_rows(config, split)
     for record in records:
-      t = _texts(record, template)
+      t = _parts(record, template)
       skipped += t is None
       if t is not None:
-        texts.append(t)
-    splits[split] = texts
+        parts.append(t)
+    splits[split] = parts
   if not splits["train"]:
     raise ValueError(f"the training data holds no pair with a non-empty prompt, chosen and rejected response "
                      f"({skipped} rows skipped); check the files and data.prompt_column / chosen_column / "
@@ -224,13 +222,7 @@ def build_preference_data(config: DataConfig, tokenizer: tokenizers.Tokenizer, s
   if not splits["eval"]:
     splits["train"], splits["eval"] = hold_out(splits["train"], config.eval_fraction, seed)
 
-  def encode(texts: list[tuple[str, str, str]]) -> list[Pair]:
-    ids = lambda column: [e.ids for e in tokenizer.encode_batch([t[column] for t in texts],
-                                                                add_special_tokens=False)]
-    prompts = prompt_ids(tokenizer, [t[0] for t in texts])
-    return [Pair(p, [*c, eos], [*r, eos], t) for p, c, r, t in zip(prompts, ids(1), ids(2), texts)]
-
-  pairs = {split: encode(texts) for split, texts in splits.items()}
+  pairs = {split: [encode_pair(t, tokenizer, eos, template) for t in parts] for split, parts in splits.items()}
   lengths = {split: np.array([len(p.prompt) + max(len(p.chosen), len(p.rejected)) - 1 for p in ps])
              for split, ps in pairs.items()}
   seq_len = config.seq_len or seq_lengths.choose_seq_len(lengths["train"], max_positions, at_least=2)
