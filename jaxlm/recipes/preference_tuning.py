@@ -3,7 +3,9 @@
   init_from   an HF decoder folder or a jaxlm run workdir, loaded as instruction tuning loads it
               (jaxlm/recipes/instruction_tuning.py `load_decoder`): shape, weights, tokenizer, chat template.
   data        jaxlm/data/tuning/preferences.py: TRL's standard and conversational formats, each pair one [2, T] slot
-              (chosen and rejected run in one forward), the loss on response tokens only.
+              (chosen and rejected run in one forward), the loss on response tokens only; with
+              `preference.padding_free`, whole pairs packed into rows of preference.row_pairs such slots
+              (jaxlm/data/tuning/pair_packing.py): train.batch_size / row_pairs rows a step.
   loss        jaxlm/training/preference_loss.py, chosen by `preference.loss`; full or LoRA (`lora.rank`).
   reference   dpo and ipo compare with a reference model: `preference.reference` = "" for init_from's weights before
               the first step (with LoRA: the base, the adapters starting at zero), or a folder. Its summed
@@ -21,6 +23,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import time
 from typing import Any
@@ -34,6 +37,7 @@ from jaxlm.config import Config
 from jaxlm.adapters import lora
 from jaxlm.data import make_train_iterator
 from jaxlm.data.tuning import instructions as instr_data
+from jaxlm.data.tuning import pair_packing
 from jaxlm.data.tuning import preferences as pref_data
 from jaxlm.inference import generate
 from jaxlm.interop import streaming
@@ -94,16 +98,24 @@ def _reference_model(config: Config, mesh: Mesh):
 def preference_task(config: Config, workdir: str, mesh: Mesh, kernels: Kernels) -> tuple[Config, loop.Task]:
   """The run's config (its model from init_from, steps and seq_len fitted to the data) and its `loop.Task`."""
   t, d, p = config.train, config.data, config.preference
+  layout = padding_free_layout(config, mesh) if p.padding_free else None
   decoder = instruction_tuning.load_decoder(config, mesh)
   model_config = decoder.model_config
-  data = pref_data.build_preference_data(d, decoder.tokenizer, t.seed, model_config.max_seq_len, decoder.chat_folder)
+  data = pref_data.build_preference_data(d, decoder.tokenizer, t.seed, model_config.max_seq_len, decoder.chat_folder,
+                                         layout)
+  row_pairs = data.train.rows["inputs"][0].size // (2 * data.seq_len)  # padded pairs' slots per row (padded: 1)
+  rows_per_step = t.batch_size // row_pairs
   derived_steps, chosen_seq_len = t.steps == 0, d.seq_len == 0
-  t = data_defaults.resolve_steps(data_defaults.resolve_learning_rate(t, config.lora.rank), len(data.train))
+  pair_slots = len(data.train) * row_pairs
+  t = data_defaults.resolve_steps(data_defaults.resolve_learning_rate(t, config.lora.rank), pair_slots)
   d = dataclasses.replace(d, seq_len=data.seq_len)
   config = dataclasses.replace(config, model=model_config, train=t, data=d)
   stats = data.stats
-  instruction_tuning.announce_data(config, workdir, decoder, stats, len(data.train), derived_steps, chosen_seq_len,
-                                   "pairs")
+  if p.padding_free:
+    stats.update(row_pairs=row_pairs, rows_per_step=rows_per_step,
+                 pairs_per_row=stats["train_pairs"] / max(1, len(data.train)))
+  instruction_tuning.announce_data(config, workdir, decoder, stats, pair_slots, derived_steps, chosen_seq_len,
+                                   "padded-pair slots" if p.padding_free else "pairs")
 
   optimizer = optim.make_optimizer(t)
   make_model = lambda rngs: GPT(model_config, kernels=kernels, rngs=rngs)
@@ -113,15 +125,15 @@ def preference_task(config: Config, workdir: str, mesh: Mesh, kernels: Kernels) 
       graphdef, optimizer, config, mesh, state_shardings, features,
       loss_fn=preference_loss.make_preference_loss_fn(graphdef, p), eval_fn=preference_loss.make_eval_fn(graphdef, p))
   overrides = sharding.rule_overrides(config.mesh)
-  # The step's FLOPs (a LoRA step's without the frozen weights' gradients) and the forward-only pass over the
-  # output table that sums the response log-probabilities (preference_loss).
-  flops_per_token = (telemetry.flops_per_token(model_config, d.seq_len, lora=config.lora)
+  # The step's FLOPs (a LoRA step's without the frozen weights' gradients; attention over the whole row) and the
+  # forward-only pass over the output table that sums the response log-probabilities (preference_loss).
+  flops_per_token = (telemetry.flops_per_token(model_config, data.train.rows["inputs"].shape[-1], lora=config.lora)
                      + 2 * model_config.d_model * model_config.vocab_size)
   latest: dict[str, float] = {}
 
   def evaluate(params) -> dict[str, float]:
     totals = None
-    for batch in eval_batches(data.eval, t.batch_size):
+    for batch in eval_batches(data.eval, rows_per_step):
       out = eval_step(params, steps_lib.to_global_batch(batch, mesh))
       totals = out if totals is None else jax.tree.map(lambda a, b: a + b, totals, out)
     return preference_loss.eval_metrics(jax.device_get(totals))
@@ -129,8 +141,9 @@ def preference_task(config: Config, workdir: str, mesh: Mesh, kernels: Kernels) 
   def set_reference(values: dict[str, np.ndarray]) -> None:
     for split, pairs in (("train", data.train), ("eval", data.eval)):
       if values[split].shape != pairs.rows["ref_logp"].shape:
-        raise ValueError(f"{os.path.join(workdir, REFERENCE_LOGPS)} holds {values[split].shape[0]} {split} pairs "
-                         f"but the data has {len(pairs)}; the data changed since the run started: use a new workdir")
+        raise ValueError(f"{os.path.join(workdir, REFERENCE_LOGPS)} holds {split} rows of shape "
+                         f"{values[split].shape} but the data's are {pairs.rows['ref_logp'].shape}; the data or its "
+                         "layout (preference.padding_free, row_pairs) changed since the run started: use a new workdir")
       pairs.rows["ref_logp"][...] = values[split]
 
   def start(state, start_step: int):
@@ -149,7 +162,7 @@ def preference_task(config: Config, workdir: str, mesh: Mesh, kernels: Kernels) 
         else:  # the policy before its first step (LoRA: the base; the adapters start at zero)
           ref_graphdef, ref_params, ref_shardings = graphdef, policy, features.model_params(state_shardings)
         values = log_probs_of(ref_graphdef, ref_params, ref_shardings, {"train": data.train, "eval": data.eval},
-                              t.batch_size, mesh, overrides)
+                              rows_per_step, mesh, overrides)
         del ref_params
         if jax.process_index() == 0:
           atomic_files.write_arrays(path, **values)
@@ -173,9 +186,10 @@ def preference_task(config: Config, workdir: str, mesh: Mesh, kernels: Kernels) 
     return state
 
   def count(local: dict) -> dict[str, float]:
-    """Every token slot of the global batch (two sequences per pair), its response tokens and its FLOPs."""
+    """Every token slot of the global batch, the slots holding a token, its response tokens and its FLOPs."""
     processes = jax.process_count()
     return {"tokens": float(local["inputs"].size) * processes,
+            "real_tokens": float((local["segment_ids"] > 0).sum()) * processes,
             "response_tokens": float(local["loss_mask"].sum()) * processes,
             "pairs": float(local["pair_weight"].sum()) * processes,
             "flops": local["inputs"].size * processes * flops_per_token}
@@ -212,9 +226,22 @@ def preference_task(config: Config, workdir: str, mesh: Mesh, kernels: Kernels) 
 
   return config, loop.Task(
       title="Preference-tuning run", state=state, state_shardings=state_shardings, train_step=train_step,
-      batches=make_train_iterator(data.train, t.batch_size // jax.process_count(), t.seed, d.shuffle), count=count,
+      batches=make_train_iterator(data.train, rows_per_step // jax.process_count(), t.seed, d.shuffle), count=count,
       evaluate=evaluate_step, finish=finish, start=start, features=features,
       renames={"token_accuracy": "reward_accuracy", "tokens": "pairs_in_step"})
+
+
+def padding_free_layout(config: Config, mesh: Mesh) -> pref_data.Layout:
+  """pair_packing's layout for this run: rows of preference.row_pairs padded pairs' slots (0: chosen from the data)
+  such that train.batch_size / row_pairs rows split evenly over the data shards, micro-batches and processes."""
+  t, k = config.train, config.preference.row_pairs
+  shards = mesh.shape["data"] * mesh.shape["fsdp"] * mesh.shape[sharding.EXPERT_AXIS]
+  divisor = math.lcm(shards * t.grad_accum, jax.process_count())
+  if k and (t.batch_size % k or (t.batch_size // k) % divisor):
+    raise ValueError(f"preference.row_pairs={k} does not leave train.batch_size={t.batch_size} a whole number of rows "
+                     f"a step divisible by {divisor} (the data shards x train.grad_accum, and the processes); use a "
+                     f"divisor of {t.batch_size // divisor}, or 0 to choose")
+  return pair_packing.packing_layout(k, pair_packing.allowed_row_pairs(t.batch_size, divisor))
 
 
 def held_out_answers(graphdef, params, tokenizer, data: pref_data.PreferenceData, max_new_tokens: int, model_config,
