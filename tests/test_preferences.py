@@ -3,7 +3,8 @@ transformers with a Llama-style tokenizer (a BOS before every text, EOS </s>) an
 ids, held-out losses and every logged metric equal those of TRL 1.16's own DPOTrainer (its tokenization and its
 evaluate(), DPO and IPO, standard and conversational pairs); the step's gradient equals the gradient of the loss
 written directly on full logits; and a run through the one loop (DPO with LoRA, the reference the base) writes
-start_eval.json at log 2 and learns."""
+start_eval.json at log 2 and learns; padding-free rows (preference.padding_free) give the padded layout's held-out
+metrics, loss and gradient, and run through the loop."""
 
 import json
 import os
@@ -22,6 +23,7 @@ transformers = pytest.importorskip("transformers", reason="HF parity tests need 
 from jaxlm import config as config_lib  # noqa: E402
 from jaxlm.config import DataConfig, PreferenceConfig  # noqa: E402
 from jaxlm.data import load_tokenizer  # noqa: E402
+from jaxlm.data.tuning import pair_packing  # noqa: E402
 from jaxlm.data.tuning import preferences as pref_data  # noqa: E402
 from jaxlm.interop import hf_weights  # noqa: E402
 from jaxlm.recipes import preference_tuning  # noqa: E402
@@ -192,6 +194,36 @@ def test_the_step_gradient_is_the_gradient_of_the_loss_on_full_logits(setup):
       np.testing.assert_allclose(g, e, atol=1e-5 * scale, err_msg=loss)
 
 
+def test_padding_free_rows_give_the_padded_layouts_metrics_loss_and_gradient(setup):
+  """The same pairs, padded ([N, 2, T]) and packed into rows of 2 pairs' slots: the held-out metrics, and the
+  training loss and gradient over every pair, equal to float rounding (the sums only add in another order)."""
+  config = DataConfig(source="files", train_files=(setup["files"]["train_chat"],),
+                      eval_files=(setup["files"]["eval_chat"],), seq_len=0)
+  tokenizer = load_tokenizer(setup["policy"])
+  padded = pref_data.build_preference_data(config, tokenizer, 0, 128, setup["policy"])
+  free = pref_data.build_preference_data(config, tokenizer, 0, 128, setup["policy"],
+                                         pair_packing.packing_layout(2, (2,)))
+  assert free.train.rows["inputs"].shape[1] == 4 * padded.seq_len and len(free.train) < len(padded.train) / 2
+  assert free.stats["padding_fraction"] < padded.stats["padding_fraction"] / 2
+  expected, found = (_jaxlm_metrics(setup, data, "dpo", 0.1) for data in (padded, free))
+  assert 0 < expected["eval_reward_accuracy"] < 1
+  for key, value in expected.items():
+    assert found[key] == pytest.approx(value, rel=1e-6, abs=1e-6), key
+  graphdef, reference = nnx.split(_load(setup["reference"]))
+  for data in (padded, free):
+    data.train.rows["ref_logp"][...] = jax.jit(preference_loss.make_log_probs_fn(graphdef))(reference, data.train.rows)
+  graphdef, params = nnx.split(_load(setup["policy"]))
+  p = PreferenceConfig(loss="dpo", beta=0.5, label_smoothing=0.1, rpo_alpha=0.5)
+  loss_and_grad = jax.jit(jax.value_and_grad(preference_loss.make_preference_loss_fn(graphdef, p), has_aux=True))
+  (loss, (pairs, aux)), grads = loss_and_grad(params, padded.train.rows)
+  (free_loss, (free_pairs, free_aux)), free_grads = loss_and_grad(params, free.train.rows)
+  assert float(pairs) == float(free_pairs) == 40 and float(aux["correct"]) == float(free_aux["correct"])
+  assert float(free_loss / free_pairs) == pytest.approx(float(loss / pairs), rel=1e-6, abs=1e-6)
+  scale = max(float(jnp.abs(g).max()) for g in jax.tree.leaves(grads))
+  for g, free_g in zip(jax.tree.leaves(grads), jax.tree.leaves(free_grads)):
+    np.testing.assert_allclose(free_g, g, atol=2e-6 * scale)
+
+
 def _config(setup, **overrides):
   config = config_lib.default_config()
   config.init_from = setup["policy"]
@@ -226,6 +258,23 @@ def test_lora_dpo_through_the_loop_starts_at_log_2_learns_and_resumes(setup):
   lines = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
   assert {"reward_accuracy", "reward_margin", "chosen_logp", "rejected_logp"} <= set(lines[-1])
   assert "After tuning" in open(os.path.join(workdir, "report.md")).read()
+
+
+def test_padding_free_dpo_through_the_loop(setup):
+  """preference.padding_free with row_pairs chosen from the data: whole pairs packed into rows, train.batch_size
+  padded pairs' slots a step split evenly over the 4 data shards; the reference pass, the start evaluation (every
+  pair at log 2) and the steps run on the rows."""
+  workdir = str(setup["folder"] / "padding_free")
+  config = _config(setup, **{"preference.padding_free": True, "train.steps": 2, "log.every_steps": 1,
+                            "log.sample_tokens": 0})
+  result = preference_tuning.preference_tune(config, workdir)
+  assert result["start_eval_preference_loss"] == pytest.approx(np.log(2), rel=1e-5)
+  assert result["eval_preference_loss"] < result["start_eval_preference_loss"]
+  assert np.load(os.path.join(workdir, preference_tuning.REFERENCE_LOGPS))["train"].ndim == 3  # [rows, pairs, 2]
+  lines = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl")) if '"loss"' in line]
+  assert len(lines) == 2 and all(np.isfinite(x["loss"]) for x in lines)
+  report = open(os.path.join(workdir, "report.md")).read()
+  assert "row_pairs" in report and "rows_per_step" in report
 
 
 def test_ipo_with_a_jaxlm_run_as_the_reference(setup):
