@@ -1,13 +1,14 @@
-"""Instruction-tuning examples under a checkpoint's chat template: records whose `data.messages_column` holds a
-conversation (a list of {role, content} turns, several exchanges, an optional system turn), and prompt/response
-pairs wrapped as one user turn and one assistant turn.
+"""Instruction-tuning conversations under a checkpoint's chat template: records whose `data.messages_column` holds a
+conversation (a list of {role, content} turns, several exchanges, an optional system turn).
 
   rows, skipped = read_conversations(config.data, "train")   # [(where, row, messages)]
   tokens, weights, prompt, text = encode(folder, messages)
 
-The ids and weights are `chat.encode_conversation`'s: the conversation as the template writes it, weight 1 on each
-assistant turn's content and its end-of-turn token, 0 elsewhere (system and user turns, the headers).
-instructions.py packs the examples as it packs plain pairs, so the loss falls on the assistant tokens only.
+The ids and weights are `chat.encode_conversation`'s, what TRL 1.16's SFTTrainer makes of a messages row with
+assistant_only_loss: the conversation as the template writes it (no EOS added), weight 1 on the assistant turns
+(the template's {% generation %} blocks; without them each reply and what closes it), 0 elsewhere. A prompt/response
+pair is one user turn and one assistant turn (`pair_messages`), tokenized as a prompt/completion row instead
+(instructions.py), and instructions.py packs both kinds of example the same way.
 """
 
 from __future__ import annotations

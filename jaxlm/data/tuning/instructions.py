@@ -5,17 +5,19 @@ token -> rows of whole examples, packed apart.
   loader = make_train_iterator(data.train, batch_size_per_process, seed, shuffle)   # jaxlm.data's grain loader
   batch = next(loader)  # inputs, targets, segment_ids, positions: int32 [B, T]; loss_mask: float32 [B, T]
 
-The batches have the layout of pretraining's packed rows (jaxlm/data/packing.py), so the decoder's loss and eval
-steps are pretraining's:
-  * a pair is the prompt's tokens (with the tokenizer's own special tokens, e.g. Llama's BOS), then the response's
-    tokens and EOS; its inputs are the pair without its last token, its targets without its first;
-  * loss_mask is 1 exactly on the targets that are response tokens or the closing EOS: no loss on a prompt token;
-  * pairs are packed whole into rows of data.seq_len (first fit, longest first), each with its own segment id and
-    positions from 0, so no token attends to another pair (models/masks.py) and each pair is computed as if alone.
-With a chat template in `chat_folder` (the checkpoint's tokenizer folder), every example is a conversation under the
-template (conversations.py): a pair becomes one user and one assistant turn, and `data.messages_column`
-reads whole conversations; the loss is then on each assistant turn's content and its end-of-turn token. Without a
-template pairs keep the layout above, and `data.messages_column` is a one-line error.
+The examples are TRL 1.16's SFTTrainer's (its prepared dataset's input_ids and labels), and the batches have the
+layout of pretraining's packed rows (jaxlm/data/packing.py), so the decoder's loss and eval steps are pretraining's:
+  * a pair is SFTTrainer's prompt/completion row (completion_only_loss), tokenized by completions.py: prompt +
+    response (+ the checkpoint's EOS) tokenized whole, the loss on what follows the prompt's ids; with a chat
+    template in `chat_folder` (the checkpoint's tokenizer folder) the pair is one user turn and one assistant turn,
+    rendered by the template, and the response ends with the template's end of turn (no EOS);
+  * a `data.messages_column` conversation (conversations.py) is SFTTrainer's messages row with assistant_only_loss:
+    the loss on each assistant turn (chat.encode_conversation); without a template it is a one-line error;
+  * an example's inputs are its tokens without the last, its targets without the first, and loss_mask is the weight
+    of each target's token: no loss on a prompt token;
+  * examples are packed whole into rows of data.seq_len (first fit, longest first), each with its own segment id and
+    positions from 0, so no token attends to another example (models/masks.py) and each is computed as if alone:
+    every target's loss is the one SFTTrainer computes for it.
 Sources: `.csv`/`.tsv`/`.jsonl`/`.json`/`.parquet` files or an HF dataset, read as for classification
 (data.train_files, data.eval_files or a seeded data.eval_fraction held out), columns `data.prompt_column` and
 `data.response_column`.
@@ -38,10 +40,8 @@ import tokenizers
 
 from jaxlm.config import DataConfig
 from jaxlm.data import files
-from jaxlm.data.tokenizer import eos_id as tokenizer_eos_id
-from jaxlm.data.tuning import chat
+from jaxlm.data.tuning import chat, completions, conversations, seq_lengths
 from jaxlm.data.tuning import classification as cls_data
-from jaxlm.data.tuning import conversations, seq_lengths
 
 
 @dataclasses.dataclass
@@ -89,12 +89,22 @@ class InstructionData:
   stats: dict[str, Any]  # flat numbers for the report
 
 
-def pair_example(prompt: list[int], response: list[int], eos_id: int, text: tuple[str, str]) -> Example:
-  """A pair without a chat template: the prompt, the response and EOS; weights 1 on the response and EOS."""
-  tokens = np.array([*prompt, *response, eos_id], np.int32)
+def pair_example(tokenizer: tokenizers.Tokenizer, eos: int, template: chat.ChatTemplate | None, prompt: str,
+                 response: str) -> Example:
+  """A prompt/response pair as TRL 1.16's SFTTrainer tokenizes a prompt/completion row (completions.py): as text,
+  the response ending with EOS; under `template`, one user turn and one assistant turn. Weights 1 on the completion,
+  the ids after the longest start that the prompt's ids share with the whole's."""
+  if template is None:
+    prompt_ids, (completion,) = completions.text_completions(tokenizer, tokenizer.id_to_token(eos), prompt, [response])
+    text = (prompt, response)
+  else:
+    user, reply = conversations.pair_messages(prompt, response)
+    prompt_ids, (completion,) = completions.chat_completions(template, [user], [[reply]])
+    text = (chat.render(template, [user], add_generation_prompt=True), response)
+  tokens = np.array([*prompt_ids, *completion], np.int32)
   weights = np.zeros(len(tokens), np.float32)
-  weights[len(prompt):] = 1.0
-  return Example(tokens, weights, list(prompt), text)
+  weights[len(prompt_ids):] = 1.0
+  return Example(tokens, weights, list(prompt_ids), text)
 
 
 def pack_examples(examples: list[Example], seq_len: int, eos_id: int) -> PackedPairs:
@@ -185,9 +195,9 @@ def build_instruction_data(config: DataConfig, tokenizer: tokenizers.Tokenizer, 
                            chat_folder: str | None = None) -> InstructionData:
   """Reads, splits, tokenizes and packs the pairs or conversations described by `config` (module docstring);
   `chat_folder` is the checkpoint's tokenizer folder, whose chat template (if any) formats every example."""
-  eos = tokenizer_eos_id(tokenizer)
-  templated = chat_folder is not None and chat.load(chat_folder) is not None
-  if config.messages_column and not templated:
+  eos = completions.eos_id(tokenizer, chat_folder)
+  template = chat.load(chat_folder) if chat_folder is not None else None
+  if config.messages_column and template is None:
     raise ValueError(f"data.messages_column={config.messages_column!r} needs a chat template, and "
                      f"{chat_folder or 'the tokenizer'!r} has none (chat_template.jinja or tokenizer_config.json's "
                      "chat_template); use a checkpoint with one, or prompt/response pairs (data.messages_column='')")
@@ -205,13 +215,9 @@ def build_instruction_data(config: DataConfig, tokenizer: tokenizers.Tokenizer, 
     train_rows, eval_rows = hold_out(train_rows, config.eval_fraction, seed)
 
   def encode(rows) -> list[Example]:
-    if templated:  # a pair is one user turn and one assistant turn under the template
-      return [Example(*conversations.encode(chat_folder, r[2] if config.messages_column else
-                                            conversations.pair_messages(r[2], r[3]))) for r in rows]
-    # The prompt carries the tokenizer's special tokens (a BOS where the model expects one); the response none.
-    prompts = [e.ids for e in tokenizer.encode_batch([r[2] for r in rows])]
-    responses = [e.ids for e in tokenizer.encode_batch([r[3] for r in rows], add_special_tokens=False)]
-    return [pair_example(p, r, eos, (row[2], row[3])) for p, r, row in zip(prompts, responses, rows)]
+    if config.messages_column:
+      return [Example(*conversations.encode(chat_folder, r[2])) for r in rows]
+    return [pair_example(tokenizer, eos, template, r[2], r[3]) for r in rows]
 
   encoded = {"train": encode(train_rows), "eval": encode(eval_rows)}
   # The tokens before the first one with a loss: the prompt, or the turns before the first reply.
@@ -244,5 +250,5 @@ def build_instruction_data(config: DataConfig, tokenizer: tokenizers.Tokenizer, 
       "train_rows": len(train), "eval_rows": len(eval_), "train_response_tokens": train.num_tokens,
       "eval_response_tokens": eval_.num_tokens, "packing_efficiency": train.num_used / max(1, train.num_slots),
   }
-  stop_ids = tuple(sorted({*chat.end_of_turn_ids(chat_folder), eos})) if templated else (eos,)
+  stop_ids = tuple(sorted({*chat.end_of_turn_ids(chat_folder), eos})) if template else (eos,)
   return InstructionData(train, eval_, examples["eval"], seq_len, eos, stop_ids, stats)
