@@ -26,7 +26,8 @@ from ml_collections import config_flags
 from jaxlm import cli
 from jaxlm import config as config_lib
 from jaxlm.parallel import distributed
-from jaxlm.recipes import classifier_finetuning, instruction_tuning, policy_optimization, preference_tuning
+from jaxlm.recipes import (classifier_finetuning, data_checks, instruction_tuning, policy_optimization,
+                           preference_tuning)
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file (experiments/configs/*.py)",
                                           lock_config=True)
@@ -40,16 +41,21 @@ def main(argv):
   del argv  # flags only: cli.run refuses positional arguments
   logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint step at INFO
   config = config_lib.from_config_dict(_CONFIG.value)
-  if config.init_from and not os.path.isdir(config.init_from):  # before any output: a missing model is the news
+  if config.rl.loss:
+    tune, check_data = policy_optimization.policy_optimize, data_checks.check_prompts
+  elif config.preference.loss:
+    tune, check_data = preference_tuning.preference_tune, data_checks.check_preferences
+  elif config.model.flavour == "bert":
+    tune, check_data = classifier_finetuning.finetune, data_checks.check_labelled
+  else:
+    tune, check_data = instruction_tuning.instruction_tune, data_checks.check_instructions
+  # Before any output, the data's own errors first, then the model's: a bad file is the news even where the model
+  # (or the extra that carries it) is missing.
+  check_data(config)
+  if config.init_from and not os.path.isdir(config.init_from):
     raise ValueError(f"init_from={config.init_from!r} is not a folder; give an HF checkpoint folder or a jaxlm run "
                      "workdir")
   distributed.initialize()
-  if config.rl.loss:
-    tune = policy_optimization.policy_optimize
-  elif config.preference.loss:
-    tune = preference_tuning.preference_tune
-  else:
-    tune = classifier_finetuning.finetune if config.model.flavour == "bert" else instruction_tuning.instruction_tune
   result = tune(config, _WORKDIR.value, stop_at_step=_STOP_AT_STEP.value)
   if "preempted_at_step" in result:
     print(f"stopped by a signal after step {result['preempted_at_step']} (checkpoint saved); "

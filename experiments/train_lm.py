@@ -12,7 +12,7 @@ from ml_collections import config_flags
 from jaxlm import cli
 from jaxlm import config as config_lib
 from jaxlm.parallel import distributed
-from jaxlm.recipes import pretraining
+from jaxlm.recipes import data_checks, pretraining
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file (experiments/configs/*.py)",
                                           lock_config=True)
@@ -30,6 +30,7 @@ def main(argv):
   del argv  # flags only: cli.run refuses positional arguments
   logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint step at INFO
   config = config_lib.from_config_dict(_CONFIG.value)
+  data_checks.check_corpus(config)  # a bad corpus file is the first line, before the kernels and the model
   distributed.initialize()  # a no-op unless launched as several processes (launch/local.sh, SLURM, Kubernetes)
   summary = pretraining.train(config, _WORKDIR.value, stop_at_step=_STOP_AT_STEP.value)
   if "preempted_at_step" in summary:  # a stop signal: checkpoint saved; by default exit 0, a clean stop

@@ -41,7 +41,7 @@ from jaxlm.interop import streaming
 from jaxlm.kernels import Kernels
 from jaxlm.models.gpt import GPT
 from jaxlm.parallel import sharding
-from jaxlm.recipes import data_defaults, instruction_tuning
+from jaxlm.recipes import data_checks, data_defaults, instruction_tuning
 from jaxlm.recipes import features as features_lib
 from jaxlm.recipes import rewards as rewards_lib
 from jaxlm.recipes.rollouts import Rollout, RolloutSampler, PromptBatches
@@ -81,10 +81,7 @@ def policy_task(config: Config, workdir: str, mesh: Mesh, kernels: Kernels) -> t
       raise ValueError(f"rl.stop_tokens has {token!r}, which is not one token of init_from's tokenizer; give tokens "
                        "as the tokenizer spells them")
     stop_ids.append(token_id)
-  prompts_per_step = t.batch_size // rl.num_generations
-  if len(data.train) < prompts_per_step:
-    raise ValueError(f"{len(data.train)} training prompts cannot fill a step of train.batch_size/rl.num_generations="
-                     f"{prompts_per_step} prompts; add prompts or lower train.batch_size")
+  prompts_per_step = data_checks.prompts_per_step(len(data.train), config)
   derived_steps = t.steps == 0
   t = data_defaults.resolve_steps(data_defaults.resolve_learning_rate(t, config.lora.rank),
                                   len(data.train) * rl.num_generations)

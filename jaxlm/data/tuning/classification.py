@@ -237,14 +237,21 @@ def tokenize(tokenizer: tokenizers.Tokenizer, texts: list[str], pairs: list[str]
 # ----------------------------------------------------------------------------------------------- the datasets
 
 
-def build_classification_data(config: DataConfig, tokenizer: tokenizers.Tokenizer, seed: int,
-                              vocab_size: int | None = None, max_positions: int = 512) -> ClassificationData:
-  """Reads, validates, splits and tokenizes the labelled rows described by `config` (module docstring).
-  data.seq_len=0 chooses the length from the training rows' tokenized lengths (`seq_lengths.choose_seq_len`, at most
-  `max_positions`)."""
-  if vocab_size is not None and tokenizer.get_vocab_size(with_added_tokens=True) > vocab_size:
-    raise ValueError(f"the tokenizer has {tokenizer.get_vocab_size(with_added_tokens=True)} tokens but the model's "
-                     f"vocabulary holds {vocab_size}; use the tokenizer that came with init_from")
+@dataclasses.dataclass
+class LabelledRows:
+  """The rows kept after reading and validation, before any tokenizer: (where, row, text, pair or None) per split,
+  each split's class ids, and the class names."""
+  class_names: list[str]
+  train: list[tuple[str, int, str, str | None]]
+  eval: list[tuple[str, int, str, str | None]]
+  train_labels: np.ndarray  # int32 [N_train]
+  eval_labels: np.ndarray  # int32 [N_eval]
+  skipped: dict[str, int]  # skipped_empty_text, skipped_missing_label
+
+
+def read_labelled_rows(config: DataConfig, seed: int) -> LabelledRows:
+  """Reads, validates and splits the labelled rows described by `config` (module docstring): every error of the data
+  itself (files, columns, parsing, labels, too few rows) is raised here, before a tokenizer or model is needed."""
   skipped = {"skipped_empty_text": 0, "skipped_missing_label": 0}
   label_feature_names: list[str] = []  # an HF ClassLabel column names its classes (e.g. glue/sst2)
   columns = {config.text_column: "data.text_column", config.label_column: "data.label_column"}
@@ -301,22 +308,36 @@ def build_classification_data(config: DataConfig, tokenizer: tokenizers.Tokenize
     raise ValueError(f"the training data holds a single class ({names}); classification needs >= 2 (set "
                      f"data.labels to all class names if some are missing from this data)")
   index = {name: i for i, name in enumerate(names)}
+  ids = {split: np.array([_label_id(r[4], names, index, r[0], r[1], split) for r in rows], np.int32)
+         for split, rows in (("train", train_rows), ("eval", eval_rows))}
+  return LabelledRows(names, [r[:4] for r in train_rows], [r[:4] for r in eval_rows], ids["train"], ids["eval"],
+                      skipped)
+
+
+def build_classification_data(config: DataConfig, tokenizer: tokenizers.Tokenizer, seed: int,
+                              vocab_size: int | None = None, max_positions: int = 512) -> ClassificationData:
+  """Reads, validates, splits (`read_labelled_rows`) and tokenizes the labelled rows described by `config` (module
+  docstring). data.seq_len=0 chooses the length from the training rows' tokenized lengths (`seq_lengths.
+  choose_seq_len`, at most `max_positions`)."""
+  if vocab_size is not None and tokenizer.get_vocab_size(with_added_tokens=True) > vocab_size:
+    raise ValueError(f"the tokenizer has {tokenizer.get_vocab_size(with_added_tokens=True)} tokens but the model's "
+                     f"vocabulary holds {vocab_size}; use the tokenizer that came with init_from")
+  rows = read_labelled_rows(config, seed)
+  pairs_of = lambda split_rows: [r[3] for r in split_rows] if config.text_pair_column else None
   if config.seq_len == 0:
-    pairs = [r[3] for r in train_rows] if config.text_pair_column else None
-    texts = [r[2] for r in train_rows]
+    texts, pairs = [r[2] for r in rows.train], pairs_of(rows.train)
     encode_inputs = list(zip(texts, pairs)) if pairs is not None else texts
     lengths = np.array([len(e.ids) for e in tokenizer.encode_batch(encode_inputs)], np.int64)
     config = dataclasses.replace(config, seq_len=seq_lengths.choose_seq_len(lengths, max_positions))
   splits, full_lengths = {}, []
-  for split, rows in (("train", train_rows), ("eval", eval_rows)):
-    examples, lengths = tokenize(tokenizer, [r[2] for r in rows],
-                                 [r[3] for r in rows] if config.text_pair_column else None, config.seq_len)
-    examples.labels = np.array([_label_id(r[4], names, index, r[0], r[1], split) for r in rows], np.int32)
+  for split, split_rows, labels in (("train", rows.train, rows.train_labels), ("eval", rows.eval, rows.eval_labels)):
+    examples, lengths = tokenize(tokenizer, [r[2] for r in split_rows], pairs_of(split_rows), config.seq_len)
+    examples.labels = labels
     splits[split] = examples
     full_lengths.append(lengths)
-  return ClassificationData(names, splits["train"], splits["eval"],
-                            data_statistics(splits["train"], splits["eval"], np.concatenate(full_lengths), names,
-                                            config.seq_len, skipped), config.seq_len)
+  return ClassificationData(rows.class_names, splits["train"], splits["eval"],
+                            data_statistics(splits["train"], splits["eval"], np.concatenate(full_lengths),
+                                            rows.class_names, config.seq_len, rows.skipped), config.seq_len)
 
 
 def _is_text(value: Any) -> bool:
@@ -349,6 +370,12 @@ def pad_length(longest: int, seq_len: int, batching: str) -> int:
   return min(seq_len, max(_MIN_PAD, 1 << max(0, int(longest) - 1).bit_length()))
 
 
+def check_batch_fits(examples: int, global_batch: int) -> None:
+  if examples < global_batch:
+    raise ValueError(f"the training data holds {examples} examples but one global batch needs {global_batch}; lower "
+                     f"train.batch_size or add data")
+
+
 class ClassificationLoader:
   """An endless, seeded iterator of this process's slice of each global batch; `get_state`/`set_state` resume it.
 
@@ -358,9 +385,7 @@ class ClassificationLoader:
 
   def __init__(self, examples: Examples, global_batch: int, seed: int, batching: str, seq_len: int,
                shuffle: bool = True, process_index: int | None = None, process_count: int | None = None):
-    if len(examples) < global_batch:
-      raise ValueError(f"the training data holds {len(examples)} examples but one global batch needs {global_batch};"
-                       f" lower train.batch_size or add data")
+    check_batch_fits(len(examples), global_batch)
     self.examples, self.global_batch, self.seed, self.batching = examples, global_batch, seed, batching
     self.seq_len, self.shuffle = seq_len, shuffle
     process_index = jax.process_index() if process_index is None else process_index

@@ -101,10 +101,9 @@ def _is_conversational(rows: list[_Row]) -> bool:
   return conversational
 
 
-def build_prompt_data(d: DataConfig, tokenizer: tokenizers.Tokenizer, seed: int, max_prompt_len: int,
-                      chat_folder: str | None = None) -> PromptData:
-  """Reads, splits and tokenizes the prompts described by `d` (module docstring); `chat_folder` is the checkpoint's
-  tokenizer folder, whose chat template renders conversational prompts."""
+def read_prompt_splits(d: DataConfig, seed: int) -> tuple[list[_Row], list[_Row], bool, int]:
+  """(train rows, eval rows, conversational, rows skipped as empty): the prompts read, validated and split, before
+  any tokenizer or chat template; every error of the data itself is raised here."""
   with naming_the_setting():
     train, skipped = read_prompts(d, "train")
     eval_, eval_skipped = read_prompts(d, "eval")
@@ -115,6 +114,14 @@ def build_prompt_data(d: DataConfig, tokenizer: tokenizers.Tokenizer, seed: int,
   conversational = _is_conversational(train + eval_)
   if not eval_:
     train, eval_ = hold_out(train, d.eval_fraction, seed, what="prompts")
+  return train, eval_, conversational, skipped
+
+
+def build_prompt_data(d: DataConfig, tokenizer: tokenizers.Tokenizer, seed: int, max_prompt_len: int,
+                      chat_folder: str | None = None) -> PromptData:
+  """Reads, splits (`read_prompt_splits`) and tokenizes the prompts described by `d` (module docstring);
+  `chat_folder` is the checkpoint's tokenizer folder, whose chat template renders conversational prompts."""
+  train, eval_, conversational, skipped = read_prompt_splits(d, seed)
   template = chat.load(chat_folder) if chat_folder else None
   if conversational and template is None:
     raise ValueError(f"the prompts in data.prompt_column={d.prompt_column!r} are conversations, which need the "
