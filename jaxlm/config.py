@@ -316,8 +316,8 @@ class PreferenceConfig:
   rpo_alpha: float = _ranged(0.0, 0)  # weight of the chosen response's negative log-likelihood (its mean over the
                                       # pair's response tokens) added to every loss (TRL's rpo_alpha); 0 = off
   reference: str = ""  # dpo/ipo: "" = init_from's weights before tuning, or an HF folder / jaxlm run workdir
-  padding_free: bool = False  # pairs packed whole into rows, no padding (jaxlm/data/tuning/pair_packing.py);
-                              # train.batch_size then counts padded pairs' token slots, filled with whole pairs
+  padding_free: bool = True  # pairs packed whole into rows, no padding (jaxlm/data/tuning/pair_packing.py);
+                             # train.batch_size then counts padded pairs' token slots, filled with whole pairs
   row_pairs: int = _ranged(0, 0, note="0 = chosen from the data")  # padding_free: a row holds this many padded
                                                                      # pairs' slots (2 * data.seq_len each)
 

@@ -3,8 +3,8 @@ transformers with a Llama-style tokenizer (a BOS before every text, EOS </s>) an
 ids, held-out losses and every logged metric equal those of TRL 1.16's own DPOTrainer (its tokenization and its
 evaluate(), DPO and IPO, standard and conversational pairs); the step's gradient equals the gradient of the loss
 written directly on full logits; and a run through the one loop (DPO with LoRA, the reference the base) writes
-start_eval.json at log 2 and learns; padding-free rows (preference.padding_free) give the padded layout's held-out
-metrics, loss and gradient, and run through the loop."""
+start_eval.json at log 2 and learns, on padding-free rows (preference.padding_free, the default) and padded ones;
+the padding-free rows give the padded layout's held-out metrics, loss and gradient."""
 
 import json
 import os
@@ -257,24 +257,27 @@ def test_lora_dpo_through_the_loop_starts_at_log_2_learns_and_resumes(setup):
   assert os.path.isdir(os.path.join(workdir, "adapter")) and os.path.isdir(os.path.join(workdir, "hf_model"))
   lines = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
   assert {"reward_accuracy", "reward_margin", "chosen_logp", "rejected_logp"} <= set(lines[-1])
-  assert "After tuning" in open(os.path.join(workdir, "report.md")).read()
+  report = open(os.path.join(workdir, "report.md")).read()
+  assert "After tuning" in report
+  # The default layout: whole pairs packed into rows (row_pairs chosen from the data), [rows, pairs, 2] references.
+  assert "rows_per_step" in report  # the data table's
+  assert np.load(os.path.join(workdir, preference_tuning.REFERENCE_LOGPS))["train"].ndim == 3
 
 
-def test_padding_free_dpo_through_the_loop(setup):
-  """preference.padding_free with row_pairs chosen from the data: whole pairs packed into rows, train.batch_size
-  padded pairs' slots a step split evenly over the 4 data shards; the reference pass, the start evaluation (every
-  pair at log 2) and the steps run on the rows."""
-  workdir = str(setup["folder"] / "padding_free")
-  config = _config(setup, **{"preference.padding_free": True, "train.steps": 2, "log.every_steps": 1,
-                            "log.sample_tokens": 0})
+def test_padded_dpo_through_the_loop(setup):
+  """preference.padding_free=False: each pair one [2, T] slot, train.batch_size of them a step; the reference pass,
+  the start evaluation (every pair at log 2) and the steps run on them (the default, padding-free rows, runs in the
+  LoRA test above)."""
+  workdir = str(setup["folder"] / "padded")
+  config = _config(setup, **{"preference.padding_free": False, "train.steps": 2, "log.every_steps": 1,
+                             "log.sample_tokens": 0})
   result = preference_tuning.preference_tune(config, workdir)
   assert result["start_eval_preference_loss"] == pytest.approx(np.log(2), rel=1e-5)
   assert result["eval_preference_loss"] < result["start_eval_preference_loss"]
-  assert np.load(os.path.join(workdir, preference_tuning.REFERENCE_LOGPS))["train"].ndim == 3  # [rows, pairs, 2]
+  assert np.load(os.path.join(workdir, preference_tuning.REFERENCE_LOGPS))["train"].shape == (40, 2)  # [pairs, 2]
   lines = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl")) if '"loss"' in line]
   assert len(lines) == 2 and all(np.isfinite(x["loss"]) for x in lines)
-  report = open(os.path.join(workdir, "report.md")).read()
-  assert "row_pairs" in report and "rows_per_step" in report
+  assert "rows_per_step" not in open(os.path.join(workdir, "report.md")).read()
 
 
 def test_ipo_with_a_jaxlm_run_as_the_reference(setup):
