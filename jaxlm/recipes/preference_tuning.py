@@ -2,10 +2,10 @@
 
   init_from   an HF decoder folder or a jaxlm run workdir, loaded as instruction tuning loads it
               (jaxlm/recipes/instruction_tuning.py `load_decoder`): shape, weights, tokenizer, chat template.
-  data        jaxlm/data/tuning/preferences.py: TRL's standard and conversational formats, each pair one [2, T] slot
-              (chosen and rejected run in one forward), the loss on response tokens only; with
-              `preference.padding_free`, whole pairs packed into rows of preference.row_pairs such slots
-              (jaxlm/data/tuning/pair_packing.py): train.batch_size / row_pairs rows a step.
+  data        jaxlm/data/tuning/preferences.py: TRL's standard and conversational formats, the loss on response
+              tokens only; with `preference.padding_free` (the default) whole pairs packed into rows of
+              preference.row_pairs padded pairs' slots (jaxlm/data/tuning/pair_packing.py), train.batch_size /
+              row_pairs rows a step; without it each pair one [2, T] slot (chosen and rejected in one forward).
   loss        jaxlm/training/preference_loss.py, chosen by `preference.loss`; full or LoRA (`lora.rank`).
   reference   dpo and ipo compare with a reference model: `preference.reference` = "" for init_from's weights before
               the first step (with LoRA: the base, the adapters starting at zero), or a folder. Its summed
