@@ -44,6 +44,14 @@ if "JAXLM_DATA_CACHE" not in os.environ:
   _OWN_DATA_CACHE = os.environ["JAXLM_DATA_CACHE"]
 else:
   _OWN_DATA_CACHE = None
+if "JAXLM_PEAK_FLOPS_CACHE" not in os.environ:
+  # The CPU's matmul peak (MFU's denominator) measured once for the session, not again in every CLI subprocess
+  # (seconds each: jaxlm/training/telemetry.py).
+  _owner = os.getppid() if os.environ.get("PYTEST_XDIST_WORKER") else os.getpid()
+  os.environ["JAXLM_PEAK_FLOPS_CACHE"] = os.path.join(tempfile.gettempdir(), f"jaxlm-test-peak-flops-{_owner}.json")
+  _OWN_PEAK_CACHE = os.environ["JAXLM_PEAK_FLOPS_CACHE"]
+else:
+  _OWN_PEAK_CACHE = None
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
@@ -63,6 +71,8 @@ def pytest_sessionfinish(session, exitstatus):
     for cache in (_OWN_CACHE, _OWN_DATA_CACHE):
       if cache:
         shutil.rmtree(cache, ignore_errors=True)
+    if _OWN_PEAK_CACHE and os.path.exists(_OWN_PEAK_CACHE):
+      os.remove(_OWN_PEAK_CACHE)
 
 
 # The files that take longest, started first: both xdist workers (--dist loadfile: one file to one worker) then end

@@ -5,6 +5,7 @@ import json
 import math
 import os
 
+import jax
 import numpy as np
 import pytest
 
@@ -42,6 +43,21 @@ def test_measured_peak_on_cpu_is_positive_and_cached():
   assert math.isfinite(flops) and flops > 0
   assert source.startswith("measured")
   assert telemetry.peak_flops_per_device(dtype="float32")[0] == flops  # one measurement per process
+
+
+def test_a_peak_kept_in_the_cache_file_is_read_back_not_measured(tmp_path, monkeypatch):
+  """JAXLM_PEAK_FLOPS_CACHE: a later process reads the peaks an earlier one measured and adds the ones it lacks."""
+  path = tmp_path / "peaks.json"
+  path.write_text(json.dumps({"cpu/float16/1024": 7e9, "cpu/float16/2048": 5e9}))
+  monkeypatch.setenv(telemetry.PEAK_CACHE_ENV, str(path))
+  telemetry._measured_peak.cache_clear()
+  try:
+    flops, _ = telemetry.peak_flops_per_device(dtype="float16")
+    assert flops == 7e9 / len(jax.local_devices(backend="cpu"))  # the best size's, shared by the devices
+    assert telemetry._measured_peak("cpu", "float32", 256) > 0  # not in the file: measured and added
+    assert set(json.loads(path.read_text())) == {"cpu/float16/1024", "cpu/float16/2048", "cpu/float32/256"}
+  finally:
+    telemetry._measured_peak.cache_clear()
 
 
 def test_metrics_writer_writes_json_lines_and_nan_as_null(tmp_path):

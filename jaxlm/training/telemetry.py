@@ -173,10 +173,31 @@ def best_seconds(fn: Callable, *args, repeats: int, warmup: int = 1, warmup_seco
 CPU_PEAK_SIZES = (1024, 2048)
 
 
+# A JSON file the measured peaks are kept in and read from, for processes that start one after another on one host
+# (a test session, a sweep, a job resumed after each preemption): each would otherwise spend seconds re-measuring.
+PEAK_CACHE_ENV = "JAXLM_PEAK_FLOPS_CACHE"
+
+
 @functools.lru_cache(maxsize=None)
 def _measured_peak(platform: str, dtype_name: str, n: int) -> float:
   # Cached per (platform, dtype, size) so that every caller in the process sees the same denominator.
-  return measure_matmul_flops(n=n, dtype=jnp.dtype(dtype_name), device=jax.local_devices(backend=platform)[0])
+  path, key = os.environ.get(PEAK_CACHE_ENV), f"{platform}/{dtype_name}/{n}"
+  known = _read_peaks(path) if path else {}
+  if key not in known:
+    known[key] = measure_matmul_flops(n=n, dtype=jnp.dtype(dtype_name), device=jax.local_devices(backend=platform)[0])
+    if path:  # written whole under a name of this process's own (processes may start together), then renamed
+      with open(f"{path}.{os.getpid()}.tmp", "w") as f:
+        json.dump({**_read_peaks(path), key: known[key]}, f)  # another process may have added a key meanwhile
+      os.replace(f"{path}.{os.getpid()}.tmp", path)
+  return float(known[key])
+
+
+def _read_peaks(path: str) -> dict[str, float]:
+  try:
+    with open(path) as f:
+      return dict(json.load(f))
+  except (OSError, ValueError):  # not written yet, or unreadable: measure
+    return {}
 
 
 def lookup_peak_flops(device_kind: str) -> tuple[str, float] | None:
@@ -194,7 +215,7 @@ def peak_flops_per_device(device=None, dtype: Any = "bfloat16") -> tuple[float, 
 
   Accelerators in `PEAK_FLOPS_BF16` get the bf16 dense datasheet peak (whatever `dtype` is; see the table comment).
   The CPU and unknown kinds get a measured matmul rate in `dtype` (pass the model's compute dtype), measured once per
-  process. On the CPU every simulated device (xla_force_host_platform_device_count) shares the same cores, so the
+  process (and once per host where JAXLM_PEAK_FLOPS_CACHE names a file to keep it in). On the CPU every simulated device (xla_force_host_platform_device_count) shares the same cores, so the
   host rate is split evenly between them: peak_per_device * num_devices is then the host's rate and MFU stays honest.
   The CPU's rate is the best of the sizes in CPU_PEAK_SIZES, each after a warm-up (measure_matmul_flops): a peak
   below what the step's own matmuls reach would show MFU above 100%.
