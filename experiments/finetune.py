@@ -58,7 +58,7 @@ def main(argv):
   distributed.initialize()
   result = tune(config, _WORKDIR.value, stop_at_step=_STOP_AT_STEP.value)
   if "preempted_at_step" in result:
-    print(f"stopped by a signal after step {result['preempted_at_step']} (checkpoint saved); "
+    print(f"stopped after step {result['preempted_at_step']} (checkpoint saved); "
           f"re-run the same command to resume")
     return
   if config.rl.loss:

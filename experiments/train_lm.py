@@ -33,8 +33,8 @@ def main(argv):
   data_checks.check_corpus(config)  # a bad corpus file is the first line, before the kernels and the model
   distributed.initialize()  # a no-op unless launched as several processes (launch/local.sh, SLURM, Kubernetes)
   summary = pretraining.train(config, _WORKDIR.value, stop_at_step=_STOP_AT_STEP.value)
-  if "preempted_at_step" in summary:  # a stop signal: checkpoint saved; by default exit 0, a clean stop
-    print(f"stopped by a signal after step {summary['preempted_at_step']} (checkpoint saved); "
+  if "preempted_at_step" in summary:  # a stop signal or --stop_at_step: checkpoint saved; by default exit 0, a clean stop
+    print(f"stopped after step {summary['preempted_at_step']} (checkpoint saved); "
           f"re-run the same command to resume")
     return _EXIT_CODE_WHEN_STOPPED.value
   if summary.get("resumed_from_step", -1) == summary.get("steps"):  # a requeued or repeated command: nothing left

@@ -24,6 +24,7 @@ from jaxlm.recipes import policy_optimization, rewards  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORDS = "apple river stone cloud maple tiger lemon piano silver garden".split()
 STEPS = 6
+STOPPED_AT = 3  # the one-device run's last step: two rollouts, the second after an update
 # A dense reward a random model can climb in a few steps: completions of low token ids score higher.
 REWARDS = '''
 def low_ids(prompts, completions, completion_ids, **_):
@@ -73,7 +74,7 @@ def _overrides(setup, **changes) -> dict:
             "rl.num_generations": 4, "rl.max_completion_length": 6, "rl.beta": 0.04, "rl.num_iterations": 2,
             "rl.epsilon_high": 0.28, "lora.rank": 8, "train.steps": STEPS, "train.batch_size": 16,
             "train.learning_rate": 1e-2, "train.warmup_steps": 0, "train.weight_decay": 0.0,
-            "train.eval_every_steps": 0, "checkpoint.every_steps": 1, "log.every_steps": 1,
+            "train.eval_every_steps": 0, "checkpoint.every_steps": 0, "log.every_steps": 1,
             "log.progress_bar": False}
   values.update(changes)
   return values
@@ -135,7 +136,7 @@ def test_kill_and_resume_inside_a_cycle_repeats_the_rollouts_and_losses_bit_for_
 
 
 def test_one_device_gives_the_losses_of_four(setup, tmp_path):
-  """The same run as the command a user types, in a subprocess on one CPU device."""
+  """The same run as the command a user types, in a subprocess on one CPU device, to its second rollout (step 3)."""
   workdir = tmp_path / "one_device"
   env = dict(os.environ, XLA_FLAGS=f"{xla_flags_without_device_count()} --xla_force_host_platform_device_count=1",
              JAX_PLATFORMS="cpu")
@@ -143,15 +144,17 @@ def test_one_device_gives_the_losses_of_four(setup, tmp_path):
   flags = [f"--config.{k}={','.join(v) if isinstance(v, tuple) else v}" for k, v in _overrides(setup).items()]
   command = [sys.executable, os.path.join(ROOT, "experiments", "finetune.py"),
              "--config=" + os.path.join(ROOT, "experiments", "configs", "finetune_rl.py"), f"--workdir={workdir}",
+             f"--stop_at_step={STOPPED_AT}",
              "--config.rl.reward_weights=", "--config.rl.stop_tokens=", *flags,
              # one device picks the CPU's fused attention and BLAS matmuls: the 4-device run's kernels instead, so
              # the two runs differ by their layout alone
              *[f"--config.kernels.{k}={v}" for k, v in kernels.items()]]
   done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
   assert done.returncode == 0, done.stderr[-3000:]
-  assert "done: dapo eval_reward" in done.stdout
-  ours, reference = _lines(str(workdir)), _lines(setup["run"])
-  assert _lines(str(workdir), "rollouts.jsonl") == _lines(setup["run"], "rollouts.jsonl")  # the same samples
+  assert f"stopped after step {STOPPED_AT} (checkpoint saved)" in done.stdout
+  ours, reference = _lines(str(workdir)), _lines(setup["run"])[:STOPPED_AT]
+  rollouts = [x for x in _lines(setup["run"], "rollouts.jsonl") if x["step"] <= STOPPED_AT]
+  assert _lines(str(workdir), "rollouts.jsonl") == rollouts  # the same samples
   # Within 1e-5 absolute: a policy loss is a sum of terms that cancel to about 0 (advantages have zero mean), so
   # its relative rounding error is larger than its terms'.
   for key in ("loss", "reward", "entropy"):

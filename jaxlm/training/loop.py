@@ -113,7 +113,7 @@ def run_loop(config: Config, workdir: str, mesh: Mesh, task: Task, stop: reliabi
 
   Returns `task.finish`'s result, with report.md written, when the run reaches train.steps. A stop signal
   (SIGTERM/SIGINT, reliability.StopSignals) or `stop_at_step` ends the run early after checkpointing the current
-  step: it returns the last logged metrics (with `preempted_at_step` after a signal), and running again resumes
+  step: it returns the last logged metrics (with `preempted_at_step` after a signal or at stop_at_step), and running again resumes
   there bit for bit. Raises reliability.NonFiniteError after train.max_consecutive_nonfinite skipped steps in a row,
   without saving again (the checkpoints so far hold finite, pre-skip states).
   """
@@ -215,9 +215,8 @@ def run_loop(config: Config, workdir: str, mesh: Mesh, task: Task, stop: reliabi
   writer.close()
   if failure:
     raise reliability.NonFiniteError(failure)
-  if stopped_at is not None and stopped_at < t.steps:
-    if stop.requested:
-      last["preempted_at_step"] = stopped_at
+  if stopped_at is not None and stopped_at < t.steps:  # a signal or stop_at_step: the same checkpointed stop
+    last["preempted_at_step"] = stopped_at
     return last
 
   if final_eval is None:  # resumed at the last step: evaluate the restored state
