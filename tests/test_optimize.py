@@ -9,6 +9,7 @@ import sys
 
 import numpy as np
 import pytest
+from commands_in_one_process import run_commands
 from conftest import xla_flags_without_device_count
 
 from jaxlm import config as config_lib
@@ -66,29 +67,25 @@ def test_optimize_measures_every_variant_of_a_trained_lm(tmp_path):
   assert os.path.exists(os.path.join(workdir, "optimize.png"))
   assert not os.path.exists(os.path.join(workdir, "optimize"))  # variant checkpoints removed unless kept
 
-  unknown = subprocess.run([sys.executable, os.path.join(ROOT, "experiments/optimize.py"), f"--workdir={workdir}",
-                            "--variants=int4"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
-  assert unknown.returncode != 0
-  assert "error: --variants: 'int4' is not a variant; known: fp32, bf16, int8_weight-only" in unknown.stderr
-
-
-  for flag, message in (("--smoothing=1.5", "--smoothing=1.5 is out of range: SmoothQuant's strength must be in"),
-                        ("--sparsity=1.0", "--sparsity=1.0 is out of range"),
-                        ("--calibration_batches=0", "--calibration_batches=0: W8A8 and Wanda need at least one"),
-                        ("--prune_finetune_soup=0", "--prune_finetune_soup=0: give the number of masked fine-tunes"),
-                        ("--prune_finetune_schedule=run", "--prune_finetune_schedule=run is the run's own schedule: it "
-                         "needs --prune_finetune_like_run"),
-                        ("--prune_distill_temperature=0", "--prune_distill_temperature=0.0 must be > 0"),
-                        ("--prune_distill_files=texts.csv", "--prune_distill_files feeds the masked fine-tune: give it "
-                         "--prune_finetune_steps > 0 too"),
-                        ("--prune_distill_files=texts.csv --prune_finetune_steps=1", "--prune_distill_files: "
-                         "'texts.csv' does not exist"),
-                        (f"--prune_distill_files={tmp_path / 'corpus.jsonl'} --prune_finetune_steps=1",
-                         "--prune_distill_files is for classifier runs;")):
-    bad = subprocess.run([sys.executable, os.path.join(ROOT, "experiments/optimize.py"), f"--workdir={workdir}",
-                          *flag.split()],
-                         env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert bad.returncode != 0 and message in bad.stderr, bad.stderr[-2000:]
+  # The refusals, each a one-line error before anything is measured: one interpreter runs them all.
+  script = os.path.join(ROOT, "experiments/optimize.py")
+  refusals = {"--variants=int4": "error: --variants: 'int4' is not a variant; known: fp32, bf16, int8_weight-only",
+              "--smoothing=1.5": "--smoothing=1.5 is out of range: SmoothQuant's strength must be in",
+              "--sparsity=1.0": "--sparsity=1.0 is out of range",
+              "--calibration_batches=0": "--calibration_batches=0: W8A8 and Wanda need at least one",
+              "--prune_finetune_soup=0": "--prune_finetune_soup=0: give the number of masked fine-tunes",
+              "--prune_finetune_schedule=run": "--prune_finetune_schedule=run is the run's own schedule: it needs "
+                                               "--prune_finetune_like_run",
+              "--prune_distill_temperature=0": "--prune_distill_temperature=0.0 must be > 0",
+              "--prune_distill_files=texts.csv": "--prune_distill_files feeds the masked fine-tune: give it "
+                                                 "--prune_finetune_steps > 0 too",
+              "--prune_distill_files=texts.csv --prune_finetune_steps=1": "--prune_distill_files: 'texts.csv' does "
+                                                                          "not exist",
+              f"--prune_distill_files={tmp_path / 'corpus.jsonl'} --prune_finetune_steps=1":
+                  "--prune_distill_files is for classifier runs;"}
+  finished = run_commands({flag: [script, f"--workdir={workdir}", *flag.split()] for flag in refusals}, env=env)
+  for flag, message in refusals.items():
+    assert finished[flag].returncode != 0 and message in finished[flag].stderr, (flag, finished[flag].stderr[-2000:])
   assert os.path.exists(os.path.join(workdir, "optimize.json"))  # a refused run deletes nothing
 
   # A run whose data.tokenizer is not the tokenizer.json it trained with: refused before any data is tokenized.
