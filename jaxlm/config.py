@@ -402,8 +402,9 @@ def from_config_dict(cd: ml_collections.ConfigDict | dict) -> Config:
     for name, value in values.items():
       if isinstance(value, (list, tuple)) and known[name].type == "tuple[float, ...]":  # flags may give strings
         values[name] = tuple(float(v) for v in value if v != "")
-      elif isinstance(value, (list, tuple)) and known[name].type == "tuple[str, ...]":  # `--config.x=` is empty
-        values[name] = tuple(v for v in value if v != "")
+      elif isinstance(value, (list, tuple)) and known[name].type == "tuple[str, ...]":  # `--config.x=` is empty;
+        # ml_collections reads `--config.x=a,b` for a tuple as ("a,b",): a comma separates values there as in a string
+        values[name] = tuple(p for v in value for p in (v.split(",") if isinstance(v, str) else [v]) if p != "")
       elif isinstance(value, list):
         values[name] = tuple(value)
       elif isinstance(value, str) and known[name].type in ("tuple[str, ...]",):
