@@ -2,9 +2,8 @@
 learning rate follows the method; a run with no step left says so."""
 
 import dataclasses
-import subprocess
-import sys
 
+import commands_in_one_process
 import pytest
 from conftest import load_script
 
@@ -42,30 +41,45 @@ def test_fine_tuning_rate_follows_the_method_unless_set():
     data_defaults.require_fixed(config, "pretraining")
 
 
-def test_a_completed_run_run_again_says_it_is_complete(tmp_path):
-  """The demo trained to its 3 steps, then the script run on it again (a requeued job): no `loss nan`, the step
-  and the last loss."""
-  flags = {"train.steps": 3, "train.warmup_steps": 1, "train.eval_every_steps": 0, "checkpoint.every_steps": 0,
-           "data.max_bytes": 200000, "log.progress_bar": False, "log.sample_tokens": 0}
+# The demo config with a 1-layer, 32-wide model on 20 KB of its text: what these commands check is the script's
+# exit and its lines, the same for any model size.
+TINY_DEMO = {"model.num_layers": 1, "model.d_model": 32, "model.num_heads": 2, "model.max_seq_len": 32,
+             "data.seq_len": 32, "data.max_bytes": 20000, "log.progress_bar": False, "log.sample_tokens": 0}
+COMPLETED = {**TINY_DEMO, "train.steps": 3, "train.warmup_steps": 1, "train.eval_every_steps": 0,
+             "checkpoint.every_steps": 0}
+DIVERGING = {**TINY_DEMO, "train.steps": 6, "train.warmup_steps": 0, "train.learning_rate": 1e30,
+             "train.max_consecutive_nonfinite": 2, "train.grad_clip": 0}
+
+
+def _train_lm(workdir, flags):
+  return ["experiments/train_lm.py", "--config=experiments/configs/demo.py", f"--workdir={workdir}",
+          *(f"--config.{key}={value}" for key, value in flags.items())]
+
+
+@pytest.fixture(scope="module")
+def commands(tmp_path_factory):
+  """{case: Finished} of the train_lm.py commands below, run as `python <script> <flags>` in one process in turn
+  (tests/commands_in_one_process.py); "again" on a run trained to its end in this process first."""
+  completed = tmp_path_factory.mktemp("completed")
   config = load_script("experiments/configs/demo.py").get_config()
-  for key, value in flags.items():
+  for key, value in COMPLETED.items():
     section, name = key.split(".")
     config[section][name] = value
-  pretraining.train(from_config_dict(config), str(tmp_path))  # in this process: the first run
-  command = [sys.executable, "experiments/train_lm.py", "--config=experiments/configs/demo.py",
-             f"--workdir={tmp_path}", *(f"--config.{key}={value}" for key, value in flags.items())]
-  again = subprocess.run(command, capture_output=True, text=True, timeout=300)
+  pretraining.train(from_config_dict(config), str(completed))  # in this process: the first run
+  return commands_in_one_process.run_commands({
+      "again": _train_lm(completed, COMPLETED), "diverging": _train_lm(tmp_path_factory.mktemp("diverging"), DIVERGING)})
+
+
+def test_a_completed_run_run_again_says_it_is_complete(commands):
+  """The demo trained to its 3 steps, then the script run on it again (a requeued job): no `loss nan`, the step
+  and the last loss."""
+  again = commands["again"]
   assert again.returncode == 0, again.stderr[-2000:]
   assert "already complete: step 3 of 3, last logged loss" in again.stdout and "nan" not in again.stdout
 
 
-def test_a_diverging_run_ends_in_one_line_not_a_traceback(tmp_path):
-  command = [sys.executable, "experiments/train_lm.py", "--config=experiments/configs/demo.py",
-             f"--workdir={tmp_path}", "--config.train.steps=6", "--config.train.warmup_steps=0",
-             "--config.train.learning_rate=1e30", "--config.train.max_consecutive_nonfinite=2",
-             "--config.data.max_bytes=200000", "--config.log.progress_bar=False", "--config.log.sample_tokens=0",
-             "--config.train.grad_clip=0"]
-  result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+def test_a_diverging_run_ends_in_one_line_not_a_traceback(commands):
+  result = commands["diverging"]
   assert result.returncode != 0
   assert "Traceback" not in result.stderr
   assert "error: 2 consecutive non-finite steps" in result.stderr

@@ -11,13 +11,13 @@ import json
 import os
 import pathlib
 import re
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
+import commands_in_one_process
 import numpy as np
 import pytest
+from conftest import load_script, script_with_flags
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -39,39 +39,49 @@ MODEL = ModelConfig(vocab_size=320, num_layers=2, d_model=64, num_heads=4, max_s
 # --------------------------------------------------------------------------------------------- flags and config
 
 
-@pytest.mark.parametrize("flag, message", [
+BAD_FLAGS = [
     ("--config.train.stepz=5", r"error: unknown flag --config.train.stepz: train has no 'stepz'; "
                                r"did you mean \"steps\"\? it has: .*warmup_steps"),  # row 1
     ("--config.train.steps=ten", r"flag --config.train.steps=ten: invalid literal for int"),  # row 2
     ("--config.kernels.attention=flash", r"error: kernels.attention='flash' is not one of auto, xla, causal_blocks"),
-])
-def test_bad_flags_stop_the_script_before_training(tmp_path, flag, message):
-  result = subprocess.run(
-      [sys.executable, "experiments/train_lm.py", "--config=experiments/configs/demo.py", flag,
-       f"--workdir={tmp_path / 'run'}"], cwd=REPO, capture_output=True, text=True, timeout=120,
-      env={**os.environ, "JAX_PLATFORMS": "cpu"})
-  assert result.returncode != 0 and re.search(message, result.stderr), result.stderr[-2000:]
-  assert not (tmp_path / "run").exists()
-
-
+]
 # Every experiments/ script that runs under jaxlm.cli.run (new ones too): they take flags only.
 CLI_SCRIPTS = sorted(os.path.basename(path)[:-len(".py")] for path in glob.glob(f"{REPO}/experiments/*.py")
                      if "cli.run(" in pathlib.Path(path).read_text())
+AB_STEP_TYPO = ["benchmarks/ab_step.py", "--variants=base:,typo:kernels.remmat=dots"]
+
+
+@pytest.fixture(scope="module")
+def commands(tmp_path_factory):
+  """(folder, {case: Finished}) of every command below, run as `python <script> <flags>` in one process in turn
+  (tests/commands_in_one_process.py): the property is each command's exit status and what it prints."""
+  root = tmp_path_factory.mktemp("commands")
+  cases = {f"flag {flag}": ["experiments/train_lm.py", "--config=experiments/configs/demo.py", flag,
+                            f"--workdir={root / f'flag {flag}'}"] for flag, _ in BAD_FLAGS}
+  # The required flags are given (--undefok: each script defines only some of them), so only the stray word is
+  # wrong.
+  cases.update({f"positional {script}": [f"experiments/{script}.py", "--undefok=config,workdir,out",
+                                         "--config=experiments/configs/demo.py", f"--workdir={root / script}",
+                                         f"--out={root / script}", "extra"] for script in CLI_SCRIPTS})
+  cases["ab_step typo"] = AB_STEP_TYPO
+  return root, commands_in_one_process.run_commands(cases)
+
+
+@pytest.mark.parametrize("flag, message", BAD_FLAGS)
+def test_bad_flags_stop_the_script_before_training(commands, flag, message):
+  root, finished = commands
+  result = finished[f"flag {flag}"]
+  assert result.returncode != 0 and re.search(message, result.stderr), result.stderr[-2000:]
+  assert not (root / f"flag {flag}").exists()
 
 
 @pytest.mark.parametrize("script", CLI_SCRIPTS)
-def test_positional_arguments_are_refused_by_every_cli_script(tmp_path, script):
-  """A stray word stops the script before main runs. In a subprocess, as a user runs it: absl's FLAGS are one per
-  process, and a required flag that another test file left in this worker failed the parse before the check ran.
-  The required flags are given (--undefok: each script defines only some of them), so only the stray word is wrong."""
-  out = tmp_path / "out"
-  result = subprocess.run(
-      [sys.executable, f"experiments/{script}.py", "--undefok=config,workdir,out",
-       "--config=experiments/configs/demo.py", f"--workdir={out}", f"--out={out}", "extra"],
-      cwd=REPO, capture_output=True, text=True, timeout=120,
-      env={**os.environ, "JAX_PLATFORMS": "cpu", "JAXLM_NO_HUGE_PAGES": "1"})  # no re-exec: one import, not two
+def test_positional_arguments_are_refused_by_every_cli_script(commands, script):
+  """A stray word stops the script before main runs."""
+  root, finished = commands
+  result = finished[f"positional {script}"]
   assert result.returncode != 0 and "unexpected arguments: extra" in result.stderr, result.stderr[-2000:]
-  assert not out.exists()  # main never ran
+  assert not (root / script).exists()  # main never ran
 
 
 def _dict(**sections):
@@ -268,14 +278,9 @@ def test_weights_never_come_through_pickle_and_remote_code_is_never_trusted():  
 
 
 
-def test_ab_step_refuses_a_variant_key_the_config_lacks():
+def test_ab_step_refuses_a_variant_key_the_config_lacks(commands):
   """benchmarks/ab_step.py: a mistyped variant key is a one-line error before anything compiles."""
-  import subprocess  # noqa: PLC0415
-  import sys  # noqa: PLC0415
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  result = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "ab_step.py"),
-                           "--variants=base:,typo:kernels.remmat=dots"], cwd=root, capture_output=True, text=True,
-                          timeout=120)
+  result = commands[1]["ab_step typo"]
   assert result.returncode != 0
   assert "variant assignment 'kernels.remmat=dots' is not <section>.<key>=<value> of the config" in result.stderr
 
@@ -283,14 +288,9 @@ def test_ab_step_refuses_a_variant_key_the_config_lacks():
 def test_ab_step_variants_take_xla_options_apart_from_config_keys():
   """benchmarks/ab_step.py: `xla.<option>=v` becomes a compiler option of that variant alone (typed), config keys
   keep the type of the key they replace."""
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  code = ("import sys; sys.path.insert(0, 'benchmarks'); import ab_step; "
-          "from experiments.configs.demo import get_config; "
-          "c, o = ab_step.variant_config(get_config(), 'train.batch_size=4;xla.xla_gpu_enable_triton_gemm=False;"
-          "xla.xla_gpu_autotune_level=0;kernels.fuse_qkv=fused'); "
-          "print(c.train.batch_size, c.kernels.fuse_qkv, sorted(o.items()))")
-  result = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, PYTHONPATH=root))
-  assert result.returncode == 0, result.stderr[-2000:]
-  assert result.stdout.strip().splitlines()[-1] == (
-      "4 fused [('xla_gpu_autotune_level', 0), ('xla_gpu_enable_triton_gemm', False)]")
+  with script_with_flags("benchmarks/ab_step.py") as ab_step:
+    config, options = ab_step.variant_config(
+        load_script("experiments/configs/demo.py").get_config(),
+        "train.batch_size=4;xla.xla_gpu_enable_triton_gemm=False;xla.xla_gpu_autotune_level=0;kernels.fuse_qkv=fused")
+  assert (config.train.batch_size, config.kernels.fuse_qkv) == (4, "fused")
+  assert sorted(options.items()) == [("xla_gpu_autotune_level", 0), ("xla_gpu_enable_triton_gemm", False)]
