@@ -11,8 +11,11 @@ A prepared folder (read by jaxlm/data/corpora/shards.py):
 
 The reader cuts the document stream into batches of about `shard_bytes` characters of text, in reading order; batch
 i becomes shard i (train-i and, with an eval fraction, eval-i). The cut depends on the documents alone, so 1 and N
-workers write the same files. With an eval fraction f, every 1/f-th document of the stream is held out (`held_out`),
-decided by its place in reading order: reproducible, and the same for any number of workers. An interrupted prepare,
+workers write the same files. Memory follows neither the corpus nor the shard size: the documents go to the workers
+in pieces of about 1 MB of text, a few pieces in flight per worker, and each piece's tokens come back to this
+process, which appends them to the shard's files in reading order. With an eval fraction f, every 1/f-th document of
+the stream is held out (`held_out`), decided by its place in reading order: reproducible, and the same for any number
+of workers. An interrupted prepare,
 run again, skips the shards it finished (each is written to a temporary name, renamed, then recorded in `.done/`);
 the manifest is written last.
 
@@ -22,15 +25,18 @@ task and input file), so the files depend on how the job was split; here they de
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures as futures
 import dataclasses
 import hashlib
+import io
 import itertools
 import json
 import math
 import multiprocessing
 import os
 import shutil
+import sys
 import time
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -43,8 +49,9 @@ MANIFEST = "manifest.json"
 TOKENIZER = "tokenizer.json"
 _DONE = ".done"
 JOB_FILE = ".prepare.json"  # present while a prepare is unfinished
-_ENCODE_BYTES = 4 << 20  # text per encode_batch call: big enough to keep its threads busy, small enough to bound
-                        # the memory of its Encoding objects
+_PIECE_BYTES = 1 << 20  # text per encode_batch call and per task sent to a worker: the call's Encoding objects take
+                       # many times the size of its text, so a worker's memory follows this
+_AHEAD_PER_WORKER = 2  # pieces in flight per worker: one it tokenizes, one queued for it
 DEFAULT_SHARD_BYTES = 32_000_000  # characters of text per shard (prepare_data.py --shard_mb)
 
 
@@ -128,16 +135,30 @@ def prepare(documents: Iterable[str], out: str, tokenizer_json: str, eos_id: int
   return manifest
 
 
-def _batches(documents: Iterable[str], shard_bytes: int) -> Iterator[list[str]]:
-  batch, size = [], 0
-  for text in documents:
-    batch.append(text)
-    size += len(text)  # characters: a cheap, deterministic proxy for bytes
-    if size >= shard_bytes:
-      yield batch
-      batch, size = [], 0
-  if batch:
-    yield batch
+def _pieces(streams, shard_bytes: int) -> Iterator[dict[str, Any]]:
+  """The documents in reading order, in pieces of about _PIECE_BYTES characters that never span two shards. A shard
+  ends after the document that brings it to `shard_bytes` characters (a cheap, deterministic proxy for bytes), so
+  the cut depends on the documents alone; piece i of shard k carries `first`, its first document's place in its
+  stream."""
+  for stream, documents in streams:
+    index, first, count = 0, 0, 0
+    piece, piece_size, shard_size = [], 0, 0
+    for text in documents:
+      piece.append(text)
+      count += 1
+      piece_size += len(text)
+      shard_size += len(text)
+      if shard_size >= shard_bytes or piece_size >= _PIECE_BYTES:
+        yield {"stream": stream, "index": index, "first": first, "documents": piece}
+        first, piece, piece_size = count, [], 0
+        if shard_size >= shard_bytes:
+          index, shard_size = index + 1, 0
+    if piece:
+      yield {"stream": stream, "index": index, "first": first, "documents": piece}
+
+
+def _shard_of(piece: dict[str, Any]) -> tuple[str, int]:
+  return piece["stream"], piece["index"]
 
 
 def _run(streams, out: str, spec: Spec, workers: int, shard_bytes: int, progress: bool) -> list[dict[str, Any]]:
@@ -158,59 +179,139 @@ def _run(streams, out: str, spec: Spec, workers: int, shard_bytes: int, progress
                         refresh=False)
     bar.update(sum(s["bytes"] for s in result["shards"]) / 1e6)
 
-  jobs = _jobs(streams, out, spec, shard_bytes)
-  ahead = list(itertools.islice(jobs, 2))
-  jobs = itertools.chain(ahead, jobs)
-  if workers == 1 or len(ahead) < 2:  # one shard: worker processes would only add their start-up
+  pieces = _pieces(streams, shard_bytes)
+  ahead = list(itertools.islice(pieces, 2))
+  shards = itertools.groupby(itertools.chain(ahead, pieces), key=_shard_of)
+  if workers == 1 or len(ahead) < 2:  # one piece: worker processes would only add their start-up
     tokenizer = _load_tokenizer(out)
-    for job in jobs:
-      finished(job if "shards" in job else tokenize_shard(job, tokenizer))
-  else:
-    context = multiprocessing.get_context("spawn")  # no fork: the parent may hold JAX's threads
-    threads = max(1, (os.cpu_count() or 1) // workers)
-    with futures.ProcessPoolExecutor(workers, mp_context=context, initializer=_start_worker,
-                                     initargs=(os.path.join(out, TOKENIZER), threads)) as pool:
-      pending: list[futures.Future] = []
-      for job in jobs:
-        if "shards" in job:  # finished by an earlier, interrupted prepare
-          finished(job)
-          continue
-        pending.append(pool.submit(tokenize_shard, job))
-        while len(pending) >= 2 * workers:  # bounded: the reader never runs ahead by more than a few shards
-          finished(pending.pop(0).result())
-      for future in pending:
-        finished(future.result())
+    for (stream, index), group in shards:
+      writer = ShardWriter(out, spec, stream, index)
+      group = (writer.read(_work(piece, spec)) for piece in group)
+      if writer.record is None:
+        finished(tokenize_shard({"stream": stream, "index": index, "writer": writer, "pieces": group}, tokenizer))
+      else:  # finished by an earlier, interrupted prepare: its documents are read only to check them
+        collections.deque(group, maxlen=0)
+        finished(writer.finish())
+      _release_reader_memory()
+    bar.close()
+    return results
+  context = multiprocessing.get_context("spawn")  # no fork: the parent may hold JAX's threads
+  threads = max(1, (os.cpu_count() or 1) // workers)
+  with futures.ProcessPoolExecutor(workers, mp_context=context, initializer=_start_worker,
+                                   initargs=(os.path.join(out, TOKENIZER), threads)) as pool:
+    # In reading order: (writer, a piece's future) and (writer, None) once the shard's pieces are all sent.
+    pending: collections.deque = collections.deque()
+
+    def drain(keep: int) -> None:
+      while len(pending) > keep:
+        oldest, future = pending.popleft()
+        if future is None:
+          finished(oldest.finish())
+        else:
+          oldest.append(future.result())
+
+    for (stream, index), group in shards:
+      writer = ShardWriter(out, spec, stream, index)
+      for piece in group:
+        writer.read(piece)
+        if writer.record is None:
+          pending.append((writer, pool.submit(tokenize_piece, _work(piece, spec))))
+          drain(keep=_AHEAD_PER_WORKER * workers)  # bounded: the reader runs ahead by a few pieces, not shards
+      pending.append((writer, None))
+      _release_reader_memory()
+    drain(keep=0)
   bar.close()
   return results
 
 
-def _jobs(streams, out: str, spec: Spec, shard_bytes: int) -> Iterator[dict[str, Any]]:
-  for stream, documents in streams:
-    first = 0  # the stream's index of the batch's first document
-    for index, batch in enumerate(_batches(documents, shard_bytes)):
-      first += len(batch)
-      digest = _digest(batch)
-      name = f"{stream}-{index:05d}"
-      done = os.path.join(out, _DONE, f"{name}.json")
-      if os.path.isfile(done):
-        record = read_json(done)
-        if record["digest"] == digest:
-          yield record
-          continue
-        raise ValueError(f"shard {name} of {out!r} was prepared from other documents; the inputs changed since the "
-                         f"interrupted prepare: delete {out!r} and prepare again")
-      yield {"stream": stream, "index": index, "documents": batch, "first": first - len(batch), "digest": digest,
-             "out": out,
-             "dtype": spec.dtype, "eos_id": spec.eos_id, "eval_fraction": spec.eval_fraction}
+def _work(piece: dict[str, Any], spec: Spec) -> dict[str, Any]:
+  return {**piece, "dtype": spec.dtype, "eos_id": spec.eos_id, "eval_fraction": spec.eval_fraction}
 
 
-def _digest(batch: list[str]) -> str:
-  digest = hashlib.blake2b(digest_size=16)
-  for text in batch:
-    data = text.encode("utf-8")
-    digest.update(len(data).to_bytes(8, "little"))  # length prefix: ["ab", "c"] and ["a", "bc"] differ
-    digest.update(data)
-  return digest.hexdigest()
+def _release_reader_memory() -> None:
+  """Hands back what pyarrow's allocator kept of the Parquet reader's freed buffers (its pool keeps them per thread,
+  and the reading process's RSS would creep up file after file)."""
+  pyarrow = sys.modules.get("pyarrow")
+  if pyarrow is not None:
+    pyarrow.default_memory_pool().release_unused()
+
+
+class ShardWriter:
+  """One shard's files, written piece by piece in reading order: each split's tokens stream into a temporary .npy
+  (its header, which numpy pads to a fixed size whatever the length, rewritten at the end), its document ends are
+  kept (8 bytes a document). `record` is the `.done/` record of a shard an interrupted prepare finished, else None."""
+
+  def __init__(self, out: str, spec: Spec, stream: str, index: int):
+    self.out, self.stream, self.dtype = out, stream, np.dtype(spec.dtype)
+    self.name = f"{stream}-{index:05d}"
+    self._digest = hashlib.blake2b(digest_size=16)
+    done = os.path.join(out, _DONE, f"{self.name}.json")
+    self.record = read_json(done) if os.path.isfile(done) else None
+    self._splits: dict[str, dict[str, Any]] = {}
+    if self.record is not None:
+      return
+    splits = ("eval",) if stream == "eval" else ("train", "eval") if spec.eval_fraction > 0 else ("train",)
+    prefix = "" if stream == "main" else "held-"
+    for split in splits:
+      name = f"{split}-{prefix}{index:05d}"
+      file = open(os.path.join(out, f"{name}.tokens.npy.tmp"), "wb")
+      header = file.write(_npy_header(self.dtype, 0))
+      self._splits[split] = {"name": name, "file": file, "header": header, "sha256": hashlib.sha256(), "tokens": 0,
+                             "bytes": 0, "ends": []}
+
+  def read(self, piece: dict[str, Any]) -> dict[str, Any]:
+    """Adds the piece's documents to the shard's digest (which a rerun checks a finished shard against)."""
+    for text in piece["documents"]:
+      data = text.encode("utf-8")
+      self._digest.update(len(data).to_bytes(8, "little"))  # length prefix: ["ab", "c"] and ["a", "bc"] differ
+      self._digest.update(data)
+    return piece
+
+  def append(self, result: dict[str, Any]) -> None:
+    """Appends a tokenized piece (tokenize_piece's result)."""
+    for split, (tokens, lengths, size) in result.items():
+      target = self._splits[split]
+      target["file"].write(memoryview(tokens))
+      target["sha256"].update(memoryview(tokens))
+      target["ends"].append(target["tokens"] + np.cumsum(lengths, dtype=np.uint64))
+      target["tokens"] += int(tokens.size)
+      target["bytes"] += size
+
+  def finish(self) -> dict[str, Any]:
+    """Renames the files into place and records the shard in `.done/`; returns the record."""
+    digest = self._digest.hexdigest()
+    if self.record is not None:
+      if self.record["digest"] != digest:
+        raise ValueError(f"shard {self.name} of {self.out!r} was prepared from other documents; the inputs changed "
+                         f"since the interrupted prepare: delete {self.out!r} and prepare again")
+      return self.record
+    shards = []
+    for split, target in self._splits.items():
+      name, file = target["name"], target["file"]
+      header = _npy_header(self.dtype, target["tokens"])
+      if len(header) != target["header"]:  # numpy pads a 1-D header to one size whatever the length
+        raise RuntimeError(f"numpy's .npy header for {target['tokens']} tokens changed size; use numpy >= 1.26")
+      file.seek(0)
+      file.write(header)
+      file.close()
+      tokens_path = os.path.join(self.out, f"{name}.tokens.npy")
+      os.replace(f"{tokens_path}.tmp", tokens_path)
+      ends = np.concatenate(target["ends"]) if target["ends"] else np.zeros(0, np.uint64)
+      _save_npy(os.path.join(self.out, f"{name}.ends.npy"), ends)
+      shards.append({"name": name, "split": split, "tokens_file": f"{name}.tokens.npy",
+                     "ends_file": f"{name}.ends.npy", "tokens": target["tokens"], "documents": int(ends.size),
+                     "bytes": target["bytes"], "sha256": target["sha256"].hexdigest()})
+    self.record = {"digest": digest, "shards": shards}
+    write_json(os.path.join(self.out, _DONE, f"{self.name}.json"), self.record)
+    return self.record
+
+
+def _npy_header(dtype: np.dtype, length: int) -> bytes:
+  """The header np.save writes for a 1-D array of `length` elements of `dtype`."""
+  header = io.BytesIO()
+  np.lib.format.write_array_header_1_0(header, {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False,
+                                                "shape": (length,)})
+  return header.getvalue()
 
 
 _WORKER_TOKENIZER = None
@@ -232,49 +333,38 @@ def _load_tokenizer_file(path: str):
   return tokenizers.Tokenizer.from_file(path)
 
 
-def tokenize_shard(job: dict[str, Any], tokenizer: Any = None) -> dict[str, Any]:
-  """Tokenizes one batch of documents into its shard files; returns the record kept in `.done/` and the manifest."""
+def tokenize_shard(job: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
+  """Tokenizes one shard in this process: its `job["pieces"]` (`_work` dicts) into `job["writer"]` (a ShardWriter);
+  returns the record kept in `.done/` and the manifest."""
+  for piece in job["pieces"]:
+    job["writer"].append(tokenize_piece(piece, tokenizer))
+  return job["writer"].finish()
+
+
+def tokenize_piece(piece: dict[str, Any], tokenizer: Any = None) -> dict[str, tuple[np.ndarray, np.ndarray, int]]:
+  """One piece's documents tokenized: per split, (each document's tokens then EOS, one array; each document's length
+  with its EOS; the documents' UTF-8 bytes)."""
   tokenizer = tokenizer or _WORKER_TOKENIZER
   encode = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)  # fast: no character offsets
-  dtype, eos = np.dtype(job["dtype"]), job["eos_id"]
-  outputs: dict[str, dict[str, list]] = {}
-  splits = ("eval",) if job["stream"] == "eval" else ("train", "eval") if job["eval_fraction"] > 0 else ("train",)
-  for split in splits:
-    outputs[split] = {"tokens": [], "lengths": [], "bytes": [0]}
-  documents = job["documents"]
-  start = 0
-  while start < len(documents):
-    stop, size = start, 0
-    while stop < len(documents) and (size < _ENCODE_BYTES or stop == start):
-      size += len(documents[stop])
-      stop += 1
-    texts = documents[start:stop]
-    encodings = encode(texts, add_special_tokens=False)
-    for number, (text, encoding) in enumerate(zip(texts, encodings), job["first"] + start):
-      split = "eval" if job["stream"] == "eval" or held_out(number, job["eval_fraction"]) else "train"
-      ids = np.empty(len(encoding.ids) + 1, dtype=dtype)
-      ids[:-1] = encoding.ids
-      ids[-1] = eos
-      target = outputs[split]
-      target["tokens"].append(ids)
-      target["lengths"].append(len(ids))
-      target["bytes"][0] += len(text.encode("utf-8"))
-    start = stop
-  number = f"{job['index']:05d}"
-  prefix = "" if job["stream"] == "main" else "held-"
-  shards = []
-  for split, target in outputs.items():
-    tokens = np.concatenate(target["tokens"]) if target["tokens"] else np.zeros(0, dtype)
-    ends = np.cumsum(np.asarray(target["lengths"], dtype=np.uint64), dtype=np.uint64)
-    name = f"{split}-{prefix}{number}"
-    _save_npy(os.path.join(job["out"], f"{name}.tokens.npy"), tokens)
-    _save_npy(os.path.join(job["out"], f"{name}.ends.npy"), ends)
-    shards.append({"name": name, "split": split, "tokens_file": f"{name}.tokens.npy", "ends_file": f"{name}.ends.npy",
-                   "tokens": int(tokens.size), "documents": int(ends.size), "bytes": target["bytes"][0],
-                   "sha256": hashlib.sha256(tokens.tobytes()).hexdigest()})
-  record = {"digest": job["digest"], "shards": shards}
-  write_json(os.path.join(job["out"], _DONE, f"{job['stream']}-{number}.json"), record)
-  return record
+  dtype, eos, fraction = np.dtype(piece["dtype"]), piece["eos_id"], piece["eval_fraction"]
+  documents = piece["documents"]
+  ids = [encoding.ids for encoding in encode(documents, add_special_tokens=False)]  # the Encodings go at once
+  splits: dict[str, list[int]] = {}
+  for number in range(len(documents)):
+    split = "eval" if piece["stream"] == "eval" or held_out(piece["first"] + number, fraction) else "train"
+    splits.setdefault(split, []).append(number)
+  result = {}
+  for split, numbers in splits.items():
+    lengths = np.asarray([len(ids[n]) + 1 for n in numbers], dtype=np.uint64)
+    tokens = np.empty(int(lengths.sum()), dtype=dtype)
+    position = 0
+    for n in numbers:
+      tokens[position:position + len(ids[n])] = ids[n]
+      position += len(ids[n])
+      tokens[position] = eos
+      position += 1
+    result[split] = (tokens, lengths, sum(len(documents[n].encode("utf-8")) for n in numbers))
+  return result
 
 
 def _save_npy(path: str, array: np.ndarray) -> None:
