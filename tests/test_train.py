@@ -129,7 +129,7 @@ def test_layer_lr_decay_scales_each_layers_update_by_its_depth():
     from jaxlm import config as config_lib  # noqa: PLC0415
     config_lib.validate(Config(train=TrainConfig(layer_lr_decay=1.5)))
 
-@pytest.mark.parametrize("mesh", [(1, 1, 1), (4, 1, 1), (1, 4, 1), (2, 1, 2)])
+@pytest.mark.parametrize("mesh", [(4, 1, 1), (1, 4, 1), (2, 1, 2)])  # against the reference run on (1, 1, 1)
 def test_meshes_give_the_same_loss_and_update(mesh):
   config = _config(mesh=MeshConfig(*mesh))
   devices = jax.devices()[:int(np.prod(mesh))]
@@ -209,7 +209,7 @@ def _classifier_config(tmp_path, steps):
                       seq_len=16, batching="max"),
       train=TrainConfig(steps=steps, batch_size=8, warmup_steps=2, learning_rate=3e-3, eval_every_steps=4,
                         best_metric="accuracy"),
-      checkpoint=CheckpointConfig(every_steps=3, keep=2), log=LogConfig(every_steps=1, progress_bar=False))
+      checkpoint=CheckpointConfig(every_steps=4, keep=2), log=LogConfig(every_steps=1, progress_bar=False))
 
 
 class _SigtermAt:
@@ -250,7 +250,7 @@ def test_sigterm_then_resume_equals_uninterrupted_training_bit_for_bit(tmp_path,
     patch.setattr(loop, "run_loop", sigterm_at_step_5)
     stopped = run(config, str(resumed))
   assert stopped["preempted_at_step"] == 5 and max(_losses(resumed)) == 5
-  assert sorted(os.listdir(resumed / "checkpoints")) == ["3", "5"]  # the stop saved its step
+  assert sorted(os.listdir(resumed / "checkpoints")) == ["4", "5"]  # the stop saved its step
   summary = run(config, str(resumed))
   expected, got = _losses(straight), _losses(resumed)
   assert sorted(got) == list(range(1, 9))
