@@ -2,16 +2,19 @@
 
   python benchmarks/prepare_memory.py --sizes_mb=200,1000 --workers=2 --workdir=/tmp/prepare_memory --label=after
   python benchmarks/prepare_memory.py --sizes_mb=200,1000 --repo=<a checkout of an older commit> --label=before
+  python benchmarks/prepare_memory.py --sizes_mb=200 --against=<that checkout> --repeats=4 --label=throughput
 
 The corpus: Parquet files of `--file_mb` MB of text each with FineWeb's columns (text, id, dump, url, date, file_path,
 language, language_score, token_count), the text being the standard library's `.py` files, each copy marked so no
 two documents are equal; row groups of `--row_group_rows` rows. The tokenizer: a byte-level BPE of 32,768 tokens
-trained on the standard library (bench_corpus_scale.py's, shared through --workdir). Each size runs
+trained on the standard library, as bench_corpus_scale.py trains it. Each size runs
 experiments/prepare_data.py in a fresh process; a sampler reads /proc every --every_s seconds for the parent and each
 worker: the kernel's own high-water mark (VmHWM, exact whatever the sampling) and a timeline of the current RSS (kept
 at most --timeline_points points, each the largest RSS of its stretch). --repo runs another checkout's prepare (its
 experiments/prepare_data.py, its jaxlm first on PYTHONPATH) on the same corpus, for before/after comparisons.
-Results: <out>/prepare_memory.json, one entry per --label (runs under other labels are kept).
+--against=<checkout> alternates this checkout and that one --repeats rounds per size (the order swapped each round)
+and reports the median ratios of seconds and CPU seconds. Results: <out>/prepare_memory.json, one entry per --label
+(runs under other labels are kept).
 """
 
 from __future__ import annotations
@@ -37,6 +40,9 @@ _LABEL = flags.DEFINE_string("label", "run", "a name for this run in the result 
 _ENV = flags.DEFINE_list("env", [], "NAME=VALUE pairs set for the prepare process (e.g. MALLOC_ARENA_MAX=2)")
 _REPO = flags.DEFINE_string("repo", "", "a checkout whose prepare to measure (default: this one)")
 _POINTS = flags.DEFINE_integer("timeline_points", 120, "points kept of each RSS timeline")
+_AGAINST = flags.DEFINE_string("against", "", "another checkout to alternate with, --repeats rounds per size, for "
+                               "a throughput comparison on a noisy machine")
+_REPEATS = flags.DEFINE_integer("repeats", 3, "rounds per size with --against")
 _OUT = flags.DEFINE_string("out", "benchmarks/results", "folder for prepare_memory.json")
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -119,6 +125,7 @@ def measure(command: list[str], env: dict[str, str], cwd: str) -> dict:
   process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd)
   peaks: dict[int, int] = {}
   cpu: dict[int, float] = {}  # user + system seconds of each process, at its last sample
+  faults: dict[int, int] = {}  # minor page faults of each process, at its last sample
   names: dict[int, str] = {}
   timeline: list[dict] = []
 
@@ -141,9 +148,11 @@ def measure(command: list[str], env: dict[str, str], cwd: str) -> dict:
         except (OSError, psutil.Error):
           continue
         try:
-          times = p.cpu_times()
-          cpu[p.pid] = times.user + times.system
-        except psutil.Error:
+          with open(f"/proc/{p.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+          faults[p.pid] = int(fields[7])  # minflt: pages the process touched afresh (each zeroed by the kernel)
+          cpu[p.pid] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+        except (OSError, IndexError, ValueError):
           pass
         peaks[p.pid] = max(peaks.get(p.pid, 0), _kib(status, "VmHWM"))
         rss = _kib(status, "VmRSS") / GB
@@ -166,6 +175,8 @@ def measure(command: list[str], env: dict[str, str], cwd: str) -> dict:
   return {"seconds": time.time() - started, "cpu_seconds": cpu_seconds,
           "parent_cpu_seconds": cpu.get(process.pid, 0.0),
           "worker_cpu_seconds": [cpu[pid] for pid in cpu if names.get(pid) == "worker"],
+          "parent_minor_faults": faults.get(process.pid, 0),
+          "worker_minor_faults": [faults[pid] for pid in faults if names.get(pid) == "worker"],
           "parent_peak_gb": peaks.get(process.pid, 0) / GB,
           "worker_peaks_gb": [w / GB for w in workers], "largest_process_peak_gb": max(peaks.values()) / GB,
           "timeline": _compact(timeline), "output": output.strip().splitlines()[-2:]}
@@ -186,7 +197,7 @@ def _compact(timeline: list[dict]) -> list[dict]:
   return points
 
 
-def run_size(size_mb: int) -> dict:
+def run_size(size_mb: int, checkout: str = "") -> dict:
   paths = corpus(size_mb)
   out = os.path.join(_WORKDIR.value, f"prepared_{size_mb}mb")
   if os.path.isdir(out):
@@ -194,8 +205,8 @@ def run_size(size_mb: int) -> dict:
 
     shutil.rmtree(out)
   env = dict(os.environ, **dict(v.split("=", 1) for v in _ENV.value))
-  repo = os.path.abspath(_REPO.value or REPO)
-  if _REPO.value:
+  repo = os.path.abspath(checkout or REPO)
+  if checkout:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [repo, env.get("PYTHONPATH", "")]))
   command = [sys.executable, "experiments/prepare_data.py", *(f"--input={p}" for p in paths),
              f"--tokenizer={tokenizer()}", f"--out={out}", f"--workers={_WORKERS.value}",
@@ -209,14 +220,30 @@ def run_size(size_mb: int) -> dict:
   return result
 
 
+def rotation(size_mb: int) -> dict:
+  """--repeats rounds of this checkout and --against, the order swapped each round: seconds and CPU seconds of each
+  run, and the medians of this / against (the machine's drift cancels out of the ratios)."""
+  import statistics
+
+  runs: dict[str, list[dict]] = {"this": [], "against": []}
+  for round_ in range(_REPEATS.value):
+    for name in ("this", "against")[::1 if round_ % 2 == 0 else -1]:
+      result = run_size(size_mb, _AGAINST.value if name == "against" else _REPO.value)
+      runs[name].append({k: result[k] for k in ("seconds", "cpu_seconds", "parent_peak_gb", "worker_peaks_gb")})
+  ratio = {k: statistics.median(a[k] / b[k] for a, b in zip(runs["this"], runs["against"]))
+           for k in ("seconds", "cpu_seconds")}
+  return {"against": _AGAINST.value, "runs": runs, "median_ratio_this_over_against": ratio}
+
+
 def main(argv):
   del argv
   os.makedirs(_WORKDIR.value, exist_ok=True)
   tokenizer()
   command = "python " + " ".join(sys.argv)
+  measured = rotation if _AGAINST.value else lambda size: run_size(size, _REPO.value)
   result = {"cores": os.cpu_count(), "workers": _WORKERS.value, "file_mb": _FILE_MB.value,
             "row_group_rows": _ROW_GROUP.value, "env": _ENV.value, "repo": _REPO.value or "this checkout",
-            "sizes_mb": {str(size): {**run_size(size), "command": command} for size in map(int, _SIZES.value)}}
+            "sizes_mb": {str(size): {**measured(size), "command": command} for size in map(int, _SIZES.value)}}
   os.makedirs(_OUT.value, exist_ok=True)
   path = os.path.join(_OUT.value, "prepare_memory.json")
   kept = json.load(open(path)) if os.path.isfile(path) else {}
