@@ -26,32 +26,29 @@ if "xla_backend_optimization_level" not in _flags:
                     env=dict(os.environ, XLA_FLAGS=LOOP_EMITTERS, JAX_PLATFORMS="cpu")).returncode == 0:
     os.environ["XLA_FLAGS"] += " " + LOOP_EMITTERS
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-  # One persistent XLA cache for the session, shared by both xdist workers (children of the pytest process) and every
-  # subprocess they start: the suite compiles the same small programs again and again (a run, its stop, its resume;
-  # each CLI subprocess), and a cache hit skips the compile.
-  _owner = os.getppid() if os.environ.get("PYTEST_XDIST_WORKER") else os.getpid()
-  os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), f"jaxlm-test-xla-cache-{_owner}")
+
+
+def _session_path(variable: str, name: str) -> str | None:
+  """Sets `variable` to a path of this test session's own (shared by both xdist workers, children of the pytest
+  process, and the subprocesses they start) unless it is set already; returns the path it set, or None."""
+  if variable in os.environ:
+    return None
+  owner = os.getppid() if os.environ.get("PYTEST_XDIST_WORKER") else os.getpid()
+  os.environ[variable] = os.path.join(tempfile.gettempdir(), f"{name}-{owner}")
+  return os.environ[variable]
+
+
+# One persistent XLA cache for the session: the suite compiles the same small programs again and again (a run, its
+# stop, its resume; each CLI subprocess), and a cache hit skips the compile.
+_OWN_CACHE = _session_path("JAX_COMPILATION_CACHE_DIR", "jaxlm-test-xla-cache")
+if _OWN_CACHE:
   os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-  _OWN_CACHE = os.environ["JAX_COMPILATION_CACHE_DIR"]
-else:
-  _OWN_CACHE = None
-if "JAXLM_DATA_CACHE" not in os.environ:
-  # One shared cache of prepared corpora for the session (jaxlm/data/corpora/corpus_cache.py): the demo corpus is
-  # tokenized once, not once per run; its file lock lets both workers share it.
-  _owner = os.getppid() if os.environ.get("PYTEST_XDIST_WORKER") else os.getpid()
-  os.environ["JAXLM_DATA_CACHE"] = os.path.join(tempfile.gettempdir(), f"jaxlm-test-data-cache-{_owner}")
-  _OWN_DATA_CACHE = os.environ["JAXLM_DATA_CACHE"]
-else:
-  _OWN_DATA_CACHE = None
-if "JAXLM_PEAK_FLOPS_CACHE" not in os.environ:
-  # The CPU's matmul peak (MFU's denominator) measured once for the session, not again in every CLI subprocess
-  # (seconds each: jaxlm/training/telemetry.py).
-  _owner = os.getppid() if os.environ.get("PYTEST_XDIST_WORKER") else os.getpid()
-  os.environ["JAXLM_PEAK_FLOPS_CACHE"] = os.path.join(tempfile.gettempdir(), f"jaxlm-test-peak-flops-{_owner}.json")
-  _OWN_PEAK_CACHE = os.environ["JAXLM_PEAK_FLOPS_CACHE"]
-else:
-  _OWN_PEAK_CACHE = None
+# One shared cache of prepared corpora (jaxlm/data/corpora/corpus_cache.py): the demo corpus is tokenized once, not
+# once per run; its file lock lets both workers share it.
+_OWN_DATA_CACHE = _session_path("JAXLM_DATA_CACHE", "jaxlm-test-data-cache")
+# The CPU's matmul peak (MFU's denominator) measured once for the session, not again in every CLI subprocess
+# (seconds each: jaxlm/training/telemetry.py).
+_OWN_PEAK_CACHE = _session_path("JAXLM_PEAK_FLOPS_CACHE", "jaxlm-test-peak-flops.json")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
@@ -246,3 +243,22 @@ def perturbed(hf_model):
     for p in hf_model.parameters():
       p.add_(0.1 * torch.randn_like(p))
   return hf_model.eval()
+
+
+def write_llama_style_tokenizer(folder: str, texts: list[str], template: str | None) -> str:
+  """A byte-level BPE trained on `texts`, saved by transformers: a BOS (<s>) before every text, EOS </s>, and
+  `template` (none: no chat template), whose end of turn (<|im_end|>) is not the EOS."""
+  import tokenizers  # noqa: PLC0415
+  import transformers  # noqa: PLC0415  (the hf extra: only the tests that need it call this)
+  from tokenizers import decoders, models, pre_tokenizers, processors, trainers  # noqa: PLC0415
+
+  tokenizer = tokenizers.Tokenizer(models.BPE())
+  tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tokenizer.decoder = decoders.ByteLevel()
+  tokenizer.train_from_iterator(texts, trainers.BpeTrainer(
+      vocab_size=320, special_tokens=["<s>", "</s>", "<pad>", "<|im_start|>", "<|im_end|>"],
+      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+  tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+  transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>",
+                                       pad_token="<pad>", chat_template=template).save_pretrained(folder)
+  return folder

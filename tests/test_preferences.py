@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import write_jsonl
+from conftest import write_jsonl, write_llama_style_tokenizer
 from flax import nnx
 
 torch = pytest.importorskip("torch", reason="HF parity tests need the hf extra: pip install -e '.[hf]'")
@@ -57,25 +57,6 @@ def _conversational(rows: list[dict]) -> list[dict]:
            "rejected": message("assistant", r["rejected"])} for r in rows]
 
 
-def _write_tokenizer(folder: str, rows: list[dict]) -> str:
-  """A Llama-style tokenizer saved by transformers: a byte-level BPE trained on the pairs, a BOS (<s>) before every
-  text, EOS </s>, and a ChatML template, whose end of turn (<|im_end|>) is not the EOS."""
-  import tokenizers  # noqa: PLC0415
-  from tokenizers import decoders, models, pre_tokenizers, processors, trainers  # noqa: PLC0415
-
-  tokenizer = tokenizers.Tokenizer(models.BPE())
-  tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-  tokenizer.decoder = decoders.ByteLevel()
-  texts = [r[k] for r in rows for k in ("prompt", "chosen", "rejected")] + ["user\nassistant\n"]
-  tokenizer.train_from_iterator(texts, trainers.BpeTrainer(
-      vocab_size=320, special_tokens=["<s>", "</s>", "<pad>", "<|im_start|>", "<|im_end|>"],
-      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
-  tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
-  transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>",
-                                       pad_token="<pad>", chat_template=CHATML).save_pretrained(folder)
-  return folder
-
-
 def _save_llama(folder: str, tokenizer_folder: str, seed: int) -> str:
   torch.manual_seed(seed)
   config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -92,7 +73,8 @@ def setup(tmp_path_factory):
   folder = tmp_path_factory.mktemp("preferences")
   train, held_out = _pairs(40, 0), _pairs(8, 1)
   held_out[0]["prompt"] = "<s>" + held_out[0]["prompt"]  # a BOS in the text too: TRL's tokenizer call adds another
-  tokenizer = _write_tokenizer(str(folder / "tokenizer"), train)
+  texts = [r[k] for r in train for k in ("prompt", "chosen", "rejected")] + ["user\nassistant\n"]
+  tokenizer = write_llama_style_tokenizer(str(folder / "tokenizer"), texts, CHATML)
   files = {}
   for name, rows in (("train", train), ("eval", held_out)):
     files[name] = write_jsonl(folder / f"{name}.jsonl", rows)

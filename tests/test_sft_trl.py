@@ -11,7 +11,7 @@ import json
 import jax
 import numpy as np
 import pytest
-from conftest import write_jsonl
+from conftest import write_jsonl, write_llama_style_tokenizer
 from flax import nnx
 
 torch = pytest.importorskip("torch", reason="HF parity tests need the hf extra: pip install -e '.[hf]'")
@@ -56,24 +56,6 @@ def _pairs(conversations: list[dict]) -> list[dict]:
   return rows
 
 
-def _write_tokenizer(folder: str, texts: list[str], template: str | None) -> str:
-  """A byte-level BPE trained on `texts`, saved by transformers: a BOS (<s>) before every text, EOS </s>, and
-  `template` (none: no chat template), whose end of turn (<|im_end|>) is not the EOS."""
-  import tokenizers  # noqa: PLC0415
-  from tokenizers import decoders, models, pre_tokenizers, processors, trainers  # noqa: PLC0415
-
-  tokenizer = tokenizers.Tokenizer(models.BPE())
-  tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-  tokenizer.decoder = decoders.ByteLevel()
-  tokenizer.train_from_iterator(texts, trainers.BpeTrainer(
-      vocab_size=320, special_tokens=["<s>", "</s>", "<pad>", "<|im_start|>", "<|im_end|>"],
-      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
-  tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
-  transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>",
-                                       pad_token="<pad>", chat_template=template).save_pretrained(folder)
-  return folder
-
-
 def _sft_config(folder: str, **overrides):
   return trl.SFTConfig(output_dir=folder, report_to=[], use_cpu=True, bf16=False, per_device_eval_batch_size=64,
                        disable_tqdm=True, **overrides)
@@ -87,7 +69,7 @@ def setup(tmp_path_factory):
   train = conversation_data.conversation_rows(32, seed=0, max_exchanges=2)
   held_out = conversation_data.conversation_rows(8, seed=1, max_exchanges=2)
   texts = [m["role"] + "\n" + m["content"] for row in train for m in row["messages"]] + ["Answer:"]
-  tokenizers = {name: _write_tokenizer(str(folder / name), texts, template)
+  tokenizers = {name: write_llama_style_tokenizer(str(folder / name), texts, template)
                 for name, template in (("plain", None), ("chatml", CHATML), ("marked", CHATML_MARKED))}
   files = {}
   for split, rows in (("train", train), ("eval", held_out)):

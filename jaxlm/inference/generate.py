@@ -43,7 +43,7 @@ STOP_BUCKET = 8  # stop-token lists are padded to a multiple of this length (one
 KV_CACHES = ("float", "int8")  # float: the compute dtype; int8: per-token, per-KV-head scales
 # top-k / top-p look at this many largest logits of each row (lax.top_k), the next tier only when a row's nucleus is
 # not settled within the previous one, and sort the whole row only beyond the last (top_k above it, or a nucleus
-# wider than it): at 262,144 tokens and batch 8 a top-256 costs ~4 ms, a top-4096 ~30 ms, the sort ~660 ms.
+# wider than it): a top-k of a few thousand costs a small share of a full sort (docs/performance.md, the sampler).
 NUCLEUS_TIERS = (256, 4096)
 DRAW_BLOCK = 256  # `categorical` finds the block of this many tokens that holds the draw, then the token in it
 TOP_K_BLOCK = 64  # `top_candidates` looks for the C largest values in the C blocks of this many with the largest maxima
@@ -54,8 +54,8 @@ def categorical(key: jax.Array, logits_BV: jax.Array, temperature: float | jax.A
   """One draw [B] per row from softmax(logits / temperature), as jax.random.categorical, only among the tokens whose
   logit / temperature is at least `cutoff_B1` (all without it), by inverting the CDF with one uniform per row: the
   row's blocks of DRAW_BLOCK tokens, then the tokens of the block the uniform falls in. jax.random.categorical's
-  Gumbel trick needs a random number per token (150 ms per step over 262,144 tokens at batch 8, more than the LM
-  head) where this reads the logits once for the block sums (~2 ms). A token of probability 0 is never drawn."""
+  Gumbel trick needs a random number per token, which over a large vocabulary costs more than the LM head; this reads
+  the logits once for the block sums (docs/performance.md, the sampler). A token of probability 0 is never drawn."""
   b, v = logits_BV.shape
   n = -(-v // DRAW_BLOCK)
   temperature = jnp.maximum(jnp.asarray(temperature, jnp.float32), 1e-6)
@@ -92,8 +92,8 @@ def categorical(key: jax.Array, logits_BV: jax.Array, temperature: float | jax.A
 def argmax(logits_BV: jax.Array) -> jax.Array:
   """jnp.argmax over the last axis [B] int32 (the first index of the largest value, or of the first NaN), in two
   levels: the largest value of each block of DRAW_BLOCK tokens, then the position within the first block holding the
-  largest. XLA:CPU reduces (value, index) pairs one at a time, so a flat argmax over 262,144 tokens at batch 64 took
-  110 ms, this ~7 ms."""
+  largest. XLA:CPU reduces (value, index) pairs one at a time, so a flat argmax over a large vocabulary is slow
+  (docs/performance.md, the sampler)."""
   b, v = logits_BV.shape
   n = -(-v // DRAW_BLOCK)
   logits_BNK = jnp.pad(logits_BV, ((0, 0), (0, n * DRAW_BLOCK - v)),
@@ -223,16 +223,14 @@ def sample(logits_BV: jax.Array, key: jax.Array, temperature: jax.Array, top_k: 
 
 def _decoder(model: nnx.Module) -> Callable[[], nnx.Module]:
   """make() -> the model to decode with, built where it is called (inside the decode loop's body). Two changes on a
-  CPU (measured on Gemma 3 270M, 2-core CPU), the caller's model left as it is:
+  CPU (measured in docs/performance.md, the sampler), the caller's model left as it is:
 
   - XLA's dot where the model multiplies through the BLAS custom call (kernels.matmul=blas, chosen for the training
-    step's GEMMs): a decode step multiplies a few rows by each weight, where XLA's dot made the step 2.7x faster at
-    batch 1 and 1.1-1.3x at 8 and 64 (the LM head alone, [8, 640] x [640, 262144]: 104 ms against 130 for the
-    custom call, 168 for numpy, 224 for torch).
+    step's GEMMs): a decode step multiplies a few rows by each weight, which XLA's dot does faster than the custom
+    call.
   - The layers as a Python loop over weights split per layer once, before the loop over tokens: a scan over the
     stacked [L, ...] weights copies each layer's weights out of the stack at every step (XLA:CPU's dots take no
-    slice of an array). 14% faster steps at batch 1, 11% at 8, 8% at 64, for one copy of the blocks' weights while
-    generating and ~3x the compile time (4 -> 16 s)."""
+    slice of an array). Faster steps, for one copy of the blocks' weights while generating and a longer compile."""
   kernels = getattr(model, "kernels", None)
   if kernels is None or jax.default_backend() != "cpu":
     return lambda: model

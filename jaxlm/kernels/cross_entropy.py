@@ -163,28 +163,42 @@ def _backward(chunk, shards, einsum, dtypes, residuals, cotangents):
 _fused.defvjp(_forward, _backward)
 
 
-def token_log_probs(x_ND: jax.Array, table_VD: jax.Array, targets_N: jax.Array, chunk: int, einsum=jnp.einsum,
-                    softcap=lambda logits: logits, with_entropy: bool = False):
-  """log softmax(softcap(x_n @ table^T))[target_n] for every token, [N] in f32, `chunk` tokens per device at a time
-  (no [N, V] logits in memory). Forward only: preference and policy losses take their gradient through
-  `fused_cross_entropy` with per-token weights (jaxlm/training/preference_loss.py, policy_loss.py).
-  `with_entropy`: also each token's predictive entropy [N], from the same pass over the vocabulary."""
+def _per_token(x_ND: jax.Array, table_VD: jax.Array, targets_N: jax.Array, chunk: int, einsum, softcap, of_chunk):
+  """of_chunk(logits [P, C, V] f32, targets [P, C]) -> a tree of [P, C] values, mapped over the tokens `chunk` per
+  device at a time (no [N, V] logits in memory) and returned as [N] leaves."""
   n = x_ND.shape[0]
   shards = _batch_shards(n)
   chunk = min(chunk, n // shards)
 
   def one_chunk(xs):
     x_PCD, targets_PC = xs
-    logits_PCV = softcap(einsum("pcd,vd->pcv", x_PCD, table_VD, **_F32))
-    target_PC = jnp.take_along_axis(logits_PCV, targets_PC[..., None], axis=-1)[..., 0]
-    lse_PC = jax.nn.logsumexp(logits_PCV, axis=-1)
-    if not with_entropy:
-      return target_PC - lse_PC
-    # H = logsumexp - E_p[logits]
-    return target_PC - lse_PC, lse_PC - jnp.sum(jax.nn.softmax(logits_PCV, axis=-1) * logits_PCV, axis=-1)
+    return of_chunk(softcap(einsum("pcd,vd->pcv", x_PCD, table_VD, **_F32)), targets_PC)
 
   out = jax.lax.map(one_chunk, (_blocks(x_ND, shards, chunk), _blocks(targets_N, shards, chunk)))
   return jax.tree.map(lambda a: _unblocks(a, n), out)
+
+
+def _log_probs(logits_PCV, targets_PC, lse_PC):
+  return jnp.take_along_axis(logits_PCV, targets_PC[..., None], axis=-1)[..., 0] - lse_PC
+
+
+def _entropy(logits_PCV, lse_PC):  # H = logsumexp - E_p[logits]
+  return lse_PC - jnp.sum(jax.nn.softmax(logits_PCV, axis=-1) * logits_PCV, axis=-1)
+
+
+def token_log_probs(x_ND: jax.Array, table_VD: jax.Array, targets_N: jax.Array, chunk: int, einsum=jnp.einsum,
+                    softcap=lambda logits: logits, with_entropy: bool = False):
+  """log softmax(softcap(x_n @ table^T))[target_n] for every token, [N] in f32, `chunk` tokens per device at a time
+  (no [N, V] logits in memory). Forward only: preference and policy losses take their gradient through
+  `fused_cross_entropy` with per-token weights (jaxlm/training/preference_loss.py, policy_loss.py).
+  `with_entropy`: also each token's predictive entropy [N], from the same pass over the vocabulary."""
+
+  def of_chunk(logits_PCV, targets_PC):
+    lse_PC = jax.nn.logsumexp(logits_PCV, axis=-1)
+    log_probs_PC = _log_probs(logits_PCV, targets_PC, lse_PC)
+    return (log_probs_PC, _entropy(logits_PCV, lse_PC)) if with_entropy else log_probs_PC
+
+  return _per_token(x_ND, table_VD, targets_N, chunk, einsum, softcap, of_chunk)
 
 
 def token_statistics(x_ND: jax.Array, table_VD: jax.Array, targets_N: jax.Array, chunk: int, einsum=jnp.einsum,
@@ -192,18 +206,11 @@ def token_statistics(x_ND: jax.Array, table_VD: jax.Array, targets_N: jax.Array,
   """Per token, [N] in f32, from one forward pass over the vocabulary `chunk` tokens at a time (evaluation's
   diagnostics, as TRL logs them): `log_probs` of the target, predictive `entropy`, `mean_logit` (the logits' mean
   over the vocabulary) and `top1` (1 where the target is the first largest logit, as argmax picks)."""
-  n = x_ND.shape[0]
-  shards = _batch_shards(n)
-  chunk = min(chunk, n // shards)
 
-  def one_chunk(xs):
-    x_PCD, targets_PC = xs
-    logits_PCV = softcap(einsum("pcd,vd->pcv", x_PCD, table_VD, **_F32))
+  def of_chunk(logits_PCV, targets_PC):
     lse_PC = jax.nn.logsumexp(logits_PCV, axis=-1)
-    return {"log_probs": jnp.take_along_axis(logits_PCV, targets_PC[..., None], axis=-1)[..., 0] - lse_PC,
-            "entropy": lse_PC - jnp.sum(jax.nn.softmax(logits_PCV, axis=-1) * logits_PCV, axis=-1),
+    return {"log_probs": _log_probs(logits_PCV, targets_PC, lse_PC), "entropy": _entropy(logits_PCV, lse_PC),
             "mean_logit": jnp.mean(logits_PCV, axis=-1),
             "top1": (jnp.argmax(logits_PCV, axis=-1) == targets_PC).astype(jnp.float32)}
 
-  out = jax.lax.map(one_chunk, (_blocks(x_ND, shards, chunk), _blocks(targets_N, shards, chunk)))
-  return jax.tree.map(lambda a: _unblocks(a, n), out)
+  return _per_token(x_ND, table_VD, targets_N, chunk, einsum, softcap, of_chunk)

@@ -292,8 +292,8 @@ REMAT_TRAFFIC = {"none": 1.0, "dots": 1.5, "full": 1.5}
 # gradient/update/param norms and the finite-step select read them again (5): in units of the f32 params per device.
 OPTIMIZER_PASSES = 12.0
 # A scan over the layers against the Python loop the GPU calibration runs used (`step_time_factor`): on an H200 the
-# scanned GPT-2 and Llama steps took 1.31x and 1.17x the loop's (docs/performance.md); a GPU run that recomputes
-# runs the scan (jaxlm/kernels/registry.py), so its plan pays this.
+# scanned GPT-2 and Llama steps were slower than the loop (this is their mean slow-down, docs/performance.md); a GPU
+# run that recomputes runs the scan (jaxlm/kernels/registry.py), so its plan pays this.
 SCANNED_LAYERS_FACTOR = {"gpu": 1.24}
 
 

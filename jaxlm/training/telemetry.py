@@ -142,7 +142,7 @@ def measure_matmul_flops(n: int = 1024, dtype: Any = jnp.float32, repeats: int =
   The best run, not the mean, because the host may be shared and we want the machine's ceiling. n=1024 keeps it to
   a fraction of a second on a small CPU. The warm-up runs the matmul for `warmup_seconds` first: a CPU's first
   milliseconds of work (idle cores clocking up, the thread pool waking) ran 1024^3 at half the rate of the same
-  matmul a moment later (245 vs 445 GFLOP/s on a 2-core EPYC), which halves the peak and doubles MFU.
+  matmul a moment later (docs/performance.md), which halves the peak and doubles MFU.
   """
   device = device or jax.devices()[0]
   # Inputs made by numpy on the host: jax.random would compile two more programs and double the first-call time.
@@ -168,8 +168,8 @@ def best_seconds(fn: Callable, *args, repeats: int, warmup: int = 1, warmup_seco
   return best
 
 
-# The CPU's matmul sizes for its measured peak, the best counting: one size alone can read low (1024^3 at 242 GFLOP/s
-# while 2048^3 ran at 421 in the same process, 2-core EPYC), and past 2048 the rate falls (4096^3: 369, out of cache).
+# The CPU's matmul sizes for its measured peak, the best counting: one size alone can read low, and past 2048 the
+# rate falls out of cache (docs/performance.md).
 CPU_PEAK_SIZES = (1024, 2048)
 
 
