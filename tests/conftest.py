@@ -13,6 +13,7 @@ import tempfile
 _flags = os.environ.get("XLA_FLAGS", "")
 # XLA:CPU's older fusion emitters: they compile faster, and run some models' steps slower (WORKSPACE.md).
 LOOP_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
+CHEAP_BACKEND = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 if "xla_force_host_platform_device_count" not in _flags:
   os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=4").strip()
 if "xla_backend_optimization_level" not in _flags:
@@ -20,7 +21,7 @@ if "xla_backend_optimization_level" not in _flags:
   # time): XLA's cheapest CPU backend settings and its older loop emitters for fusions compile in about half the time
   # and change results only by float rounding (measured in WORKSPACE.md). Set here once, in the pytest process; its
   # xdist workers and their subprocesses inherit them.
-  os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+  os.environ["XLA_FLAGS"] += " " + CHEAP_BACKEND
   # jaxlib 0.11 has no such flag, and XLA aborts on a flag it does not know: ask a throwaway process first.
   if subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], capture_output=True,
                     env=dict(os.environ, XLA_FLAGS=LOOP_EMITTERS, JAX_PLATFORMS="cpu")).returncode == 0:
@@ -38,11 +39,13 @@ def _session_path(variable: str, name: str) -> str | None:
   return os.environ[variable]
 
 
-# One persistent XLA cache for the session: the suite compiles the same small programs again and again (a run, its
-# stop, its resume; each CLI subprocess), and a cache hit skips the compile.
+# One persistent XLA cache for the session: the suite compiles the same programs again and again (a run, its stop,
+# its resume; each CLI subprocess), and a cache hit skips the compile. Programs that compile in under a quarter of a
+# second stay out: writing and reading them back costs about what compiling them again does.
+CACHE_MIN_COMPILE_S = 0.25
 _OWN_CACHE = _session_path("JAX_COMPILATION_CACHE_DIR", "jaxlm-test-xla-cache")
 if _OWN_CACHE:
-  os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+  os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = str(CACHE_MIN_COMPILE_S)
 # One shared cache of prepared corpora (jaxlm/data/corpora/corpus_cache.py): the demo corpus is tokenized once, not
 # once per run; its file lock lets both workers share it.
 _OWN_DATA_CACHE = _session_path("JAXLM_DATA_CACHE", "jaxlm-test-data-cache")
@@ -58,7 +61,7 @@ import numpy as np  # noqa: E402
 jax.config.update("jax_numpy_rank_promotion", "raise")
 if _OWN_CACHE:  # in case a plugin imported jax before this file set the variables
   jax.config.update("jax_compilation_cache_dir", _OWN_CACHE)
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", CACHE_MIN_COMPILE_S)
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -74,14 +77,16 @@ def pytest_sessionfinish(session, exitstatus):
 
 # The files that take longest, started first: both xdist workers (--dist loadfile: one file to one worker) then end
 # together instead of one waiting on a long file handed out last.
-LONGEST_FIRST = ("test_slurm", "test_finetune", "test_parallel", "test_kernels", "test_plan",
-                 "test_policy_optimization", "test_multiprocess", "test_train", "test_gpu_checks",
-                 "test_reliability_soak", "test_lora", "test_distill", "test_hf", "test_moe", "test_optimize",
-                 "test_config_ranges", "test_pipeline", "test_generate", "test_policy_loss", "test_streaming",
-                 "test_context", "test_quantization", "test_conversations", "test_prune", "test_plan_moe",
-                 "test_reliability_inputs", "test_loss_scale", "test_peft_folders", "test_instructions",
-                 "test_reliability", "test_model", "test_lm_eval", "test_kernels_tokamax", "test_hf_encoders",
-                 "test_families", "test_cpu_attention", "test_launch", "test_telemetry")
+LONGEST_FIRST = ("test_finetune", "test_slurm", "test_plan", "test_preferences", "test_gpu_checks", "test_kernels",
+                 "test_parallel", "test_policy_optimization", "test_multiprocess", "test_train", "test_generate",
+                 "test_lora", "test_reliability_soak", "test_hf", "test_optimize", "test_moe", "test_distill",
+                 "test_pipeline", "test_lm_eval", "test_quantization", "test_prune", "test_context",
+                 "test_conversations", "test_loss_scale", "test_instructions", "test_policy_loss", "test_base_install",
+                 "test_peft_folders", "test_commands_init_from", "test_plan_moe", "test_streaming",
+                 "test_config_ranges", "test_mfu_lora", "test_hf_encoders", "test_fp8", "test_foreign_shards",
+                 "test_model", "test_kernels_tokamax", "test_reliability", "test_cpu_attention", "test_families",
+                 "test_policy_loss_trl", "test_plan_rl", "test_sft_trl", "test_telemetry", "test_reliability_inputs",
+                 "test_launch", "test_bad_inputs")
 
 
 def pytest_collection_modifyitems(session, config, items):
@@ -90,11 +95,13 @@ def pytest_collection_modifyitems(session, config, items):
   items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: the order inside a file is kept
 
 
-def xla_flags_without_device_count(loop_emitters: bool = True) -> str:
+def xla_flags_without_device_count(cheap_compile: bool = True) -> str:
   """The suite's XLA flags (its cheaper compile settings) for a subprocess that chooses its own device count;
-  `loop_emitters=False` for one that runs long enough to prefer XLA's default fusion emitters."""
+  `cheap_compile=False` leaves those settings out, for one that runs long enough to prefer XLA's optimized code."""
   flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
-  return (flags if loop_emitters else flags.replace(LOOP_EMITTERS, "")).strip()
+  if not cheap_compile:
+    flags = flags.replace(LOOP_EMITTERS, "").replace(CHEAP_BACKEND, "")
+  return " ".join(flags.split())
 
 
 def load_script(relative_path: str):

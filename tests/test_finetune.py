@@ -34,7 +34,7 @@ def test_minilm_reaches_95_percent_on_held_out_topics(tmp_path):
   """The command a user types, in a subprocess on one CPU device (4 simulated devices only slow a CPU down)."""
   train, eval_ = topics.write_topic_dataset(str(tmp_path / "data"), train_rows=240, eval_rows=80, seed=0)
   workdir = tmp_path / "run"
-  flags = xla_flags_without_device_count(loop_emitters=False)  # 12 steps of a real BERT: run time outweighs compile
+  flags = xla_flags_without_device_count(cheap_compile=False)  # 12 steps of a real BERT: run time outweighs compile
   env = dict(os.environ, XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count=1".strip(), JAX_PLATFORMS="cpu",
              HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
   command = [sys.executable, os.path.join(ROOT, "experiments", "finetune.py"),

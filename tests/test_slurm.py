@@ -256,8 +256,11 @@ def test_sigterm_to_the_job_saves_exits_0_and_the_requeued_job_resumes_with_the_
 
     # SLURM holds a requeued job back until its old credential expires (cred_expire, 120 s by default); started
     # sooner, slurmd refuses it ("Job credential revoked", exit 1). Past that, the test starts it instead of
-    # waiting for the next scheduling pass.
-    time.sleep(CRED_EXPIRE_S + 1)
+    # waiting for the next scheduling pass. The reference run (one process, four devices, straight through) fills
+    # the wait.
+    revoked_until = time.monotonic() + CRED_EXPIRE_S + 1
+    pretraining.train(demo_config(overrides), str(tmp_path / "one"))
+    time.sleep(max(0.0, revoked_until - time.monotonic()))
     cluster.command("scontrol", "update", f"JobId={job_id}", "StartTime=now")
     _wait_until("the requeued job to finish",
                 lambda: text().count("the training step exited") == 2 and cluster.job(job_id)["JobState"] in ENDED,
@@ -271,7 +274,6 @@ def test_sigterm_to_the_job_saves_exits_0_and_the_requeued_job_resumes_with_the_
   report = (workdir / "report.md").read_text()
   assert re.search(rf"resumed_from_step\W+{stop_step}\b", report), report
 
-  pretraining.train(demo_config(overrides), str(tmp_path / "one"))  # one process, four devices, straight through
   one, two = _losses(tmp_path / "one"), _losses(workdir)
   assert sorted(two) == sorted(one) == list(range(1, OVERRIDES["train.steps"] + 1))
   np.testing.assert_allclose([two[s] for s in sorted(two)], [one[s] for s in sorted(one)], rtol=1e-5)
