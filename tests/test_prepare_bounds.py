@@ -48,3 +48,33 @@ def test_the_reader_runs_ahead_by_a_few_pieces_not_a_shard(tmp_path, monkeypatch
       saved = io.BytesIO()
       np.save(saved, np.load(os.path.join(out, name), allow_pickle=False), allow_pickle=False)
       assert written == saved.getvalue()
+
+
+READ_PARQUET = """
+import sys
+import pyarrow as pa
+from jaxlm.data import files
+rows = sum(1 for _ in files.iter_rows([sys.argv[1]], {"text": "text"}))
+print(rows, pa.default_memory_pool().max_memory())
+"""
+
+
+def test_a_parquet_row_group_of_long_documents_is_read_a_few_rows_at_a_time(tmp_path):
+  """One 24 MB row group (1,000 documents of 24 KB, as FineWeb's): the reader's Arrow buffers peak at a small part of
+  it, not at the decoded row group (measured in a fresh process, whose Arrow pool has held nothing else)."""
+  import subprocess  # noqa: PLC0415
+  import sys  # noqa: PLC0415
+
+  import pyarrow as pa  # noqa: PLC0415
+  import pyarrow.parquet as pq  # noqa: PLC0415
+
+  rng = np.random.default_rng(0)
+  texts = ["".join(map(chr, rng.integers(97, 123, 24_000))) for _ in range(1000)]  # incompressible enough
+  path = str(tmp_path / "long.parquet")
+  # Data pages of 64 rows (1.5 MB): a writer cuts pages near its page size limit only between write batches.
+  pq.write_table(pa.table({"text": texts, "id": list(range(1000))}), path, row_group_size=1000, write_batch_size=64)
+  assert pq.ParquetFile(path).metadata.num_row_groups == 1
+  done = subprocess.run([sys.executable, "-c", READ_PARQUET, path], capture_output=True, text=True, timeout=120)
+  assert done.returncode == 0, done.stderr[-2000:]
+  rows, peak = map(int, done.stdout.split())
+  assert rows == 1000 and peak < 12e6, peak  # the row group's text is 24 MB; whole 1,024-row batches peaked at 52 MB

@@ -22,7 +22,11 @@ _COMPRESSIONS = (".gz", ".zst", ".bz2", ".lz4")  # decompressed by pyarrow's inp
 _TEXT_SUFFIXES = (".txt", ".jsonl", ".json", ".csv", ".tsv")
 DOCUMENT_KINDS = ("txt", "jsonl", "json", "parquet")  # pretraining's files: documents
 TABLE_KINDS = ("csv", "tsv", "jsonl", "json", "parquet")  # fine-tuning's files: rows with named columns
-ROWS_PER_READ = 1024  # rows pulled per Arrow batch from Parquet and datasets
+ROWS_PER_READ = 1024  # rows pulled per Arrow batch from a datasets.Dataset
+# Parquet is decoded a few rows at a time from a buffered stream of each column chunk, not a row group at once: a
+# row group of long documents (FineWeb's) holds tens of MB of text, and the reader's peak followed it.
+PARQUET_ROWS_PER_READ = 64
+PARQUET_READ_BUFFER = 1 << 20
 _CHUNK = 1 << 22  # bytes read at a time from a text file
 _ROWS_TO_FIND_A_COLUMN = 10_000  # JSON rows read before a column that none of them has is an error
 _SNIFF_BYTES = 65536  # leading bytes searched for a NUL, the mark of a binary file
@@ -213,12 +217,12 @@ def _iter_parquet(path: str, columns: dict[str, str], every_column: bool) -> Ite
   import pyarrow.parquet as pq
 
   try:
-    parquet = pq.ParquetFile(path)
+    parquet = pq.ParquetFile(path, buffer_size=PARQUET_READ_BUFFER, pre_buffer=False)
   except Exception as e:  # noqa: BLE001 (pyarrow raises its own types)
     raise ValueError(f"data file {path!r} could not be read as parquet ({type(e).__name__}: "
                      f"{str(e).splitlines()[0][:200]}); fix the file or remove it from the data files") from None
   check_columns(parquet.schema_arrow.names, columns, path)
-  for batch in parquet.iter_batches(batch_size=ROWS_PER_READ, columns=None if every_column else list(columns)):
+  for batch in parquet.iter_batches(batch_size=PARQUET_ROWS_PER_READ, columns=None if every_column else list(columns)):
     try:
       rows = batch.to_pylist()
     except UnicodeDecodeError as e:  # Arrow keeps a string column's bytes; decoding fails only when a value is read
