@@ -8,6 +8,7 @@ process with transparent huge pages for glibc's malloc (`use_huge_page_malloc`),
 
 from __future__ import annotations
 
+import ast
 import difflib
 import importlib.util
 import os
@@ -33,16 +34,23 @@ def use_huge_page_malloc() -> None:
   os.execv(sys.executable, sys.orig_argv)
 
 
-def unknown_override(argv: Sequence[str]) -> str | None:
-  """The one-line error for the first `--config.*` override that the `--config=<file>` does not define, or None."""
+def _config_file(argv: Sequence[str]):
+  """The ConfigDict that `--config=<file>` in argv builds, or None when there is no such file."""
   config_path = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
-  overrides = [a[len(_PREFIX):].split("=", 1)[0] for a in argv if a.startswith(_PREFIX)]
-  if not config_path or not overrides or not os.path.isfile(config_path.split(":", 1)[0]):
+  if not config_path or not os.path.isfile(config_path.split(":", 1)[0]):
     return None  # no file to check against: absl/ml_collections report their own errors
   spec = importlib.util.spec_from_file_location("_jaxlm_cli_config", config_path.split(":", 1)[0])
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
-  config = module.get_config()
+  return module.get_config()
+
+
+def unknown_override(argv: Sequence[str], config=None) -> str | None:
+  """The one-line error for the first `--config.*` override that the `--config=<file>` does not define, or None."""
+  overrides = [a[len(_PREFIX):].split("=", 1)[0] for a in argv if a.startswith(_PREFIX)]
+  config = config if config is not None else (_config_file(argv) if overrides else None)
+  if config is None:
+    return None
   for key in overrides:
     node = config
     for depth, name in enumerate(key.split(".")):
@@ -57,6 +65,31 @@ def unknown_override(argv: Sequence[str]) -> str | None:
   return None
 
 
+def quote_comma_lists(argv: Sequence[str], config) -> list[str]:
+  """`--config.key=a:b,c.py:d` for a tuple key, quoted as one string: ml_collections reads a tuple override as a
+  Python literal and refuses a comma list that is not one (':' is a syntax error there); jaxlm.config splits the
+  string at its commas, as it does for `--config.key=a,b`."""
+  quoted = []
+  for arg in argv:
+    key, _, value = arg[len(_PREFIX):].partition("=")
+    if arg.startswith(_PREFIX) and "," in value and isinstance(_default(config, key), tuple):
+      try:
+        ast.literal_eval(value)
+      except (ValueError, SyntaxError):
+        arg = f"{_PREFIX}{key}={value!r}"
+    quoted.append(arg)
+  return quoted
+
+
+def _default(config, key: str):
+  node = config
+  for name in key.split("."):
+    if not hasattr(node, "keys") or name not in node.keys():
+      return None
+    node = node[name]
+  return node
+
+
 def run(main: Callable[[list[str]], None], argv: Sequence[str] | None = None) -> None:
   """absl's app.run, plus: unknown `--config.*` keys are refused before parsing, so are positional arguments (the
   scripts take flags only), and the input errors jaxlm raises (ValueError, missing files) end the script with
@@ -65,8 +98,11 @@ def run(main: Callable[[list[str]], None], argv: Sequence[str] | None = None) ->
   if argv is None:  # the process's own command line: safe to run again
     use_huge_page_malloc()
   argv = list(sys.argv if argv is None else argv)
-  if error := unknown_override(argv):
+  config = _config_file(argv) if any(a.startswith(_PREFIX) for a in argv) else None
+  if error := unknown_override(argv, config):
     sys.exit(f"error: {error}")
+  if config is not None:
+    argv = quote_comma_lists(argv, config)  # absl parses these values; ml_collections reads only the keys' names
 
   def main_with_one_line_errors(args):
     if len(args) > 1:
