@@ -78,12 +78,7 @@ def corpus(size_mb: int) -> str:
     return path
   from jaxlm.data.corpora import sources
 
-  texts = []
-  for p in sources.demo_files():
-    try:
-      texts.append(open(p, encoding="utf-8").read())
-    except UnicodeDecodeError:
-      continue
+  texts = sources.demo_texts()
   target, written, copy = size_mb * 1_000_000, 0, 0
   with open(path + ".tmp", "w", encoding="utf-8") as f:
     while written < target:

@@ -63,12 +63,7 @@ def corpus(size_mb: int) -> list[str]:
   paths = [os.path.join(folder, f"{i:05d}.parquet") for i in range(count)]
   if all(os.path.isfile(p) for p in paths):
     return paths
-  texts = []
-  for path in sources.demo_files():
-    try:
-      texts.append(open(path, encoding="utf-8").read())
-    except UnicodeDecodeError:
-      continue
+  texts = sources.demo_texts()
   for index, path in enumerate(paths):
     if os.path.isfile(path):
       continue

@@ -3,8 +3,12 @@ the shard files, written piece by piece, are byte for byte what np.save writes."
 
 import io
 import os
+import subprocess
+import sys
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 
 from jaxlm.data import tokenizer as tok_lib
 from jaxlm.data.corpora import prepare
@@ -62,12 +66,6 @@ print(rows, pa.default_memory_pool().max_memory())
 def test_a_parquet_row_group_of_long_documents_is_read_a_few_rows_at_a_time(tmp_path):
   """One 24 MB row group (1,000 documents of 24 KB, as FineWeb's): the reader's Arrow buffers peak at a small part of
   it, not at the decoded row group (measured in a fresh process, whose Arrow pool has held nothing else)."""
-  import subprocess  # noqa: PLC0415
-  import sys  # noqa: PLC0415
-
-  import pyarrow as pa  # noqa: PLC0415
-  import pyarrow.parquet as pq  # noqa: PLC0415
-
   rng = np.random.default_rng(0)
   texts = ["".join(map(chr, rng.integers(97, 123, 24_000))) for _ in range(1000)]  # incompressible enough
   path = str(tmp_path / "long.parquet")

@@ -125,6 +125,11 @@ def demo_files() -> list[str]:
   return paths
 
 
+def demo_texts() -> list[str]:
+  """The demo corpus's documents, those that are not UTF-8 left out (benchmarks build larger corpora from them)."""
+  return [text for text in _iter_demo(demo_files()) if text is not None]
+
+
 def _iter_demo(paths: list[str]) -> Iterator[Any]:
   for path in paths:
     with open(path, "rb") as f:
