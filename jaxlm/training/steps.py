@@ -179,25 +179,66 @@ def make_eval_step(graphdef: nnx.GraphDef):
   return eval_step
 
 
+@dataclasses.dataclass(frozen=True)
+class FrozenInputs:
+  """Arrays a task's loss reads but never trains (a distillation teacher's parameters): every train and eval step
+  takes them as an argument, in their own shardings, outside the train state (so outside the checkpoints).
+  `loss_of(values)` and `eval_of(values)` build the step's loss and eval functions from the traced arrays."""
+  values: Any
+  shardings: Any
+  loss_of: Callable[[Any], optim.SumLossFn]
+  eval_of: Callable[[Any], Callable]
+
+
 def jit_steps(graphdef, optimizer, config: Config, mesh: Mesh, state_shardings, features: Features = Features(),
-              loss_fn: optim.SumLossFn | None = None, eval_fn=None):
+              loss_fn: optim.SumLossFn | None = None, eval_fn=None, inputs: FrozenInputs | None = None):
   """The train and eval steps, each compiled once, with explicit shardings and the train state donated.
 
   `loss_fn` (default: the LM's `make_loss_fn`) and `eval_fn` ((params, batch) -> outputs to sum or gather; default:
-  `make_eval_step`) give another task's steps (fine-tuning's classification loss). A batch is a dict of [B, ...]
-  arrays of any rank, each split over the batch axes."""
+  `make_eval_step`) give another task's steps (fine-tuning's classification loss); `inputs` gives both from frozen
+  arrays that every step takes (the two arguments are then unused), bound so that the steps are still called and
+  lowered as (state, batch) and (params, batch). A batch is a dict of [B, ...] arrays of any rank, each split over
+  the batch axes."""
+  if inputs is None:
+    inputs, extra, extra_shardings = FrozenInputs((), (), lambda: loss_fn, lambda: eval_fn), (), ()
+  else:
+    extra, extra_shardings = (inputs.values,), (inputs.shardings,)
   batch_sharding = sharding.batch_sharding(mesh, 1)  # a prefix for every rank: axis 0 split, the rest whole
   schedule = optim.learning_rate_schedule(config.train)
   overrides = sharding.rule_overrides(config.mesh)
   gradients = features.gradients or DataParallelGradients(config.train.grad_accum, mesh, config.mesh.gradient_sync)
-  train_step = jax.jit(sharding.traced_on(mesh, make_train_step(graphdef, optimizer, schedule, gradients, features,
-                                                                  loss_fn), overrides),
-                       in_shardings=(state_shardings, batch_sharding),
-                       out_shardings=(state_shardings, sharding.replicated(mesh)), donate_argnums=0)
-  eval_step = jax.jit(sharding.traced_on(mesh, eval_fn or make_eval_step(graphdef), overrides),
-                      in_shardings=(features.model_params(state_shardings), batch_sharding),
-                      out_shardings=sharding.replicated(mesh))
-  return train_step, eval_step
+
+  def train_step(state, batch, *values):
+    step = make_train_step(graphdef, optimizer, schedule, gradients, features, inputs.loss_of(*values))
+    return step(state, batch)
+
+  def eval_step(params, batch, *values):
+    return (inputs.eval_of(*values) or make_eval_step(graphdef))(params, batch)
+
+  jitted_train = jax.jit(sharding.traced_on(mesh, train_step, overrides),
+                         in_shardings=(state_shardings, batch_sharding, *extra_shardings),
+                         out_shardings=(state_shardings, sharding.replicated(mesh)), donate_argnums=0)
+  jitted_eval = jax.jit(sharding.traced_on(mesh, eval_step, overrides),
+                        in_shardings=(features.model_params(state_shardings), batch_sharding, *extra_shardings),
+                        out_shardings=sharding.replicated(mesh))
+  return _bound(jitted_train, extra), _bound(jitted_eval, extra)
+
+
+class _Bound:
+  """A jitted step with its trailing frozen inputs bound: called and lowered with the leading arguments only."""
+
+  def __init__(self, jitted, extra: tuple):
+    self.jitted, self.extra = jitted, extra
+
+  def __call__(self, *args):
+    return self.jitted(*args, *self.extra)
+
+  def lower(self, *args):
+    return self.jitted.lower(*args, *self.extra)
+
+
+def _bound(jitted, extra: tuple):
+  return _Bound(jitted, extra) if extra else jitted
 
 
 def to_global_batch(local_batch: dict, mesh: Mesh) -> dict:
@@ -212,4 +253,7 @@ def evaluate(eval_step, params, batches: list[dict], mesh: Mesh) -> dict:
     out = eval_step(params, to_global_batch(batch, mesh))
     totals = out if totals is None else jax.tree.map(jnp.add, totals, out)
   totals = jax.device_get(totals)
-  return lm_metrics(totals["loss_sum"], totals["tokens"], totals["correct"])
+  # Sums an eval function adds beside the loss (a distillation's divergence) are averaged over the same tokens.
+  extra = {f"eval_{k}": float(v) / max(float(totals["tokens"]), 1.0) for k, v in totals.items()
+           if k not in ("loss_sum", "tokens", "correct")}
+  return {**lm_metrics(totals["loss_sum"], totals["tokens"], totals["correct"]), **extra}
