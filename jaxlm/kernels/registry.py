@@ -8,8 +8,8 @@ and the execution choices that are not ops (`EXECUTION`: fused q/k/v, a scan or 
 this platform, compute dtype and mesh, looked up in these tables. `auto` takes the first implementation of
 `AUTO[op][platform]` that can run here; an explicit choice that cannot is a one-line error naming the key and the
 values that would work. Models hold a `Kernels` and call its methods (`einsum`, `lookup`, `attend`, `layer_norm`,
-`rms_norm`, `gated_linear_unit`, `expert_matmul`, `cross_entropy_sums`); they never import a backend module. A
-weight that is not a plain array reaches them through one protocol (jaxlm/kernels/weights.py).
+`rms_norm`, `gated_linear_unit`, `expert_matmul`, `cross_entropy_sums`, `distillation_sums`); they never import a
+backend module. A weight that is not a plain array reaches them through one protocol (jaxlm/kernels/weights.py).
 
 Meshes: the CPU custom calls (`cpu_fused`, `blas`) and the tokamax Pallas calls carry no sharding rule, so XLA would
 run each call whole on every device of a mesh; `auto` leaves them out on a mesh of more than one device, and choosing
@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from jaxlm.config import KernelsConfig
 from jaxlm.kernels import attention as xla_attention
-from jaxlm.kernels import cpu, fp8, gpu, mosaic_grouped, ring_attention, weights, xla
+from jaxlm.kernels import cpu, distillation, fp8, gpu, mosaic_grouped, ring_attention, weights, xla
 from jaxlm.kernels import cross_entropy as chunked_ce
 
 ALL = ("cpu", "gpu", "tpu")
@@ -315,6 +315,19 @@ class Kernels:
     if self.cross_entropy == "tokamax":
       return gpu.tokamax_cross_entropy(x_ND, table_VD, targets_N, weights_N, chunk=self.cross_entropy_chunk)
     return xla.cross_entropy_sums(x_ND, table_VD, targets_N, weights_N, self.einsum)
+
+  def distillation_sums(self, student_x_ND, student_table_VD, teacher_x_ND, teacher_table_VD, targets_N, weights_N, *,
+                        beta: float, temperature: float, alpha: float, student_softcap: float = 0.0,
+                        teacher_softcap: float = 0.0) -> tuple[jax.Array, dict]:
+    """(sum_n w_n * ((1 - alpha) * generalized JSD_n + alpha * CE_n), metric sums) of a student against a frozen
+    teacher, `cross_entropy_chunk` tokens at a time (jaxlm/kernels/distillation.py); full logits for a student table
+    that is a stand-in weight."""
+    arrays = (student_x_ND, student_table_VD, teacher_x_ND, teacher_table_VD, targets_N, weights_N)
+    options = {"beta": beta, "temperature": temperature, "alpha": alpha, "einsum": self.einsum,
+               "student_softcap": student_softcap, "teacher_softcap": teacher_softcap}
+    if weights.is_stand_in(student_table_VD):  # e.g. LoRA on the output head: its adapters take JAX's gradient
+      return distillation.reference_sums(*arrays, **options)
+    return distillation.distillation_sums(*arrays, chunk=self.cross_entropy_chunk, **options)
 
   def token_log_probs(self, x_ND, table_VD, targets_N, logit_softcap: float = 0.0, with_entropy: bool = False):
     """log p(target_n) per token, [N] in f32, `cross_entropy_chunk` tokens at a time (forward only); with
