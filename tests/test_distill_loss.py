@@ -20,9 +20,11 @@ N, D, V = 40, 16, 50
 
 
 def _inputs(n=N, d=D, v=V, seed=0, dtype=jnp.float32):
-  """(student x, student table, teacher x, teacher table, targets, weights): some tokens masked out."""
+  """(student x, student table, teacher x, teacher table, targets, weights): a wider teacher, some tokens masked
+  out."""
   rng = np.random.default_rng(seed)
-  arrays = [jnp.asarray(rng.standard_normal(shape), dtype) for shape in ((n, d), (v, d), (n, d), (v, d))]
+  e = d + 8
+  arrays = [jnp.asarray(rng.standard_normal(shape), dtype) for shape in ((n, d), (v, d), (n, e), (v, e))]
   return (*arrays, jnp.asarray(rng.integers(0, v, n), jnp.int32), jnp.asarray(rng.random(n) > 0.2, jnp.float32))
 
 
@@ -81,11 +83,11 @@ def test_fused_distillation_equals_unchunked_value_and_gradients(beta, temperatu
   options = {"beta": beta, "temperature": temperature, "alpha": alpha}
   expected = _value_and_grads(lambda *a: _unchunked(*a, **options), inputs)
   for chunk in (8, 13, 64):
-    fused = lambda *a, chunk=chunk: distillation_sums(*a, chunk=chunk, **options)[0]
+    fused = lambda *a, chunk=chunk: distillation_sums(*a, chunk=chunk, **options)["objective"]
     value, grads = _value_and_grads(fused, inputs, argnums=(0, 1, 2, 3))
     chex.assert_trees_all_close((value, grads[:2]), expected, rtol=1e-5, atol=1e-5)
     assert not any(np.any(g) for g in grads[2:])
-  _, metrics = jax.jit(lambda *a: distillation_sums(*a, chunk=13, **options))(*inputs)
+  metrics = jax.jit(lambda *a: distillation_sums(*a, chunk=13, **options))(*inputs)
   sx, st, _, _, targets, weights = inputs
   for name, alpha_only in (("divergence", 0.0), ("cross_entropy", 1.0)):
     np.testing.assert_allclose(metrics[name], _unchunked(*inputs, beta, temperature, alpha_only), rtol=1e-5)
@@ -100,8 +102,8 @@ def test_fused_distillation_with_soft_caps_equals_reference(scatter, monkeypatch
   monkeypatch.setattr(cross_entropy, "_use_scatter_gradient", lambda: scatter)
   options = {"beta": 0.5, "temperature": 2.0, "alpha": 0.3, "student_softcap": 5.0, "teacher_softcap": 4.0}
   inputs = _inputs(seed=2)
-  expected = _value_and_grads(lambda *a: reference_sums(*a, **options)[0], inputs)
-  got = _value_and_grads(lambda *a: distillation_sums(*a, chunk=13, **options)[0], inputs)
+  expected = _value_and_grads(lambda *a: reference_sums(*a, **options)["objective"], inputs)
+  got = _value_and_grads(lambda *a: distillation_sums(*a, chunk=13, **options)["objective"], inputs)
   chex.assert_trees_all_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
@@ -112,8 +114,8 @@ def test_fused_distillation_in_low_precision_is_close_to_f32(dtype):
   options = {"beta": 0.5, "temperature": 2.0, "alpha": 0.3}
   inputs = _inputs(dtype=dtype)
   rounded = tuple(a.astype(jnp.float32) if a.dtype == dtype else a for a in inputs)
-  expected_value, expected_grads = _value_and_grads(lambda *a: reference_sums(*a, **options)[0], rounded)
-  value, grads = _value_and_grads(lambda *a: distillation_sums(*a, chunk=13, **options)[0], inputs)
+  expected_value, expected_grads = _value_and_grads(lambda *a: reference_sums(*a, **options)["objective"], rounded)
+  value, grads = _value_and_grads(lambda *a: distillation_sums(*a, chunk=13, **options)["objective"], inputs)
   assert all(g.dtype == dtype for g in grads)
   np.testing.assert_allclose(value, expected_value, rtol=1e-5)
   for got, expected in zip(grads, expected_grads):
@@ -129,8 +131,8 @@ def test_fused_distillation_on_a_4_device_mesh_equals_one_device():
   inputs = _inputs()
   split, replicated = (jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*axes))
                        for axes in ((sharding.batch_axes(mesh),), ()))
-  placed = tuple(jax.device_put(a, replicated if a.shape == (V, D) else split) for a in inputs)  # tables replicated
-  loss = lambda *a: distillation_sums(*a, beta=0.5, temperature=2.0, alpha=0.3, chunk=4)[0]
+  placed = tuple(jax.device_put(a, replicated if i in (1, 3) else split) for i, a in enumerate(inputs))  # tables whole
+  loss = lambda *a: distillation_sums(*a, beta=0.5, temperature=2.0, alpha=0.3, chunk=4)["objective"]
   step = jax.jit(sharding.traced_on(mesh, jax.value_and_grad(loss, argnums=(0, 1))))
   compiled = step.lower(*placed).compile()
   assert hlo_traffic.collective_bytes(compiled.as_text(), 4)["all-gather"] == 0
@@ -146,8 +148,8 @@ def test_registry_takes_an_int8_teacher_table():
   int8_table = Int8Weight(q=quantize_array(tt, (1,)))
   kernels = Kernels(cross_entropy_chunk=16)
   options = {"beta": 1.0, "temperature": 1.0, "alpha": 0.3}
-  run = lambda fn: jax.jit(jax.value_and_grad(lambda a, b: fn(a, b, tx, int8_table, targets, weights, **options)[0],
-                                              argnums=(0, 1)))(sx, st)
+  objective = lambda fn: lambda a, b: fn(a, b, tx, int8_table, targets, weights, **options)["objective"]
+  run = lambda fn: jax.jit(jax.value_and_grad(objective(fn), argnums=(0, 1)))(sx, st)
   expected = run(lambda *a, **o: reference_sums(*a, einsum=kernels.einsum, **o))
   chex.assert_trees_all_close(run(kernels.distillation_sums), expected, rtol=1e-5, atol=1e-5)
 
@@ -161,7 +163,7 @@ def test_compiled_memory_stays_under_the_logits():
   options = {"beta": 0.5, "temperature": 2.0, "alpha": 0.3}
 
   def temp_bytes(fn):
-    step = jax.jit(jax.value_and_grad(lambda *a: fn(*a, **options)[0], argnums=(0, 1)))
+    step = jax.jit(jax.value_and_grad(lambda *a: fn(*a, **options)["objective"], argnums=(0, 1)))
     return step.lower(*shapes).compile().memory_analysis().temp_size_in_bytes
 
   logits_bytes = n * v * 4

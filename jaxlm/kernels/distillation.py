@@ -41,7 +41,7 @@ from jaxlm.kernels.xla import softcap
 from jaxlm.parallel import sharding
 from jaxlm.training.distill_loss import token_divergence
 
-METRICS = ("divergence", "cross_entropy", "correct")
+SUMS = ("objective", "divergence", "cross_entropy", "correct")
 
 
 class _Static(NamedTuple):
@@ -106,12 +106,14 @@ def _chunk(xs, student_table_VD, teacher_table_VD, static: _Static, with_gradien
 def distillation_sums(student_x_ND: jax.Array, student_table_VD: jax.Array, teacher_x_ND: jax.Array,
                       teacher_table_VD, targets_N: jax.Array, weights_N: jax.Array, *, beta: float,
                       temperature: float, alpha: float, chunk: int, einsum=jnp.einsum, student_softcap: float = 0.0,
-                      teacher_softcap: float = 0.0) -> tuple[jax.Array, dict[str, jax.Array]]:
-  """(sum_n w_n * ((1 - alpha) * D_n + alpha * CE_n), {"divergence": sum_n w_n D_n, "cross_entropy": sum_n w_n CE_n,
-  "correct": sum_n w_n [argmax of the student == target]}), `chunk` tokens per device at a time (module docstring).
+                      teacher_softcap: float = 0.0) -> dict[str, jax.Array]:
+  """{"objective": sum_n w_n * ((1 - alpha) * D_n + alpha * CE_n), "divergence": sum_n w_n D_n, "cross_entropy":
+  sum_n w_n CE_n, "correct": sum_n w_n [argmax of the student == target]}, `chunk` tokens per device at a time (module
+  docstring).
 
-  Hidden states and tables in the compute dtype (the teacher's may differ); logits f32, soft-capped where a cap is
-  nonzero. Gradients flow to the student's x and table through the first output only: the metrics have none, and the
+  Hidden states and tables in the compute dtype (the teacher's dtype and width may differ); logits f32, soft-capped
+  where a cap is nonzero. Gradients flow to the student's x and table through "objective" only: the others are
+  metrics without gradient, and the
   teacher gets zero cotangents. A teacher table may be a stand-in weight (jaxlm.kernels.weights) if `einsum`
   contracts it; the student's must be an array. Divide by the global token weight afterwards, as the cross-entropy."""
   if not (0 <= beta <= 1 and temperature > 0 and 0 <= alpha <= 1):
@@ -123,7 +125,7 @@ def distillation_sums(student_x_ND: jax.Array, student_table_VD: jax.Array, teac
                    float(teacher_softcap))
   objective, *metrics = _fused(student_x_ND, student_table_VD, teacher_x_ND, teacher_table_VD, targets_N, weights_N,
                                static, (student_x_ND.dtype, student_table_VD.dtype))
-  return objective, dict(zip(METRICS, jax.lax.stop_gradient(metrics)))
+  return dict(zip(SUMS, (objective, *jax.lax.stop_gradient(metrics))))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
@@ -180,7 +182,7 @@ _fused.defvjp(_forward, _backward)
 
 def reference_sums(student_x_ND, student_table_VD, teacher_x_ND, teacher_table_VD, targets_N, weights_N, *,
                    beta: float, temperature: float, alpha: float, einsum=jnp.einsum, student_softcap: float = 0.0,
-                   teacher_softcap: float = 0.0) -> tuple[jax.Array, dict[str, jax.Array]]:
+                   teacher_softcap: float = 0.0) -> dict[str, jax.Array]:
   """`distillation_sums` from [N, V] f32 logits of both models, differentiated by JAX: the reference the kernel is
   tested equal to, and the path for a student table that is a stand-in weight (LoRA on the output head)."""
   logits_NV = softcap(einsum("nd,vd->nv", student_x_ND, student_table_VD, **_F32), student_softcap)
@@ -190,4 +192,4 @@ def reference_sums(student_x_ND, student_table_VD, teacher_x_ND, teacher_table_V
   correct_N = (jnp.argmax(logits_NV, axis=-1) == targets_N).astype(jnp.float32)
   objective = jnp.sum(((1 - alpha) * divergence_N + alpha * ce_N) * weights_N)
   metrics = [jnp.sum(a * weights_N) for a in (divergence_N, ce_N, correct_N)]
-  return objective, dict(zip(METRICS, jax.lax.stop_gradient(metrics)))
+  return dict(zip(SUMS, (objective, *jax.lax.stop_gradient(metrics))))

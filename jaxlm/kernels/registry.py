@@ -318,10 +318,10 @@ class Kernels:
 
   def distillation_sums(self, student_x_ND, student_table_VD, teacher_x_ND, teacher_table_VD, targets_N, weights_N, *,
                         beta: float, temperature: float, alpha: float, student_softcap: float = 0.0,
-                        teacher_softcap: float = 0.0) -> tuple[jax.Array, dict]:
-    """(sum_n w_n * ((1 - alpha) * generalized JSD_n + alpha * CE_n), metric sums) of a student against a frozen
-    teacher, `cross_entropy_chunk` tokens at a time (jaxlm/kernels/distillation.py); full logits for a student table
-    that is a stand-in weight."""
+                        teacher_softcap: float = 0.0) -> dict[str, jax.Array]:
+    """{"objective": sum_n w_n * ((1 - alpha) * generalized JSD_n + alpha * CE_n), and the sums of the divergence,
+    cross-entropy and correct tokens without gradient} of a student against a frozen teacher, `cross_entropy_chunk`
+    tokens at a time (jaxlm/kernels/distillation.py); full logits for a student table that is a stand-in weight."""
     arrays = (student_x_ND, student_table_VD, teacher_x_ND, teacher_table_VD, targets_N, weights_N)
     options = {"beta": beta, "temperature": temperature, "alpha": alpha, "einsum": self.einsum,
                "student_softcap": student_softcap, "teacher_softcap": teacher_softcap}
