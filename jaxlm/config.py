@@ -229,6 +229,9 @@ class DataConfig:
                             # bucket: also group similar lengths into batches | max: pad every batch to seq_len
 
 
+OPTIMIZERS = ("adamw", "muon")  # jaxlm/training/optim.py, jaxlm/training/muon.py
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
   steps: int = 1000  # optimizer steps; 0 = train.epochs passes over the training examples (fine-tuning)
@@ -247,6 +250,14 @@ class TrainConfig:
   b1: float = _ranged(0.9, 0, 1, high_open=True)  # Adam beta1
   b2: float = _ranged(0.95, 0, 1, high_open=True)  # Adam beta2
   eps: float = _ranged(1e-8, 0, low_open=True)  # Adam epsilon
+  optimizer: str = "adamw"  # adamw | muon: Muon on the blocks' weight matrices (w_*), this AdamW on the rest
+  muon_beta: float = _ranged(0.95, 0, 1, high_open=True)  # Muon momentum
+  muon_nesterov: bool = True  # Muon: Nesterov momentum
+  muon_ns_steps: int = _ranged(5, 1)  # Muon: Newton-Schulz iterations per update
+  muon_consistent_rms: float = _ranged(0.2, 0, note="0 = width scaling")  # Muon updates scaled to this RMS
+                        # (Moonlight's 0.2 matches AdamW's, so AdamW's rate and weight decay carry over); 0 = optax's
+                        # width scaling sqrt(max(1, fan_out / fan_in)) (with a larger train.muon_learning_rate_ratio)
+  muon_learning_rate_ratio: float = _ranged(1.0, 0, low_open=True)  # Muon leaves learn at this x the rate
   layer_lr_decay: float = _ranged(1.0, 0, 1, low_open=True, note="1 turns it off")  # layer-wise learning-rate decay:
                                # block l of L learns at decay^(L-1-l) x the rate, the embeddings at decay^L, the head
                                # at 1 (1 = off; fine-tuning's config uses 0.8)
@@ -352,6 +363,25 @@ class RLConfig:
   rollouts_logged: int = _ranged(4, 0)  # completions per logged step written to rollouts.jsonl
 
 
+DISTILL_LOSSES = ("forward_kl", "reverse_kl", "jsd")
+DISTILL_TEACHER_DTYPES = ("bfloat16", "float32", "int8")
+
+
+@dataclasses.dataclass(frozen=True)
+class DistillConfig:
+  """Knowledge distillation of the trained decoder from a frozen teacher (jaxlm/recipes/distillation.py), the
+  divergence as TRL's generalized JSD computes it (jaxlm/training/distill_loss.py)."""
+  teacher: str = ""  # "" = off | an HF decoder folder or a jaxlm run workdir with the student's tokenizer
+  loss: str = "forward_kl"  # forward_kl: KL(teacher || student) | reverse_kl: KL(student || teacher) | jsd
+  beta: float = _ranged(0.5, 0, 1)  # jsd: the mixture's weight, TRL's beta (0 and 1 are the two KLs)
+  temperature: float = _ranged(1.0, 0, low_open=True)  # both models' logits are divided by it
+  alpha: float = _ranged(0.0, 0, 1)  # weight of the usual next-token cross-entropy; the divergence gets 1 - alpha
+  on_policy: float = _ranged(0.0, 0, 1)  # instruction tuning: the share of batches whose responses the student
+                                         # samples itself (TRL's lmbda), with rl.max_completion_length and
+                                         # rl.temperature / top_p / top_k
+  teacher_dtype: str = "bfloat16"  # the frozen teacher's weights: bfloat16 | float32 | int8 (weight-only)
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
   model: ModelConfig = ModelConfig()
@@ -365,6 +395,7 @@ class Config:
   loss_scale: LossScaleConfig = LossScaleConfig()
   preference: PreferenceConfig = PreferenceConfig()
   rl: RLConfig = RLConfig()
+  distill: DistillConfig = DistillConfig()
   init_from: str = ""  # fine-tuning: an HF checkpoint folder (config.json + safetensors) or a jaxlm run workdir
 
 
@@ -492,6 +523,9 @@ def validate(config: Config) -> None:
     validate_context_axis(config)
   if config.mesh.pipeline != 1 or config.mesh.pipeline_schedule != MeshConfig.pipeline_schedule:
     validate_pipeline(config)
+  if t.optimizer not in OPTIMIZERS:
+    raise ValueError(f"train.optimizer={t.optimizer!r} is not one of {', '.join(OPTIMIZERS)}; set "
+                     "train.optimizer=adamw or train.optimizer=muon")
   if t.steps < 0 or (t.steps == 0 and t.epochs <= 0):
     raise ValueError(f"train.steps={t.steps} must be >= 1, or 0 with train.epochs > 0 (steps from the data)")
   if t.warmup_steps < -1:
@@ -505,6 +539,7 @@ def validate(config: Config) -> None:
   validate_loss_scale(config.loss_scale)
   validate_preference(config.preference)
   validate_rl(config)
+  validate_distill(config)
 
 
 def validate_preference(p: PreferenceConfig) -> None:
@@ -512,6 +547,19 @@ def validate_preference(p: PreferenceConfig) -> None:
     raise ValueError(f"preference.loss={p.loss!r} is not one of {', '.join(PREFERENCE_LOSSES)} (or '' for off)")
   if p.loss == "simpo" and p.reference:
     raise ValueError(f"preference.loss=simpo needs no reference model; unset preference.reference={p.reference!r}")
+
+
+def validate_distill(config: Config) -> None:
+  d = config.distill
+  if d.loss not in DISTILL_LOSSES:
+    raise ValueError(f"distill.loss={d.loss!r} is not one of {', '.join(DISTILL_LOSSES)}")
+  if d.teacher_dtype not in DISTILL_TEACHER_DTYPES:
+    raise ValueError(f"distill.teacher_dtype={d.teacher_dtype!r} is not one of {', '.join(DISTILL_TEACHER_DTYPES)}")
+  if d.on_policy and not d.teacher:
+    raise ValueError(f"distill.on_policy={d.on_policy} needs a distill.teacher to grade the sampled responses")
+  if d.teacher and (config.preference.loss or config.rl.loss):
+    raise ValueError("distill.teacher is set together with preference.loss or rl.loss; a run trains one objective: "
+                     "unset one of them")
 
 
 def validate_rl(config: Config) -> None:

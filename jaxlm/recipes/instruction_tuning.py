@@ -47,7 +47,7 @@ from jaxlm.inference import generate
 from jaxlm.interop import hf_config, hf_weights, peft_folders, streaming
 from jaxlm.kernels import Kernels
 from jaxlm.models.gpt import FLAVOURS, GPT
-from jaxlm.recipes import data_defaults
+from jaxlm.recipes import data_defaults, distillation
 from jaxlm.recipes import features as features_lib
 from jaxlm.recipes import init_from as pretrained_lib
 from jaxlm.training import atomic_files, loop, optim, reliability, telemetry
@@ -163,7 +163,17 @@ def instruction_task(config: Config, workdir: str, mesh: Mesh, kernels: Kernels)
   optimizer = optim.make_optimizer(t)
   make_model = lambda rngs: GPT(model_config, kernels=kernels, rngs=rngs)
   graphdef, state, state_shardings, features = features_lib.train_state_from_config(config, mesh, optimizer, make_model)
-  train_step, eval_step = steps_lib.jit_steps(graphdef, optimizer, config, mesh, state_shardings, features)
+  inputs, teacher_flops = None, 0.0
+  if config.distill.teacher:  # the loss becomes the distillation objective; the teacher is a frozen step input
+    teacher = distillation.load_teacher(config, mesh, decoder.tokenizer, f"init_from={config.init_from!r}")
+    inputs = distillation.frozen_inputs(config, graphdef, teacher)
+    teacher_flops = distillation.teacher_flops_per_token(teacher, d.seq_len)
+  prepare = loop.Task.prepare  # the data's rows as they are
+  if config.distill.teacher and config.distill.on_policy:
+    prepare = distillation.OnPolicyRows(config, graphdef, features, state_shardings, mesh, decoder.tokenizer,
+                                        decoder.chat_folder, d.seq_len)
+  train_step, eval_step = steps_lib.jit_steps(graphdef, optimizer, config, mesh, state_shardings, features,
+                                              inputs=inputs)
   eval_batches = instr_data.eval_batches(data.eval, t.batch_size, jax.process_index(), jax.process_count())
   local_batch_size = t.batch_size // jax.process_count()
   latest: dict[str, float] = {}
@@ -190,7 +200,8 @@ def instruction_task(config: Config, workdir: str, mesh: Mesh, kernels: Kernels)
     processes = jax.process_count()
     slots = float(local["inputs"].size) * processes
     return {"tokens": slots, "response_tokens": float(local["loss_mask"].sum()) * processes,
-            "flops": slots * telemetry.flops_per_token(model_config, local["inputs"].shape[1], lora=config.lora)}
+            "flops": slots * (telemetry.flops_per_token(model_config, local["inputs"].shape[1], lora=config.lora)
+                              + teacher_flops)}
 
   def evaluate_step(step: int, params) -> dict[str, float]:
     latest.clear()
@@ -218,7 +229,7 @@ def instruction_task(config: Config, workdir: str, mesh: Mesh, kernels: Kernels)
   return config, loop.Task(
       title="Instruction-tuning run", state=state, state_shardings=state_shardings, train_step=train_step,
       batches=make_train_iterator(data.train, local_batch_size, t.seed, d.shuffle), count=count,
-      evaluate=evaluate_step, finish=finish, start=start, features=features)
+      evaluate=evaluate_step, finish=finish, start=start, prepare=prepare, features=features)
 
 
 def announce_data(config: Config, workdir: str, decoder: Decoder, stats: dict, num_train: int, derived_steps: bool,

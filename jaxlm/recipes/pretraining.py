@@ -12,7 +12,7 @@ from jaxlm import data as data_lib
 from jaxlm.config import Config
 from jaxlm.inference import generate
 from jaxlm.kernels import Kernels
-from jaxlm.recipes import data_defaults
+from jaxlm.recipes import data_defaults, distillation
 from jaxlm.recipes import features as features_lib
 from jaxlm.training import loop, optim, reliability, telemetry
 from jaxlm.training import steps as steps_lib
@@ -41,11 +41,20 @@ def language_model_task(config: Config, workdir: str, mesh: Mesh, kernels: Kerne
   optimizer = optim.make_optimizer(t)
   graphdef, state, state_shardings, features = features_lib.train_state_from_config(
       config, mesh, optimizer, features_lib.decoder_factory(config, mesh, kernels))
-  train_step, eval_step = steps_lib.jit_steps(graphdef, optimizer, config, mesh, state_shardings, features)
-  local_batch_size = t.batch_size // jax.process_count()
-  eval_batches = data_lib.eval_batches(datasets.eval, local_batch_size, t.eval_batches)
   tokens = t.batch_size * config.data.seq_len  # every position of the packed rows
   counts = {"tokens": tokens, "flops": tokens * telemetry.flops_per_token(config.model, config.data.seq_len)}
+  inputs = None
+  if config.distill.teacher:  # the loss becomes the distillation objective; the teacher is a frozen step input
+    if config.distill.on_policy:
+      raise ValueError("distill.on_policy samples answers to prompts, which pretraining's text has none of; use "
+                       "experiments/finetune.py with prompt/response pairs, or set distill.on_policy=0")
+    teacher = distillation.load_teacher(config, mesh, datasets.tokenizer, "the training data's tokenizer")
+    inputs = distillation.frozen_inputs(config, graphdef, teacher)
+    counts["flops"] += tokens * distillation.teacher_flops_per_token(teacher, config.data.seq_len)
+  train_step, eval_step = steps_lib.jit_steps(graphdef, optimizer, config, mesh, state_shardings, features,
+                                              inputs=inputs)
+  local_batch_size = t.batch_size // jax.process_count()
+  eval_batches = data_lib.eval_batches(datasets.eval, local_batch_size, t.eval_batches)
 
   def finish(end: loop.RunEnd) -> loop.Report:
     summary = {**end.last, **end.eval, **end.facts, **{f"average_{k}": v for k, v in end.rates.items()}}

@@ -172,12 +172,12 @@ class RolloutSampler:
         zeros = jax.tree.map(jnp.zeros_like, state["params"])
         reference_params = self.features.split.combine(zeros, state.get("frozen"))
       rows["ref_logp"] = self.log_probs(reference_params, rows)
-    return _local_rows(rows)
+    return local_rows(rows)
 
   def log_probs(self, params, rows: dict[str, np.ndarray]) -> np.ndarray:
     """Per-token log-probs [N, C] of the completion tokens of global `rows` under `params`, forward only."""
     keys = ("inputs", "positions", "segment_ids", "targets")
-    batch = steps_lib.to_global_batch(_local_rows({k: rows[k] for k in keys}), self.mesh)
+    batch = steps_lib.to_global_batch(local_rows({k: rows[k] for k in keys}), self.mesh)
     return np.asarray(jax.device_get(self._log_probs(params, batch)))
 
   def evaluate(self, params, rows, conversational: bool, functions, tokenizer, count: int, batch: int
@@ -215,7 +215,7 @@ def _data_shards(mesh: Mesh) -> int:
   return mesh.shape["data"] * mesh.shape["fsdp"] * mesh.shape[sharding.EXPERT_AXIS]
 
 
-def _local_rows(rows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def local_rows(rows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
   """This process's contiguous slice of global rows (what `steps.to_global_batch` assembles)."""
   processes, index = jax.process_count(), jax.process_index()
   n = next(iter(rows.values())).shape[0] // processes

@@ -1,0 +1,194 @@
+"""Knowledge distillation: the trained decoder (the student) learns a frozen teacher's next-token distribution, in
+pretraining (train_lm.py) and instruction tuning (finetune.py), when `distill.teacher` is set.
+
+  teacher     an HF decoder folder or a jaxlm run workdir with the student's tokenizer (the same vocabulary, token
+              for token: a one-line error otherwise), loaded on the run's mesh and sharded as the student is, in
+              `distill.teacher_dtype` (bfloat16, float32, or int8 weights). It is frozen and stays outside the train
+              state: every step takes its parameters as an input (steps.FrozenInputs), so checkpoints hold the
+              student alone.
+  loss        per token, (1 - distill.alpha) * the generalized JSD between the teacher's and the student's
+              distributions at distill.temperature (TRL's convention: `forward_kl` is KL(teacher || student),
+              `reverse_kl` KL(student || teacher), `jsd` the beta-mixture between them) + distill.alpha * the usual
+              cross-entropy, summed over the loss mask and divided by its token count like every jaxlm loss. Both
+              models' output projections run inside the fused loss a chunk of tokens at a time
+              (jaxlm/kernels/distillation.py), so neither model's [B, T, V] logits exist whole.
+  eval        the student's held-out cross-entropy as always (eval_loss) and its divergence to the teacher
+              (eval_distill_divergence) on the same tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import tokenizers
+from flax import nnx
+from jax.sharding import Mesh
+
+from jaxlm.config import Config, DistillConfig, ModelConfig
+from jaxlm.data.tuning import prompts as prompt_data
+from jaxlm.parallel import sharding
+from jaxlm.recipes import rollouts, trained_runs
+from jaxlm.training import distill_loss
+from jaxlm.training import steps as steps_lib
+from jaxlm.training import telemetry
+
+
+@dataclasses.dataclass
+class Teacher:
+  graphdef: nnx.GraphDef
+  params: Any  # on the run's mesh, sharded as the student's parameters are
+  model_config: ModelConfig
+  source: str
+
+
+def load_teacher(config: Config, mesh: Mesh, student_tokenizer: tokenizers.Tokenizer | None,
+                 student_source: str) -> Teacher:
+  """distill.teacher on the run's mesh in distill.teacher_dtype, checked against the student's tokenizer and
+  vocabulary size (`student_source` names where the student's tokenizer came from, for the error)."""
+  d, m = config.distill, config.model
+  float_dtype = m.compute_dtype if d.teacher_dtype == "int8" else d.teacher_dtype
+  _, graphdef, params, tokenizer, _ = trained_runs.load_decoder(
+      d.teacher, mesh_config=config.mesh, compute_dtype=m.compute_dtype, param_dtype=float_dtype)
+  check_same_vocabulary(student_tokenizer, tokenizer, student_source, d.teacher)
+  teacher_config = nnx.merge(graphdef, params).config
+  if teacher_config.vocab_size != m.vocab_size:
+    raise ValueError(f"distill.teacher={d.teacher!r} has {teacher_config.vocab_size} output rows, the student's "
+                     f"model.vocab_size is {m.vocab_size}; set model.vocab_size={teacher_config.vocab_size}")
+  if d.teacher_dtype == "int8":
+    graphdef, params = trained_runs.with_weights(graphdef, params, "weight_only")
+  return Teacher(graphdef, params, teacher_config, d.teacher)
+
+
+def check_same_vocabulary(student: tokenizers.Tokenizer | None, teacher: tokenizers.Tokenizer, student_source: str,
+                          teacher_source: str) -> None:
+  """Teacher and student must number the same tokens alike: the divergence compares their distributions id by id."""
+  if student is None:
+    raise ValueError(f"distillation needs the student's tokenizer.json to compare it with the teacher's; "
+                     f"{student_source} has none")
+  s_vocab, t_vocab = student.get_vocab(with_added_tokens=True), teacher.get_vocab(with_added_tokens=True)
+  if s_vocab != t_vocab:
+    differing = sorted((set(s_vocab.items()) ^ set(t_vocab.items())), key=lambda kv: kv[1])
+    token, index = differing[0] if differing else ("?", -1)
+    raise ValueError(f"the student's vocabulary ({student_source}: {len(s_vocab)} tokens) and the teacher's "
+                     f"({teacher_source}: {len(t_vocab)} tokens) differ, first at id {index} ({token!r}); distil with "
+                     f"the teacher's tokenizer (data.tokenizer=<teacher>/tokenizer.json)")
+
+
+def teacher_flops_per_token(teacher: Teacher, seq_len: int) -> float:
+  """The teacher's forward FLOPs per token (a third of training's forward + backward), for the step's MFU."""
+  return telemetry.flops_per_token(teacher.model_config, seq_len) / 3
+
+
+def frozen_inputs(config: Config, graphdef: nnx.GraphDef, teacher: Teacher) -> steps_lib.FrozenInputs:
+  """The teacher's parameters as the steps' frozen input, with the distillation loss and its evaluation."""
+  shardings = jax.tree.map(lambda x: x.sharding, teacher.params)
+  return steps_lib.FrozenInputs(
+      teacher.params, shardings,
+      loss_of=lambda teacher_params: make_loss_fn(graphdef, teacher.graphdef, teacher_params, config.distill),
+      eval_of=lambda teacher_params: make_eval_fn(graphdef, teacher.graphdef, teacher_params, config.distill))
+
+
+def _token_sums(graphdef, teacher_graphdef, params, teacher_params, batch: dict, distill: DistillConfig,
+                alpha: float) -> tuple[dict, jax.Array]:
+  """The fused kernel's sums over the batch's loss-masked tokens, and the mask."""
+  student = nnx.merge(graphdef, params)
+  teacher = nnx.merge(teacher_graphdef, jax.lax.stop_gradient(teacher_params))
+  mask_BT = batch["loss_mask"].astype(jnp.float32)
+  args = (batch["inputs"], batch["positions"], batch["segment_ids"])
+  x_BTD = student.features(*args)
+  teacher_x_BTE = jax.lax.stop_gradient(teacher.features(*args))
+  b, t, _ = x_BTD.shape
+  sums = student.kernels.distillation_sums(
+      x_BTD.reshape(b * t, -1), student.output_table(), teacher_x_BTE.reshape(b * t, -1),
+      jax.lax.stop_gradient(teacher.output_table()), batch["targets"].reshape(b * t), mask_BT.reshape(b * t),
+      beta=distill_loss.loss_beta(distill.loss, distill.beta), temperature=distill.temperature, alpha=alpha,
+      student_softcap=student.config.logit_softcap, teacher_softcap=teacher.config.logit_softcap)
+  return sums, mask_BT
+
+
+def make_loss_fn(graphdef, teacher_graphdef, teacher_params, distill: DistillConfig):
+  """(params, batch) -> (objective sum, (token count, sums)): a SumLossFn of the student's parameters."""
+
+  def loss_fn(params, batch):
+    sums, mask_BT = _token_sums(graphdef, teacher_graphdef, params, teacher_params, batch, distill, distill.alpha)
+    metrics = {"correct": sums["correct"], "distill_divergence": sums["divergence"],
+               "cross_entropy": sums["cross_entropy"]}
+    return sums["objective"], (mask_BT.sum(), metrics)
+
+  return loss_fn
+
+
+def make_eval_fn(graphdef, teacher_graphdef, teacher_params, distill: DistillConfig):
+  """(params, batch) -> the summed held-out cross-entropy (eval_loss) and divergence to the teacher."""
+
+  def eval_fn(params, batch):
+    sums, mask_BT = _token_sums(graphdef, teacher_graphdef, params, teacher_params, batch, distill, 0.0)
+    return {"loss_sum": sums["cross_entropy"], "tokens": mask_BT.sum(), "correct": sums["correct"],
+            "distill_divergence": sums["divergence"]}
+
+  return eval_fn
+
+
+class OnPolicyRows:
+  """distill.on_policy: on a seeded share of the steps the student answers the step's prompts itself (one sampled
+  response each, with rl.max_completion_length, rl.temperature / top_p / top_k) and the teacher grades those tokens,
+  as TRL's GKD does with lmbda; the other steps keep the data's responses. A step's choice and its samples are pure
+  functions of (train.seed, step, params), so a resumed run trains on the same rows. The prompts are the training
+  files' data.prompt_column, rendered as instruction tuning renders them."""
+
+  def __init__(self, config: Config, graphdef: nnx.GraphDef, features, state_shardings, mesh: Mesh,
+               tokenizer: tokenizers.Tokenizer, chat_folder: str, seq_len: int):
+    rl, d = config.rl, config.data
+    if d.messages_column:
+      raise ValueError("distill.on_policy samples answers to data.prompt_column's prompts; data.messages_column "
+                       "conversations have none: give prompt/response pairs, or set distill.on_policy=0")
+    max_prompt = seq_len + 1 - rl.max_completion_length
+    if max_prompt < 1:
+      raise ValueError(f"rl.max_completion_length={rl.max_completion_length} leaves no room for a prompt in "
+                       f"data.seq_len={seq_len}; lower it to at most {seq_len // 2}")
+    self.share, self.seed, self.seq_len, self.batch_size = config.distill.on_policy, config.train.seed, seq_len, \
+        config.train.batch_size
+    self.data = prompt_data.build_prompt_data(d, tokenizer, self.seed, max_prompt, chat_folder)
+    if len(self.data.train) < self.batch_size:
+      raise ValueError(f"distill.on_policy needs at least train.batch_size={self.batch_size} training prompts; "
+                       f"the data has {len(self.data.train)}")
+    self.prompts = rollouts.PromptBatches(len(self.data.train), self.batch_size, self.seed)
+    self.sampler = rollouts.RolloutSampler(graphdef, features, state_shardings, mesh, rl, self.data.stop_ids,
+                                           pad_id=tokenizer.token_to_id("<pad>") or 0,
+                                           overrides=sharding.rule_overrides(config.mesh))
+    self.features = features
+
+  def samples_at(self, step: int) -> bool:
+    return bool(np.random.default_rng([self.seed, step, 7]).random() < self.share)
+
+  def __call__(self, state, step: int, rows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    if not self.samples_at(step):
+      return rows
+    prompt_ids = [self.data.train.ids[i] for i in self.prompts.indices(step)]
+    key = jax.random.fold_in(jax.random.key(self.seed), step)
+    tokens, pads, completions = self.sampler.sample(self.features.model_params(state), prompt_ids, key, 1)
+    return rollouts.local_rows(response_rows(tokens, pads, completions, self.sampler.stop_set, self.seq_len))
+
+
+def response_rows(tokens_NP: np.ndarray, pads_N: np.ndarray, completions_NC: np.ndarray, stop_ids: set[int],
+                  seq_len: int) -> dict[str, np.ndarray]:
+  """Rows of left-padded prompts followed by their sampled responses, laid out as instruction tuning's rows (inputs,
+  targets, positions, segment_ids, loss_mask [N, W]), the loss on the response tokens up to and including the stop
+  token; W = max(seq_len, P + C - 1), so a response batch that fits takes the data rows' compiled step."""
+  n, p = tokens_NP.shape
+  c = completions_NC.shape[1]
+  is_stop = np.isin(completions_NC, list(stop_ids)) if stop_ids else np.zeros_like(completions_NC, bool)
+  lengths = np.where(is_stop.any(axis=1), is_stop.argmax(axis=1) + 1, c)
+  full = np.concatenate([tokens_NP, completions_NC], axis=1)
+  width = max(seq_len, p + c - 1)
+  slots = np.arange(p + c - 1)[None, :]
+  rows = {"inputs": full[:, :-1], "targets": full[:, 1:],
+          "positions": np.maximum(slots - pads_N[:, None], 0), "segment_ids": (slots >= pads_N[:, None]),
+          # target slot j predicts full[j + 1]: the response's k-th token sits at target slot p - 1 + k
+          "loss_mask": (slots >= p - 1) & (slots < p - 1 + lengths[:, None])}
+  dtypes = {"loss_mask": np.float32}
+  return {k: np.pad(v, [(0, 0), (0, width - v.shape[1])]).astype(dtypes.get(k, np.int32)) for k, v in rows.items()}
