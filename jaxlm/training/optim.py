@@ -1,4 +1,5 @@
-"""Optimizer (AdamW, warmup + cosine, global-norm clipping) and exact gradient accumulation.
+"""Optimizer (AdamW, or Muon on the weight matrices: jaxlm/training/muon.py; warmup + cosine, global-norm clipping)
+and exact gradient accumulation.
 
 Accumulation is written here rather than with `optax.MultiSteps`: MultiSteps averages the micro-batch mean losses,
 which weights a token in a half-padded micro-batch twice as much as one in a full micro-batch. We sum the token losses
@@ -15,7 +16,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxlm.config import TrainConfig
+from jaxlm.config import OPTIMIZERS, TrainConfig
+from jaxlm.training import muon
 
 # loss_fn(params, batch) -> (sum of token losses, (number of valid tokens, aux metrics))
 SumLossFn = Callable[[Any, dict], tuple[jax.Array, tuple[jax.Array, dict]]]
@@ -84,9 +86,9 @@ def layer_lr_scales(params: Any, decay: float) -> Any:
 
 
 def scale_by_layer_depth(decay: float) -> optax.GradientTransformation:
-  """Multiplies each update by its layer_lr_scales factor (after AdamW: the rate and the weight decay both scale).
-  Written here because optax's per-group tools (multi_transform) give whole leaves one rate, not a stacked leaf's
-  layers one each."""
+  """Multiplies each update by its layer_lr_scales factor (after the optimizer: the rate and the weight decay both
+  scale). Written here because optax's per-group tools (multi_transform) give whole leaves one rate, not a stacked
+  leaf's layers one each."""
   def update(updates, state, params=None):
     del params
     return jax.tree.map(lambda u, s: u * s.astype(u.dtype), updates, layer_lr_scales(updates, decay)), state
@@ -94,11 +96,18 @@ def scale_by_layer_depth(decay: float) -> optax.GradientTransformation:
 
 
 def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
+  """train.optimizer between the global-norm clipping and the layer-wise rate decay: AdamW on every parameter, or
+  Muon on the weight matrices and that AdamW on the rest."""
+  if config.optimizer not in OPTIMIZERS:
+    raise ValueError(f"train.optimizer={config.optimizer!r} is not one of {', '.join(OPTIMIZERS)}; set "
+                     "train.optimizer=adamw or train.optimizer=muon")
   parts = []
   if config.grad_clip > 0:
     parts.append(optax.clip_by_global_norm(config.grad_clip))
-  parts.append(optax.adamw(learning_rate_schedule(config), b1=config.b1, b2=config.b2, eps=config.eps,
-                           weight_decay=config.weight_decay, mask=_decay_mask))
+  schedule = learning_rate_schedule(config)
+  adamw = optax.adamw(schedule, b1=config.b1, b2=config.b2, eps=config.eps, weight_decay=config.weight_decay,
+                      mask=_decay_mask)
+  parts.append(muon.muon_with_adamw(config, schedule, adamw) if config.optimizer == "muon" else adamw)
   if config.layer_lr_decay != 1.0:
     parts.append(scale_by_layer_depth(config.layer_lr_decay))
   return optax.chain(*parts)

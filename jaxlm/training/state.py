@@ -106,6 +106,16 @@ def check_mesh_fits_model(config: ModelConfig, mesh: Mesh) -> None:
                              "choose a mesh.expert that divides the experts")
 
 
+def optimizer_state_shardings(optimizer: optax.GradientTransformation, opt_state: Any, param_shardings: Any,
+                              replicated: jax.sharding.Sharding) -> Any:
+  """Shardings of `optimizer`'s (abstract) state: moments mirror the parameters' shardings, counters and other
+  scalars are replicated. The leaves a partitioned group leaves out (optax.MaskedNode: train.optimizer=muon's AdamW
+  leaves in its Muon state and the reverse) stay out."""
+  masked = lambda x: isinstance(x, optax.MaskedNode)
+  return optax.tree_map_params(optimizer, lambda x, s: x if masked(x) else s, opt_state, param_shardings,
+                               transform_non_params=lambda _: replicated, is_leaf=masked)
+
+
 def init_train_state(make_model: ModelFactory, seed: int, mesh: Mesh, optimizer: optax.GradientTransformation,
                      features: Features = Features(), abstract_only: bool = False
                      ) -> tuple[nnx.GraphDef, TrainState, TrainState]:
@@ -128,9 +138,7 @@ def init_train_state(make_model: ModelFactory, seed: int, mesh: Mesh, optimizer:
   shardings = {
       "step": replicated,
       "params": param_shardings,
-      # Optimizer moments mirror the parameters' shardings; counters and other scalars are replicated.
-      "opt_state": optax.tree_map_params(optimizer, lambda _, s: s, abstract["opt_state"], param_shardings,
-                                         transform_non_params=lambda _: replicated),
+      "opt_state": optimizer_state_shardings(optimizer, abstract["opt_state"], param_shardings, replicated),
   }
   if frozen_shardings is not None:
     shardings["frozen"] = frozen_shardings
