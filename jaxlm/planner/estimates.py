@@ -1,6 +1,6 @@
 """Per-device memory and step time of the train step, predicted without compiling (jaxlm/planner/plan.py's models).
 
-  memory     `predict_memory`: exact bytes of the sharded train state (params, Adam moments) from the shardings,
+  memory     `predict_memory`: exact bytes of the sharded train state (params, optimizer state) from the shardings,
              the gradients, and the activations JAX saves for the backward pass, counted by tracing `jax.vjp` of the
              loss on one device's shard (`shard_map`, shapes only, nothing compiled or allocated). Seconds per
              model; affine in the micro-batch, so the largest micro-batch that fits is solved, not searched.
@@ -23,12 +23,11 @@ from typing import Any
 import jax
 import jax.extend
 import jax.numpy as jnp
-import optax
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxlm import kernels as kernels_lib
-from jaxlm.training import optim
+from jaxlm.training import muon, optim
 from jaxlm.parallel import sharding
 from jaxlm.training import telemetry
 from jaxlm.config import Config, KernelsConfig, ModelConfig, TrainConfig
@@ -220,8 +219,7 @@ def _state_bytes(model: ModelConfig, kernels: Kernels, train_config: TrainConfig
   param_shardings = sharding.param_shardings(abstract_params, mesh)
   params = abstract_params.to_pure_dict()
   opt_state = jax.eval_shape(optimizer.init, params)
-  opt_shardings = optax.tree_map_params(optimizer, lambda _, s: s, opt_state, param_shardings,
-                                        transform_non_params=lambda _: sharding.replicated(mesh))
+  opt_shardings = state_lib.optimizer_state_shardings(optimizer, opt_state, param_shardings, sharding.replicated(mesh))
   params_f32 = sum(math.prod(s.shard_shape(x.shape)) * 4
                    for x, s in zip(jax.tree.leaves(params), jax.tree.leaves(param_shardings)))
   stacked = sum(math.prod(v.get_value().shape) * 4 for path, v in nnx.to_flat_state(abstract_params)
@@ -235,7 +233,7 @@ def predict_memory(config: Config, sizes: tuple[int, int, int], grad_accum: int,
   """Predicted peak bytes per device of the train step on `platform` devices (None: this host's), by part, plus
   `total`. No compilation.
 
-    state           params + Adam moments + step, exact from the shardings (jaxlm.parallel.sharding.RULES)
+    state           params + optimizer state + step, exact from the shardings (jaxlm.parallel.sharding.RULES)
     batch           the device's rows of the global batch (all micro-batches)
     gradients       f32 gradients in the parameters' layout; with accumulation also the running sum
     activations     what the forward pass saves for the backward pass (`saved_activation_bytes`)
@@ -291,10 +289,41 @@ REMAT_TRAFFIC = {"none": 1.0, "dots": 1.5, "full": 1.5}
 # The optimizer step reads gradients, params, both Adam moments and writes three of them back (7), and the
 # gradient/update/param norms and the finite-step select read them again (5): in units of the f32 params per device.
 OPTIMIZER_PASSES = 12.0
+# Muon's leaves (train.optimizer=muon) read the gradient, params and one momentum and write two back (5), plus the
+# same 5; each Newton-Schulz iteration reads the matrix twice and writes it once (its [m, m] Gram products are no
+# larger).
+MUON_PASSES = 10.0
+MUON_PASSES_PER_ITERATION = 3.0
 # A scan over the layers against the Python loop the GPU calibration runs used (`step_time_factor`): on an H200 the
 # scanned GPT-2 and Llama steps were slower than the loop (this is their mean slow-down, docs/performance.md); a GPU
 # run that recomputes runs the scan (jaxlm/kernels/registry.py), so its plan pays this.
 SCANNED_LAYERS_FACTOR = {"gpu": 1.24}
+
+
+@functools.lru_cache(maxsize=None)
+def _muon_work(model: ModelConfig, ns_steps: int) -> tuple[float, float]:
+  """(the share of the decoder's parameters Muon trains, the Newton-Schulz FLOPs of one update)."""
+  params = abstract_model(model, Kernels())[1].to_pure_dict()
+  sizes = [(muon.is_muon_leaf(path), math.prod(x.shape)) for path, x in jax.tree_util.tree_leaves_with_path(params)]
+  share = sum(size for is_muon, size in sizes if is_muon) / sum(size for _, size in sizes)
+  return share, muon.newton_schulz_flops(params, ns_steps)
+
+
+def optimizer_passes(config: Config) -> float:
+  """Passes of the optimizer step over the f32 params: OPTIMIZER_PASSES, Muon's share of the params at its own."""
+  t = config.train
+  if t.optimizer != "muon":
+    return OPTIMIZER_PASSES
+  share = _muon_work(config.model, t.muon_ns_steps)[0]
+  return (1 - share) * OPTIMIZER_PASSES + share * (MUON_PASSES + MUON_PASSES_PER_ITERATION * t.muon_ns_steps)
+
+
+def optimizer_flops(config: Config, sizes: tuple[int, int, int]) -> float:
+  """Matmul FLOPs of the optimizer step per device: Muon's Newton-Schulz iterations (f32), spread over the fsdp x
+  tensor devices that shard the matrices and repeated on each data replica; AdamW has none."""
+  if config.train.optimizer != "muon":
+    return 0.0
+  return _muon_work(config.model, config.train.muon_ns_steps)[1] / (sizes[1] * sizes[2])
 
 
 def analytic_collective_bytes(config: Config, sizes: tuple[int, int, int], grad_accum: int,
@@ -335,9 +364,10 @@ def predict_step_time(config: Config, sizes: tuple[int, int, int], grad_accum: i
   kernels planned for `hardware.platform` (`activations` must be that platform's too: `activation_model`).
 
     compute   matmul FLOPs (telemetry.flops_per_token; plus the recomputed forward under remat=full) at the
-              device's sustained matmul rate for the compute dtype (`Hardware.matmul_rate`)
+              device's sustained matmul rate for the compute dtype (`Hardware.matmul_rate`), plus Muon's
+              Newton-Schulz FLOPs (`optimizer_flops`) at the profile's float32 rate
     memory    the bytes of the non-matmul work (saved activations written and read, elementwise passes over the
-              forward's activations, more under remat; OPTIMIZER_PASSES x f32 params) at the memory bandwidth
+              forward's activations, more under remat; `optimizer_passes` x f32 params) at the memory bandwidth
     network   collective bytes per device at the interconnect bandwidth, not overlapped (an upper bound: XLA
               overlaps some of it with compute on GPUs and TPUs)
   The parts run one after another (matmul kernels are compute bound, the rest memory bound), so they add up; the
@@ -355,9 +385,10 @@ def predict_step_time(config: Config, sizes: tuple[int, int, int], grad_accum: i
   local_batch = config.train.batch_size // grad_accum // (data * fsdp)
   activation_bytes = (SAVED_PASSES * activations.total(local_batch)
                       + ELEMENTWISE_PASSES * REMAT_TRAFFIC[remat] * activations.unremat(local_batch))
-  memory_bytes = grad_accum * activation_bytes + OPTIMIZER_PASSES * param_bytes_per_device
+  memory_bytes = grad_accum * activation_bytes + optimizer_passes(config) * param_bytes_per_device
   parts = {
-      "compute_sec": executed_flops / devices / hardware.matmul_rate(config.model.compute_dtype),
+      "compute_sec": (executed_flops / devices / hardware.matmul_rate(config.model.compute_dtype)
+                      + optimizer_flops(config, sizes) / hardware.matmul_rate("float32")),
       "memory_sec": memory_bytes / hardware.hbm_bytes_per_sec,
       "network_sec": collective_bytes / hardware.interconnect_bytes_per_sec,
   }

@@ -4,8 +4,8 @@ layout to take on N devices.
 
 These are analytic corrections to jaxlm/planner/estimates.py's model, which plans an expert or context device as a
 data-parallel one:
-  expert axis of P   the experts' parameters, gradients and Adam moments are split P ways; each device's experts run
-                     on buffers of P x M rows (M = its tokens x k: the exchange is dropless with static shapes,
+  expert axis of P   the experts' parameters, gradients and optimizer moments are split P ways; each device's experts
+                     run on buffers of P x M rows (M = its tokens x k: the exchange is dropless with static shapes,
                      jaxlm/models/moe.py), so the experts' saved activations grow P-fold; per layer and micro-batch
                      rows of D go out and back in the forward pass and again in the backward pass, (P - 1) x M each
                      time, with each row's expert id once
@@ -87,7 +87,8 @@ def predict_memory(config: Config, devices: int, expert: int = 1, context: int =
   m = config.model
   if expert > 1:
     elsewhere = expert_param_bytes_f32(m) * (1 - 1 / expert)  # the experts on the other expert devices
-    parts["state"] -= 3 * elsewhere  # params and two Adam moments, f32
+    # The params and their moments, f32: AdamW keeps two, Muon (train.optimizer=muon: expert weights are w_*) one.
+    parts["state"] -= (2 if config.train.optimizer == "muon" else 3) * elsewhere
     parts["gradients"] -= elsewhere * (2 if grad_accum > 1 else 1)
     local_batch = config.train.batch_size // grad_accum // (data * expert)
     rows = local_batch * config.data.seq_len * m.experts_per_token

@@ -27,9 +27,9 @@ from jaxlm.training import pipeline as pipeline_lib
 from jaxlm.training import telemetry
 from jaxlm.config import Config, stage_layer_counts
 from jaxlm.planner.hardware import Hardware
-from jaxlm.planner.estimates import (BACKWARD_WORKING_FRACTION, ELEMENTWISE_PASSES, OPTIMIZER_PASSES,
-                                     OPTIMIZER_PHASE_TREES, REMAT_TRAFFIC, SAVED_PASSES, analytic_collective_bytes,
-                                     activation_model, planned_kernels, state_bytes)
+from jaxlm.planner.estimates import (BACKWARD_WORKING_FRACTION, ELEMENTWISE_PASSES, OPTIMIZER_PHASE_TREES,
+                                     REMAT_TRAFFIC, SAVED_PASSES, activation_model, analytic_collective_bytes,
+                                     optimizer_flops, optimizer_passes, planned_kernels, state_bytes)
 
 
 def bubble(num_stages: int, num_microbatches: int, schedule: str) -> float:
@@ -140,8 +140,10 @@ def predict_pipeline_step_time(config: Config, sizes: tuple[int, int, int, int],
   bubble_fraction = bubble(stages, grad_accum, schedule)
   stretch = grad_accum / (1 - bubble_fraction)  # micro-batches, each tick as long as the slowest stage's
   parts = {
-      "compute_sec": stretch * stage_flops / hardware.matmul_rate(dtype),
-      "memory_sec": (stretch * stage_bytes + OPTIMIZER_PASSES * static.params_f32) / hardware.hbm_bytes_per_sec,
+      "compute_sec": (stretch * stage_flops / hardware.matmul_rate(dtype)
+                      + optimizer_flops(kernels_config, sizes3) / hardware.matmul_rate("float32")),
+      "memory_sec": ((stretch * stage_bytes + optimizer_passes(kernels_config) * static.params_f32)
+                     / hardware.hbm_bytes_per_sec),
       "network_sec": collective_bytes / hardware.interconnect_bytes_per_sec,
   }
   roofline = sum(parts.values())
