@@ -1,0 +1,34 @@
+"""benchmarks/configs/shakespeare_char.py (nanoGPT's small CPU recipe) trained with Muon instead of AdamW: Muon on
+the blocks' weight matrices, AdamW on the embeddings, norms and biases (train.optimizer=muon,
+jaxlm/training/muon.py). With Moonlight's consistent RMS scaling (train.muon_consistent_rms=0.2) Muon's updates
+have AdamW's RMS, so the recipe keeps AdamW's learning rate and weight decay (Liu et al., "Muon is Scalable for LLM
+Training", 2025).
+
+Command:  python experiments/train_lm.py --config=benchmarks/configs/shakespeare_char_muon.py --workdir=runs/char_muon \
+            --config.data.source=files --config.data.train_files=input.txt --config.data.tokenizer=...
+          (the data flags as shakespeare_char.py describes; the same command with shakespeare_char.py is the AdamW
+          run to compare held-out losses with), and Newton-Schulz's step-time cost next to AdamW in one process:
+          python benchmarks/ab_step.py --config=benchmarks/configs/shakespeare_char_muon.py \
+            --variants="muon:,adamw:train.optimizer=adamw" --rounds=6 --steps_per_round=10
+benchmarks/muon_vs_adamw.py sweeps both optimizers' rates over seeds on this recipe's shape.
+"""
+
+import importlib.util
+import os
+
+
+def _adamw_recipe():
+  # Loaded by path: config files are run as files (jaxlm.cli, ml_collections), not imported from a package.
+  path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shakespeare_char.py")
+  spec = importlib.util.spec_from_file_location("shakespeare_char", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def get_config():
+  config = _adamw_recipe().get_config()
+  config.train.optimizer = "muon"
+  config.train.muon_consistent_rms = 0.2  # Moonlight's scaling: AdamW's rate below carries over
+  config.train.learning_rate = 1e-3  # AdamW's peak rate in shakespeare_char.py, for Muon's and AdamW's leaves alike
+  return config
