@@ -40,7 +40,7 @@ def learning_rate_schedule(config: TrainConfig) -> optax.Schedule:
 
 
 def follow_up_config(run: TrainConfig, learning_rate: float, steps: int, schedule: str = "constant") -> TrainConfig:
-  """The run's TrainConfig for a short follow-up training (e.g. the masked fine-tune after pruning): its AdamW
+  """The run's TrainConfig for a short follow-up training (e.g. the masked fine-tune after pruning): its optimizer
   settings, `steps` long, peaking at `learning_rate`. `constant` holds that rate (no warm-up, a cosine that ends where
   it starts); `run` keeps the run's warm-up share and cosine end (train.min_lr_ratio) over the new steps."""
   if schedule == "run":
