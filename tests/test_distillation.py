@@ -132,21 +132,17 @@ def test_a_teacher_with_another_vocabulary_is_a_one_line_error_naming_both(setup
   assert "tokens" in message and "data.tokenizer" in message
 
 
-def test_pretraining_distils_from_a_jaxlm_run(setup, tmp_path):
-  from conftest import demo_config  # noqa: PLC0415
-  teacher_dir = str(tmp_path / "teacher")
-  base = {"train.steps": 4, "train.warmup_steps": 0, "train.eval_batches": 1, "log.every_steps": 2, "log.sample_tokens": 0,
-          "log.progress_bar": False, "checkpoint.every_steps": 0, "data.max_bytes": 300_000}
-  pretraining.train(demo_config(base), teacher_dir)
-  student = demo_config({**base, "model.num_layers": 2, "data.tokenizer": os.path.join(teacher_dir, "tokenizer.json")})
-  student = config_lib.from_config_dict({**config_lib.default_config().to_dict(), **_as_dict(student),
-                                         "distill": {"teacher": teacher_dir, "loss": "reverse_kl",
-                                                     "teacher_dtype": "float32"}})
-  summary = pretraining.train(student, str(tmp_path / "student"))
+def test_pretraining_distils_from_an_hf_teacher(setup, tmp_path):
+  """train_lm's recipe: a student from scratch on packed text tokenized by the teacher's tokenizer."""
+  texts = write_jsonl(tmp_path / "texts.jsonl", [{"text": r["prompt"] + " " + r["response"]} for r in _pairs(64, 2)])
+  config = config_lib.default_config()
+  config.model.update(vocab_size=320, num_layers=1, d_model=32, num_heads=2, max_seq_len=32)
+  config.data.update(source="files", train_files=(texts,), seq_len=32, cache_dir=str(tmp_path / "cache"),
+                     tokenizer=os.path.join(setup["teacher"], "tokenizer.json"))
+  config.train.update(steps=4, warmup_steps=0, batch_size=8, eval_batches=1)
+  config.log.update(every_steps=2, sample_tokens=0, progress_bar=False)
+  config.checkpoint.every_steps = 0
+  config.distill.update(teacher=setup["teacher"], loss="reverse_kl", teacher_dtype="float32")
+  summary = pretraining.train(config_lib.from_config_dict(config), str(tmp_path / "student"))
   assert np.isfinite(summary["eval_distill_divergence"]) and summary["eval_distill_divergence"] > 0
   assert summary["loss"] == pytest.approx(summary["distill_divergence"], rel=1e-5)
-
-
-def _as_dict(config) -> dict:
-  import dataclasses  # noqa: PLC0415
-  return config_lib._to_plain(dataclasses.asdict(config))
