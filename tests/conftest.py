@@ -78,15 +78,15 @@ def pytest_sessionfinish(session, exitstatus):
 # The files that take longest, started first: both xdist workers (--dist loadfile: one file to one worker) then end
 # together instead of one waiting on a long file handed out last.
 LONGEST_FIRST = ("test_finetune", "test_slurm", "test_plan", "test_preferences", "test_gpu_checks", "test_kernels",
-                 "test_parallel", "test_policy_optimization", "test_multiprocess", "test_train", "test_generate",
-                 "test_lora", "test_reliability_soak", "test_hf", "test_optimize", "test_moe", "test_distill",
-                 "test_pipeline", "test_lm_eval", "test_quantization", "test_prune", "test_context",
-                 "test_conversations", "test_loss_scale", "test_instructions", "test_policy_loss", "test_base_install",
-                 "test_peft_folders", "test_commands_init_from", "test_plan_moe", "test_streaming",
-                 "test_config_ranges", "test_mfu_lora", "test_hf_encoders", "test_fp8", "test_foreign_shards",
-                 "test_model", "test_kernels_tokamax", "test_reliability", "test_cpu_attention", "test_families",
-                 "test_policy_loss_trl", "test_plan_rl", "test_sft_trl", "test_telemetry", "test_reliability_inputs",
-                 "test_launch", "test_bad_inputs")
+                 "test_parallel", "test_policy_optimization", "test_multiprocess", "test_distillation", "test_train",
+                 "test_generate", "test_lora", "test_reliability_soak", "test_hf", "test_optimize", "test_moe",
+                 "test_muon", "test_distill", "test_distill_loss", "test_pipeline", "test_lm_eval",
+                 "test_quantization", "test_prune", "test_context", "test_conversations", "test_loss_scale",
+                 "test_instructions", "test_policy_loss", "test_base_install", "test_peft_folders",
+                 "test_commands_init_from", "test_plan_moe", "test_streaming", "test_config_ranges", "test_mfu_lora",
+                 "test_hf_encoders", "test_fp8", "test_foreign_shards", "test_model", "test_kernels_tokamax",
+                 "test_reliability", "test_cpu_attention", "test_families", "test_policy_loss_trl", "test_plan_rl",
+                 "test_sft_trl", "test_telemetry", "test_reliability_inputs", "test_launch", "test_bad_inputs")
 
 
 def pytest_collection_modifyitems(session, config, items):
