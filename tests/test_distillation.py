@@ -99,13 +99,15 @@ def test_instruction_distillation_learns_the_teacher_and_resumes_bit_for_bit(set
 
 
 def test_on_policy_steps_train_on_the_students_own_responses(setup):
+  # ... with the teacher's weights in int8 (weight-only)
   config = _config(setup, **{"distill.on_policy": 1.0, "distill.loss": "jsd", "distill.alpha": 0.25,
-                             "train.steps": 2})
+                             "distill.teacher_dtype": "int8", "train.steps": 2})
   workdir = str(setup["folder"] / "on_policy")
   result = instruction_tuning.instruction_tune(config, workdir)
   assert np.isfinite(result["eval_distill_divergence"])
   lines = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl")) if '"loss"' in line]
   for line in lines:  # alpha mixes in the cross-entropy of the sampled tokens
+    assert line["tokens"] <= 8 * 8  # the loss is on 8 sampled responses of at most rl.max_completion_length = 8
     assert line["loss"] == pytest.approx(0.75 * line["distill_divergence"] + 0.25 * line["cross_entropy"], rel=1e-4)
 
 
