@@ -29,7 +29,6 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxlm.config import Config, DistillConfig, ModelConfig
-from jaxlm.data.tuning import prompts as prompt_data
 from jaxlm.parallel import sharding
 from jaxlm.recipes import rollouts, trained_runs
 from jaxlm.training import distill_loss
@@ -136,39 +135,35 @@ def make_eval_fn(graphdef, teacher_graphdef, teacher_params, distill: DistillCon
 class OnPolicyRows:
   """distill.on_policy: on a seeded share of the steps the student answers the step's prompts itself (one sampled
   response each, with rl.max_completion_length, rl.temperature / top_p / top_k) and the teacher grades those tokens,
-  as TRL's GKD does with lmbda; the other steps keep the data's responses. A step's choice and its samples are pure
-  functions of (train.seed, step, params), so a resumed run trains on the same rows. The prompts are the training
-  files' data.prompt_column, rendered as instruction tuning renders them."""
+  as TRL's GKD does with lmbda; the other steps keep the data's responses. The prompts are the training examples'
+  tokens before their first loss token (a pair's prompt, or a conversation's turns before its first reply, under the
+  chat template as the data writes them), and a response stops at the data's stop tokens. A step's choice and its
+  samples are pure functions of (train.seed, step, params), so a resumed run trains on the same rows."""
 
   def __init__(self, config: Config, graphdef: nnx.GraphDef, features, state_shardings, mesh: Mesh,
-               tokenizer: tokenizers.Tokenizer, chat_folder: str, seq_len: int):
-    rl, d = config.rl, config.data
-    if d.messages_column:
-      raise ValueError("distill.on_policy samples answers to data.prompt_column's prompts; data.messages_column "
-                       "conversations have none: give prompt/response pairs, or set distill.on_policy=0")
-    max_prompt = seq_len + 1 - rl.max_completion_length
-    if max_prompt < 1:
-      raise ValueError(f"rl.max_completion_length={rl.max_completion_length} leaves no room for a prompt in "
-                       f"data.seq_len={seq_len}; lower it to at most {seq_len // 2}")
-    self.share, self.seed, self.seq_len, self.batch_size = config.distill.on_policy, config.train.seed, seq_len, \
-        config.train.batch_size
-    self.data = prompt_data.build_prompt_data(d, tokenizer, self.seed, max_prompt, chat_folder)
-    if len(self.data.train) < self.batch_size:
-      raise ValueError(f"distill.on_policy needs at least train.batch_size={self.batch_size} training prompts; "
-                       f"the data has {len(self.data.train)}")
-    self.prompts = rollouts.PromptBatches(len(self.data.train), self.batch_size, self.seed)
-    self.sampler = rollouts.RolloutSampler(graphdef, features, state_shardings, mesh, rl, self.data.stop_ids,
-                                           pad_id=tokenizer.token_to_id("<pad>") or 0,
+               prompts: list[list[int]], stop_ids: tuple[int, ...], pad_id: int, seq_len: int):
+    rl, t = config.rl, config.train
+    longest = max(len(p) for p in prompts)
+    if longest + rl.max_completion_length > seq_len + 1:
+      raise ValueError(f"distill.on_policy: a prompt of {longest} tokens + rl.max_completion_length="
+                       f"{rl.max_completion_length} exceeds data.seq_len={seq_len} + 1; lower "
+                       f"rl.max_completion_length to {max(seq_len + 1 - longest, 1)} or raise data.seq_len")
+    if len(prompts) < t.batch_size:
+      raise ValueError(f"distill.on_policy needs at least train.batch_size={t.batch_size} training examples; the "
+                       f"data has {len(prompts)}")
+    self.share, self.seed, self.seq_len, self.prompts_list = config.distill.on_policy, t.seed, seq_len, prompts
+    self.prompts = rollouts.PromptBatches(len(prompts), t.batch_size, t.seed)
+    self.sampler = rollouts.RolloutSampler(graphdef, features, state_shardings, mesh, rl, stop_ids, pad_id=pad_id,
                                            overrides=sharding.rule_overrides(config.mesh))
     self.features = features
 
   def samples_at(self, step: int) -> bool:
-    return bool(np.random.default_rng([self.seed, step, 7]).random() < self.share)
+    return bool(np.random.default_rng([self.seed, step]).random() < self.share)
 
   def __call__(self, state, step: int, rows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     if not self.samples_at(step):
       return rows
-    prompt_ids = [self.data.train.ids[i] for i in self.prompts.indices(step)]
+    prompt_ids = [self.prompts_list[i] for i in self.prompts.indices(step)]
     key = jax.random.fold_in(jax.random.key(self.seed), step)
     tokens, pads, completions = self.sampler.sample(self.features.model_params(state), prompt_ids, key, 1)
     return rollouts.local_rows(response_rows(tokens, pads, completions, self.sampler.stop_set, self.seq_len))

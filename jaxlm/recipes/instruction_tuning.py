@@ -170,8 +170,9 @@ def instruction_task(config: Config, workdir: str, mesh: Mesh, kernels: Kernels)
     teacher_flops = distillation.teacher_flops_per_token(teacher, d.seq_len)
   prepare = loop.Task.prepare  # the data's rows as they are
   if config.distill.teacher and config.distill.on_policy:
-    prepare = distillation.OnPolicyRows(config, graphdef, features, state_shardings, mesh, decoder.tokenizer,
-                                        decoder.chat_folder, d.seq_len)
+    prepare = distillation.OnPolicyRows(config, graphdef, features, state_shardings, mesh, data.train_prompts,
+                                        data.stop_ids, decoder.tokenizer.token_to_id("<pad>") or data.eos_id,
+                                        d.seq_len)
   train_step, eval_step = steps_lib.jit_steps(graphdef, optimizer, config, mesh, state_shardings, features,
                                               inputs=inputs)
   eval_batches = instr_data.eval_batches(data.eval, t.batch_size, jax.process_index(), jax.process_count())

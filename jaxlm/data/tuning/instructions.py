@@ -83,6 +83,7 @@ class InstructionData:
   train: PackedPairs
   eval: PackedPairs
   eval_examples: list[Example]  # the held-out examples, unpacked (generation in the report)
+  train_prompts: list[list[int]]  # each training example's tokens before its first loss token (on-policy sampling)
   seq_len: int  # data.seq_len, or the one chosen from the data
   eos_id: int
   stop_ids: tuple[int, ...]  # the tokens that end a reply: EOS, or the chat template's end-of-turn tokens
@@ -251,4 +252,5 @@ def build_instruction_data(config: DataConfig, tokenizer: tokenizers.Tokenizer, 
       "eval_response_tokens": eval_.num_tokens, "packing_efficiency": train.num_used / max(1, train.num_slots),
   }
   stop_ids = tuple(sorted({*chat.end_of_turn_ids(chat_folder), eos})) if template else (eos,)
-  return InstructionData(train, eval_, examples["eval"], seq_len, eos, stop_ids, stats)
+  prompts = [e.tokens[:k].tolist() for e, k in zip(examples["train"], reading["train"])]
+  return InstructionData(train, eval_, examples["eval"], prompts, seq_len, eos, stop_ids, stats)
