@@ -90,7 +90,7 @@ def memory() -> dict:
                      "argument_bytes": int(analysis.argument_size_in_bytes),
                      "temp_bytes": int(analysis.temp_size_in_bytes)}
     if name == "distillation":
-      teacher = getattr(task.train_step, "extra", ((),))[0]
+      teacher = task.train_step.frozen[0]
       results["teacher_weight_bytes"] = int(sum(x.nbytes for x in jax.tree.leaves(teacher)))
     del task, compiled
   student, teacher = results["student"]["peak_bytes"], results["teacher_weight_bytes"]

@@ -373,9 +373,10 @@ class DistillConfig:
   divergence as TRL's generalized JSD computes it (jaxlm/training/distill_loss.py)."""
   teacher: str = ""  # "" = off | an HF decoder folder or a jaxlm run workdir with the student's tokenizer
   loss: str = "forward_kl"  # forward_kl: KL(teacher || student) | reverse_kl: KL(student || teacher) | jsd
-  beta: float = _ranged(0.5, 0, 1)  # jsd: the mixture's weight, TRL's beta (0 and 1 are the two KLs)
+  beta: float = _ranged(0.5, 0, 1)  # jsd: the mixture's weight, TRL's beta, strictly between 0 and 1
   temperature: float = _ranged(1.0, 0, low_open=True)  # both models' logits are divided by it
   alpha: float = _ranged(0.0, 0, 1)  # weight of the usual next-token cross-entropy; the divergence gets 1 - alpha
+                                     # (off-policy only)
   on_policy: float = _ranged(0.0, 0, 1)  # instruction tuning: the share of batches whose responses the student
                                          # samples itself (TRL's lmbda), with rl.max_completion_length and
                                          # rl.temperature / top_p / top_k
@@ -555,6 +556,15 @@ def validate_distill(config: Config) -> None:
     raise ValueError(f"distill.loss={d.loss!r} is not one of {', '.join(DISTILL_LOSSES)}")
   if d.teacher_dtype not in DISTILL_TEACHER_DTYPES:
     raise ValueError(f"distill.teacher_dtype={d.teacher_dtype!r} is not one of {', '.join(DISTILL_TEACHER_DTYPES)}")
+  if d.loss == "jsd" and not 0 < d.beta < 1:
+    raise ValueError(f"distill.loss=jsd needs 0 < distill.beta < 1 (got {d.beta}); for beta 0 or 1 use "
+                     "distill.loss=forward_kl or reverse_kl")
+  if d.on_policy and d.alpha:
+    raise ValueError(f"distill.alpha={d.alpha} with distill.on_policy={d.on_policy} would train the student on the "
+                     "cross-entropy of its own samples; set distill.alpha=0 or distill.on_policy=0")
+  if d.teacher and config.mesh.pipeline > 1:
+    raise ValueError("distill.teacher with mesh.pipeline > 1: the pipeline trains the language model's own loss; "
+                     "set mesh.pipeline=1")
   if d.on_policy and not d.teacher:
     raise ValueError(f"distill.on_policy={d.on_policy} needs a distill.teacher to grade the sampled responses")
   if d.teacher and (config.preference.loss or config.rl.loss):

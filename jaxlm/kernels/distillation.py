@@ -9,20 +9,22 @@ unchunked reference and spells it out) and CE_n the student's cross-entropy on t
 
 Why chunked: the reference holds both models' [B, T, V] f32 logits, and for a 262,144-token vocabulary the
 teacher's alone are the memory of a whole run. As in cross_entropy.py (the pattern followed here), the tokens are
-cut into chunks of `chunk` rows per device; for each chunk the forward pass computes both models' logits [P, C, V]
+cut into chunks of `chunk` rows per device (the registry caps them by bytes: a chunk holds about six [P, C, V] f32
+arrays); for each chunk the forward pass computes both models' logits [P, C, V]
 from (hidden states, output table), the loss, and d(objective)/d(student logits) analytically, then the gradients
 with respect to the student's hidden states [N, D] and output table [V, D], and keeps only those for the backward
 pass, which scales them by the objective's cotangent (one scalar: the objective is a weighted sum). The teacher is
 frozen: its hidden states and table get zero cotangents. Chunks run over tokens, so every chunk sees whole
 vocabulary rows and the log-softmaxes are exact.
 
-The gradient with respect to the student's logits l, with s = log softmax(l / t), p = exp(s), teacher log-probs u
-(at the same temperature t) and q = exp(u), is (1 / t) times
+The gradient of token n's objective with respect to the student's logits l, with s = log softmax(l / t), p = exp(s),
+teacher log-probs u (at the same temperature t) and q = exp(u), is
+  w_n * ((1 - alpha) * dD_n + alpha * (softmax(l) - one-hot)),  dD_n = (1 / t) times
   beta = 0       p - q
   beta = 1       p * (s - u - KL(S || T))
   0 < beta < 1   (1 - beta) * p * (s - m - KL(S || M)),  m = log((1 - beta) p + beta q)
-(the teacher-side term of the mixture cancels), plus alpha * w * (softmax(l) - one-hot) from the cross-entropy, all
-times w_n; a soft-capped student's is multiplied by the cap's derivative, 1 - (capped / cap)^2.
+(the teacher-side term of the mixture cancels); a soft-capped student's is multiplied by the cap's derivative,
+1 - (capped / cap)^2.
 Dimension letters as in cross_entropy.py: N tokens, P devices splitting them, K chunks, C tokens per device in a
 chunk, D model width, V vocabulary.
 """

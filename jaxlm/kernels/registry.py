@@ -187,6 +187,7 @@ EXECUTION: dict[str, Choice] = {
                      lambda t, chosen: "loop" if t.platform == "gpu" and chosen["remat"] == "none" else "scan"),
 }
 CROSS_ENTROPY_CHUNK = {"cpu": 1024, "gpu": 4096, "tpu": 4096}  # tokens per chunk when kernels.cross_entropy_chunk=0
+DISTILL_CHUNK_BYTES = 256 * 2**20  # the distillation kernel's per-chunk f32 arrays: 42 tokens of Gemma's 262,144 rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -327,7 +328,10 @@ class Kernels:
                "student_softcap": student_softcap, "teacher_softcap": teacher_softcap}
     if weights.is_stand_in(student_table_VD):  # e.g. LoRA on the output head: its adapters take JAX's gradient
       return distillation.reference_sums(*arrays, **options)
-    return distillation.distillation_sums(*arrays, chunk=self.cross_entropy_chunk, **options)
+    # A chunk keeps about six [C, V] f32 arrays alive (both models' logits, probabilities, the gradient), three times
+    # the cross-entropy's: its tokens are capped so that they stay within DISTILL_CHUNK_BYTES.
+    chunk = min(self.cross_entropy_chunk, max(8, DISTILL_CHUNK_BYTES // (24 * student_table_VD.shape[0])))
+    return distillation.distillation_sums(*arrays, chunk=chunk, **options)
 
   def token_log_probs(self, x_ND, table_VD, targets_N, logit_softcap: float = 0.0, with_entropy: bool = False):
     """log p(target_n) per token, [N] in f32, `cross_entropy_chunk` tokens at a time (forward only); with

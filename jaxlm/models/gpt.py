@@ -212,15 +212,29 @@ class GPT(nnx.Module):
     if (order := context_order(input_ids_BT.shape[1])) is not None:  # the tokens as _forward ordered them
       targets_BT, weights_BT = targets_BT[:, order], weights_BT[:, order]
     loss_sum, correct = self.hidden_loss_sums(x_BTD, targets_BT, weights_BT)
-    sums = {"correct": correct}
-    if stats:
-      weight, c = jnp.sum(weights_BT), self.config
-      balance, z = jnp.mean(stats["router_balance_loss"]), jnp.mean(stats["router_z_loss"])
-      sums.update(aux_loss=(c.router_balance_weight * balance + c.router_z_weight * z) * weight,
-                  router_balance_loss=balance * weight, router_z_loss=z * weight)
-      for layer in range(c.num_layers):
-        sums[f"expert_load_max_over_mean/layer_{layer}"] = stats["expert_load_max_over_mean"][layer] * weight
-    return loss_sum, sums
+    return loss_sum, {"correct": correct, **self._router_sums(stats, weights_BT)}
+
+  def _router_sums(self, stats: dict, weights_BT: jax.Array) -> dict:
+    """A mixture of experts' `aux_loss` and router statistics from the blocks' `stats` (none for a dense model),
+    each times sum(w) (loss_sums)."""
+    if not stats:
+      return {}
+    weight, c = jnp.sum(weights_BT), self.config
+    balance, z = jnp.mean(stats["router_balance_loss"]), jnp.mean(stats["router_z_loss"])
+    sums = {"aux_loss": (c.router_balance_weight * balance + c.router_z_weight * z) * weight,
+            "router_balance_loss": balance * weight, "router_z_loss": z * weight}
+    for layer in range(c.num_layers):
+      sums[f"expert_load_max_over_mean/layer_{layer}"] = stats["expert_load_max_over_mean"][layer] * weight
+    return sums
+
+  def features_and_router_sums(self, input_ids_BT: jax.Array, weights_BT: jax.Array, positions_BT: jax.Array,
+                               segment_ids_BT: jax.Array) -> tuple[jax.Array, dict]:
+    """`features` and the `loss_sums` entries of a mixture of experts' router (`aux_loss` to add to the objective,
+    its statistics): for a task that computes its own loss from the features (distillation)."""
+    x_BTD, stats = self._forward(input_ids_BT, positions_BT, segment_ids_BT)
+    if (order := context_order(input_ids_BT.shape[1])) is not None:
+      x_BTD = x_BTD[:, np.argsort(order)]
+    return self.final_norm(x_BTD), self._router_sums(stats, weights_BT)
 
   def hidden_loss_sums(self, x_BTD: jax.Array, targets_BT: jax.Array,
                        weights_BT: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -126,6 +126,9 @@ def classification_task(config: Config, workdir: str, mesh: Mesh, kernels: Kerne
   """The run's config (its model from init_from) and its `loop.Task`: labelled data, the classification loss,
   classification metrics on every eval, the best model kept, eval.json and the per-class report."""
   t, d = config.train, config.data
+  if config.distill.teacher:
+    raise ValueError("distill.teacher distils decoders (train_lm.py, or finetune.py from a decoder's init_from); a "
+                     "classifier distils its pruned copy with optimize.py --prune_distill_files")
   pretrained = pretrained_lib.load_pretrained(config, mesh)
   model_config = pretrained.model_config
   if d.seq_len > model_config.max_seq_len:

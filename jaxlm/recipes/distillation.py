@@ -29,6 +29,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxlm.config import Config, DistillConfig, ModelConfig
+from jaxlm.inference import generate
 from jaxlm.parallel import sharding
 from jaxlm.recipes import rollouts, trained_runs
 from jaxlm.training import distill_loss
@@ -39,42 +40,46 @@ from jaxlm.training import telemetry
 @dataclasses.dataclass
 class Teacher:
   graphdef: nnx.GraphDef
-  params: Any  # on the run's mesh, sharded as the student's parameters are
+  params: Any  # on the run's mesh layout, sharded as the student's parameters are
   model_config: ModelConfig
-  source: str
 
 
-def load_teacher(config: Config, mesh: Mesh, student_tokenizer: tokenizers.Tokenizer | None,
-                 student_source: str) -> Teacher:
-  """distill.teacher on the run's mesh in distill.teacher_dtype, checked against the student's tokenizer and
-  vocabulary size (`student_source` names where the student's tokenizer came from, for the error)."""
+def load_teacher(config: Config, seq_len: int, student_tokenizer: tokenizers.Tokenizer | None, student_source: str,
+                 fix: str) -> Teacher:
+  """distill.teacher on the run's mesh layout in distill.teacher_dtype, checked against the student's tokenizer,
+  vocabulary size and `seq_len`. `student_source` names where the student's tokenizer came from and `fix` what to
+  change when the vocabularies differ (the two recipes take the tokenizer from different keys)."""
   d, m = config.distill, config.model
   float_dtype = m.compute_dtype if d.teacher_dtype == "int8" else d.teacher_dtype
   _, graphdef, params, tokenizer, _ = trained_runs.load_decoder(
       d.teacher, mesh_config=config.mesh, compute_dtype=m.compute_dtype, param_dtype=float_dtype)
-  check_same_vocabulary(student_tokenizer, tokenizer, student_source, d.teacher)
+  check_same_vocabulary(student_tokenizer, tokenizer, student_source, d.teacher, fix)
   teacher_config = nnx.merge(graphdef, params).config
   if teacher_config.vocab_size != m.vocab_size:
-    raise ValueError(f"distill.teacher={d.teacher!r} has {teacher_config.vocab_size} output rows, the student's "
-                     f"model.vocab_size is {m.vocab_size}; set model.vocab_size={teacher_config.vocab_size}")
+    raise ValueError(f"distill.teacher={d.teacher!r} has {teacher_config.vocab_size} output rows and the student "
+                     f"{m.vocab_size}; {fix}")
+  if teacher_config.max_seq_len < seq_len:
+    raise ValueError(f"distill.teacher={d.teacher!r} has {teacher_config.max_seq_len} positions, fewer than "
+                     f"data.seq_len={seq_len}; lower data.seq_len to {teacher_config.max_seq_len}")
+  # A jaxlm run is restored in its own precision: the teacher's storage is distill.teacher_dtype all the same.
+  params = jax.tree.map(lambda x: x.astype(float_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
   if d.teacher_dtype == "int8":
     graphdef, params = trained_runs.with_weights(graphdef, params, "weight_only")
-  return Teacher(graphdef, params, teacher_config, d.teacher)
+  return Teacher(graphdef, params, teacher_config)
 
 
 def check_same_vocabulary(student: tokenizers.Tokenizer | None, teacher: tokenizers.Tokenizer, student_source: str,
-                          teacher_source: str) -> None:
+                          teacher_source: str, fix: str) -> None:
   """Teacher and student must number the same tokens alike: the divergence compares their distributions id by id."""
   if student is None:
-    raise ValueError(f"distillation needs the student's tokenizer.json to compare it with the teacher's; "
-                     f"{student_source} has none")
+    raise ValueError(f"distillation compares the student's vocabulary with the teacher's, and {student_source} has "
+                     f"no tokenizer.json; {fix}")
   s_vocab, t_vocab = student.get_vocab(with_added_tokens=True), teacher.get_vocab(with_added_tokens=True)
   if s_vocab != t_vocab:
     differing = sorted((set(s_vocab.items()) ^ set(t_vocab.items())), key=lambda kv: kv[1])
     token, index = differing[0] if differing else ("?", -1)
     raise ValueError(f"the student's vocabulary ({student_source}: {len(s_vocab)} tokens) and the teacher's "
-                     f"({teacher_source}: {len(t_vocab)} tokens) differ, first at id {index} ({token!r}); distil with "
-                     f"the teacher's tokenizer (data.tokenizer=<teacher>/tokenizer.json)")
+                     f"({teacher_source}: {len(t_vocab)} tokens) differ, first at id {index} ({token!r}); {fix}")
 
 
 def teacher_flops_per_token(teacher: Teacher, seq_len: int) -> float:
@@ -98,7 +103,7 @@ def _token_sums(graphdef, teacher_graphdef, params, teacher_params, batch: dict,
   teacher = nnx.merge(teacher_graphdef, jax.lax.stop_gradient(teacher_params))
   mask_BT = batch["loss_mask"].astype(jnp.float32)
   args = (batch["inputs"], batch["positions"], batch["segment_ids"])
-  x_BTD = student.features(*args)
+  x_BTD, router_sums = student.features_and_router_sums(batch["inputs"], mask_BT, *args[1:])
   teacher_x_BTE = jax.lax.stop_gradient(teacher.features(*args))
   b, t, _ = x_BTD.shape
   sums = student.kernels.distillation_sums(
@@ -106,7 +111,7 @@ def _token_sums(graphdef, teacher_graphdef, params, teacher_params, batch: dict,
       jax.lax.stop_gradient(teacher.output_table()), batch["targets"].reshape(b * t), mask_BT.reshape(b * t),
       beta=distill_loss.loss_beta(distill.loss, distill.beta), temperature=distill.temperature, alpha=alpha,
       student_softcap=student.config.logit_softcap, teacher_softcap=teacher.config.logit_softcap)
-  return sums, mask_BT
+  return {**sums, **router_sums}, mask_BT
 
 
 def make_loss_fn(graphdef, teacher_graphdef, teacher_params, distill: DistillConfig):
@@ -114,9 +119,9 @@ def make_loss_fn(graphdef, teacher_graphdef, teacher_params, distill: DistillCon
 
   def loss_fn(params, batch):
     sums, mask_BT = _token_sums(graphdef, teacher_graphdef, params, teacher_params, batch, distill, distill.alpha)
-    metrics = {"correct": sums["correct"], "distill_divergence": sums["divergence"],
-               "cross_entropy": sums["cross_entropy"]}
-    return sums["objective"], (mask_BT.sum(), metrics)
+    objective = sums.pop("objective") + sums.get("aux_loss", 0.0)  # a student MoE's router losses, as in pretraining
+    metrics = {"distill_divergence": sums.pop("divergence"), **sums}
+    return objective, (mask_BT.sum(), metrics)
 
   return loss_fn
 
@@ -143,16 +148,18 @@ class OnPolicyRows:
   def __init__(self, config: Config, graphdef: nnx.GraphDef, features, state_shardings, mesh: Mesh,
                prompts: list[list[int]], stop_ids: tuple[int, ...], pad_id: int, seq_len: int):
     rl, t = config.rl, config.train
-    longest = max(len(p) for p in prompts)
-    if longest + rl.max_completion_length > seq_len + 1:
-      raise ValueError(f"distill.on_policy: a prompt of {longest} tokens + rl.max_completion_length="
+    # The sampler left-pads a batch's prompts to a bucketed width P; a row holds P + C - 1 inputs, and the rows take
+    # the data rows' compiled step when they fit data.seq_len.
+    width = generate.prompt_width(config.model, max(len(p) for p in prompts), rl.max_completion_length)
+    if width + rl.max_completion_length - 1 > seq_len:
+      raise ValueError(f"distill.on_policy: the longest prompt, padded to {width} tokens, + rl.max_completion_length="
                        f"{rl.max_completion_length} exceeds data.seq_len={seq_len} + 1; lower "
-                       f"rl.max_completion_length to {max(seq_len + 1 - longest, 1)} or raise data.seq_len")
+                       f"rl.max_completion_length to {max(seq_len + 1 - width, 1)} or raise data.seq_len")
     if len(prompts) < t.batch_size:
       raise ValueError(f"distill.on_policy needs at least train.batch_size={t.batch_size} training examples; the "
                        f"data has {len(prompts)}")
-    self.share, self.seed, self.seq_len, self.prompts_list = config.distill.on_policy, t.seed, seq_len, prompts
-    self.prompts = rollouts.PromptBatches(len(prompts), t.batch_size, t.seed)
+    self.share, self.seed, self.seq_len, self.prompt_ids = config.distill.on_policy, t.seed, seq_len, prompts
+    self.prompt_batches = rollouts.PromptBatches(len(prompts), t.batch_size, t.seed)
     self.sampler = rollouts.RolloutSampler(graphdef, features, state_shardings, mesh, rl, stop_ids, pad_id=pad_id,
                                            overrides=sharding.rule_overrides(config.mesh))
     self.features = features
@@ -163,7 +170,7 @@ class OnPolicyRows:
   def __call__(self, state, step: int, rows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     if not self.samples_at(step):
       return rows
-    prompt_ids = [self.prompts_list[i] for i in self.prompts.indices(step)]
+    prompt_ids = [self.prompt_ids[i] for i in self.prompt_batches.indices(step)]
     key = jax.random.fold_in(jax.random.key(self.seed), step)
     tokens, pads, completions = self.sampler.sample(self.features.model_params(state), prompt_ids, key, 1)
     return rollouts.local_rows(response_rows(tokens, pads, completions, self.sampler.stop_set, self.seq_len))
@@ -173,13 +180,13 @@ def response_rows(tokens_NP: np.ndarray, pads_N: np.ndarray, completions_NC: np.
                   seq_len: int) -> dict[str, np.ndarray]:
   """Rows of left-padded prompts followed by their sampled responses, laid out as instruction tuning's rows (inputs,
   targets, positions, segment_ids, loss_mask [N, W]), the loss on the response tokens up to and including the stop
-  token; W = max(seq_len, P + C - 1), so a response batch that fits takes the data rows' compiled step."""
+  token, padded to W = seq_len (>= P + C - 1) so that they take the data rows' compiled step."""
   n, p = tokens_NP.shape
   c = completions_NC.shape[1]
   is_stop = np.isin(completions_NC, list(stop_ids)) if stop_ids else np.zeros_like(completions_NC, bool)
   lengths = np.where(is_stop.any(axis=1), is_stop.argmax(axis=1) + 1, c)
   full = np.concatenate([tokens_NP, completions_NC], axis=1)
-  width = max(seq_len, p + c - 1)
+  width = seq_len
   slots = np.arange(p + c - 1)[None, :]
   rows = {"inputs": full[:, :-1], "targets": full[:, 1:],
           "positions": np.maximum(slots - pads_N[:, None], 0), "segment_ids": (slots >= pads_N[:, None]),

@@ -165,7 +165,8 @@ def instruction_task(config: Config, workdir: str, mesh: Mesh, kernels: Kernels)
   graphdef, state, state_shardings, features = features_lib.train_state_from_config(config, mesh, optimizer, make_model)
   inputs, teacher_flops = None, 0.0
   if config.distill.teacher:  # the loss becomes the distillation objective; the teacher is a frozen step input
-    teacher = distillation.load_teacher(config, mesh, decoder.tokenizer, f"init_from={config.init_from!r}")
+    teacher = distillation.load_teacher(config, d.seq_len, decoder.tokenizer, f"init_from={config.init_from!r}",
+                                        "give a teacher of init_from's tokenizer and vocabulary")
     inputs = distillation.frozen_inputs(config, graphdef, teacher)
     teacher_flops = distillation.teacher_flops_per_token(teacher, d.seq_len)
   prepare = loop.Task.prepare  # the data's rows as they are

@@ -48,7 +48,9 @@ def language_model_task(config: Config, workdir: str, mesh: Mesh, kernels: Kerne
     if config.distill.on_policy:
       raise ValueError("distill.on_policy samples answers to prompts, which pretraining's text has none of; use "
                        "experiments/finetune.py with prompt/response pairs, or set distill.on_policy=0")
-    teacher = distillation.load_teacher(config, mesh, datasets.tokenizer, "the training data's tokenizer")
+    teacher = distillation.load_teacher(config, config.data.seq_len, datasets.tokenizer, "the training data",
+                                        "prepare the data with the teacher's tokenizer (data.tokenizer=<teacher "
+                                        "folder>/tokenizer.json) and set model.vocab_size to its output rows")
     inputs = distillation.frozen_inputs(config, graphdef, teacher)
     counts["flops"] += tokens * distillation.teacher_flops_per_token(teacher, config.data.seq_len)
   train_step, eval_step = steps_lib.jit_steps(graphdef, optimizer, config, mesh, state_shardings, features,

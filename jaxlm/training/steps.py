@@ -195,25 +195,27 @@ def jit_steps(graphdef, optimizer, config: Config, mesh: Mesh, state_shardings, 
   """The train and eval steps, each compiled once, with explicit shardings and the train state donated.
 
   `loss_fn` (default: the LM's `make_loss_fn`) and `eval_fn` ((params, batch) -> outputs to sum or gather; default:
-  `make_eval_step`) give another task's steps (fine-tuning's classification loss); `inputs` gives both from frozen
-  arrays that every step takes (the two arguments are then unused), bound so that the steps are still called and
-  lowered as (state, batch) and (params, batch). A batch is a dict of [B, ...] arrays of any rank, each split over
+  `make_eval_step`) give another task's steps (fine-tuning's classification loss); `inputs` gives both instead, from
+  frozen arrays that every step takes, bound so that the steps are still called and lowered as (state, batch) and
+  (params, batch). A batch is a dict of [B, ...] arrays of any rank, each split over
   the batch axes."""
   if inputs is None:
-    inputs, extra, extra_shardings = FrozenInputs((), (), lambda: loss_fn, lambda: eval_fn), (), ()
+    loss_of, eval_of, extra, extra_shardings = (lambda: loss_fn), (lambda: eval_fn), (), ()
+  elif loss_fn is not None or eval_fn is not None:
+    raise ValueError("jit_steps takes a task's loss either as loss_fn/eval_fn or from inputs, not both")
   else:
-    extra, extra_shardings = (inputs.values,), (inputs.shardings,)
+    loss_of, eval_of, extra, extra_shardings = inputs.loss_of, inputs.eval_of, (inputs.values,), (inputs.shardings,)
   batch_sharding = sharding.batch_sharding(mesh, 1)  # a prefix for every rank: axis 0 split, the rest whole
   schedule = optim.learning_rate_schedule(config.train)
   overrides = sharding.rule_overrides(config.mesh)
   gradients = features.gradients or DataParallelGradients(config.train.grad_accum, mesh, config.mesh.gradient_sync)
 
   def train_step(state, batch, *values):
-    step = make_train_step(graphdef, optimizer, schedule, gradients, features, inputs.loss_of(*values))
+    step = make_train_step(graphdef, optimizer, schedule, gradients, features, loss_of(*values))
     return step(state, batch)
 
   def eval_step(params, batch, *values):
-    return (inputs.eval_of(*values) or make_eval_step(graphdef))(params, batch)
+    return (eval_of(*values) or make_eval_step(graphdef))(params, batch)
 
   jitted_train = jax.jit(sharding.traced_on(mesh, train_step, overrides),
                          in_shardings=(state_shardings, batch_sharding, *extra_shardings),
@@ -225,16 +227,17 @@ def jit_steps(graphdef, optimizer, config: Config, mesh: Mesh, state_shardings, 
 
 
 class _Bound:
-  """A jitted step with its trailing frozen inputs bound: called and lowered with the leading arguments only."""
+  """A jitted step with its trailing frozen inputs bound: called and lowered with the leading arguments only (the
+  compiled executable of `lower(...).compile()` takes the frozen inputs too: `frozen` holds them)."""
 
-  def __init__(self, jitted, extra: tuple):
-    self.jitted, self.extra = jitted, extra
+  def __init__(self, jitted, frozen: tuple):
+    self.jitted, self.frozen = jitted, frozen
 
   def __call__(self, *args):
-    return self.jitted(*args, *self.extra)
+    return self.jitted(*args, *self.frozen)
 
   def lower(self, *args):
-    return self.jitted.lower(*args, *self.extra)
+    return self.jitted.lower(*args, *self.frozen)
 
 
 def _bound(jitted, extra: tuple):
