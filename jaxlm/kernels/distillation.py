@@ -41,7 +41,6 @@ import optax
 from jaxlm.kernels.cross_entropy import _F32, _batch_shards, _blocks, _dlogits, _unblocks
 from jaxlm.kernels.xla import softcap
 from jaxlm.parallel import sharding
-from jaxlm.training.distill_loss import token_divergence
 
 SUMS = ("objective", "divergence", "cross_entropy", "correct")
 
@@ -180,6 +179,21 @@ def _backward(static, dtypes, residuals, cotangents):
 
 
 _fused.defvjp(_forward, _backward)
+
+
+def token_divergence(student_logits: jax.Array, teacher_logits: jax.Array, *, beta: float,
+                     temperature: float) -> jax.Array:
+  """The generalized JSD of each token, summed over the vocabulary (the last axis): [...] in f32."""
+  student = jax.nn.log_softmax(student_logits.astype(jnp.float32) / temperature, axis=-1)
+  teacher = jax.nn.log_softmax(teacher_logits.astype(jnp.float32) / temperature, axis=-1)
+  # torch's F.kl_div(input, target, log_target=True) is exp(target) * (target - input): KL(target || input).
+  kl = lambda target, input_: jnp.sum(jnp.exp(target) * (target - input_), axis=-1)
+  if beta == 0:
+    return kl(teacher, student)
+  if beta == 1:
+    return kl(student, teacher)
+  mixture = jnp.logaddexp(student + jnp.log1p(-beta), teacher + jnp.log(beta))
+  return beta * kl(teacher, mixture) + (1 - beta) * kl(student, mixture)
 
 
 def reference_sums(student_x_ND, student_table_VD, teacher_x_ND, teacher_table_VD, targets_N, weights_N, *,

@@ -23,7 +23,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-LOSSES = ("forward_kl", "reverse_kl", "jsd")
+from jaxlm.config import DISTILL_LOSSES
+from jaxlm.kernels.distillation import token_divergence  # the per-token divergence both paths share
 
 
 def loss_beta(loss: str, beta: float) -> float:
@@ -37,22 +38,7 @@ def loss_beta(loss: str, beta: float) -> float:
       raise ValueError(f"the jsd loss takes a beta strictly between 0 and 1 (got {beta}); beta 0 is forward_kl and "
                        "1 is reverse_kl")
     return float(beta)
-  raise ValueError(f"unknown distillation loss {loss!r}: use one of {', '.join(LOSSES)}")
-
-
-def token_divergence(student_logits: jax.Array, teacher_logits: jax.Array, *, beta: float,
-                     temperature: float) -> jax.Array:
-  """The generalized JSD of each token, summed over the vocabulary (the last axis): [...] in f32."""
-  student = jax.nn.log_softmax(student_logits.astype(jnp.float32) / temperature, axis=-1)
-  teacher = jax.nn.log_softmax(teacher_logits.astype(jnp.float32) / temperature, axis=-1)
-  # torch's F.kl_div(input, target, log_target=True) is exp(target) * (target - input): KL(target || input).
-  kl = lambda target, input_: jnp.sum(jnp.exp(target) * (target - input_), axis=-1)
-  if beta == 0:
-    return kl(teacher, student)
-  if beta == 1:
-    return kl(student, teacher)
-  mixture = jnp.logaddexp(student + jnp.log1p(-beta), teacher + jnp.log(beta))
-  return beta * kl(teacher, mixture) + (1 - beta) * kl(student, mixture)
+  raise ValueError(f"unknown distillation loss {loss!r}: use one of {', '.join(DISTILL_LOSSES)}")
 
 
 def generalized_jsd(student_logits: jax.Array, teacher_logits: jax.Array, mask: jax.Array, *, beta: float,

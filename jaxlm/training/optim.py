@@ -55,7 +55,7 @@ def _decay_mask(params: Any) -> Any:
   # Decay weight matrices and embeddings only (names `w_*`, `embedding`): decaying norm scales and biases pulls them
   # towards zero for no regularisation benefit. Names, not ndim, decide: scanned blocks add a layer axis to vectors.
   def decays(path, _):
-    name = str(getattr(path[-1], "key", path[-1]))
+    name = muon.leaf_name(path)
     return name.startswith("w_") or name == "embedding"
   return jax.tree_util.tree_map_with_path(decays, params)
 
