@@ -3,6 +3,7 @@ in the report, run through THE loop (jaxlm/training/loop.py's `run_loop`)."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import jax
@@ -14,7 +15,7 @@ from jaxlm.inference import generate
 from jaxlm.kernels import Kernels
 from jaxlm.recipes import data_defaults, distillation
 from jaxlm.recipes import features as features_lib
-from jaxlm.training import loop, optim, reliability, telemetry
+from jaxlm.training import atomic_files, loop, optim, reliability, telemetry
 from jaxlm.training import steps as steps_lib
 
 
@@ -60,6 +61,10 @@ def language_model_task(config: Config, workdir: str, mesh: Mesh, kernels: Kerne
 
   def finish(end: loop.RunEnd) -> loop.Report:
     summary = {**end.last, **end.eval, **end.facts, **{f"average_{k}": v for k, v in end.rates.items()}}
+    # The final evaluation as flat numbers, as every recipe writes it (experiments/sweep.py ranks runs by it).
+    atomic_files.write_json_on_process_0(os.path.join(workdir, "eval.json"), {
+        **end.eval, "step": t.steps, "final_train_loss": end.last.get("loss"),
+        "wall_time_sec": end.facts["wall_time_sec"]})
     sample = None
     if config.log.sample_tokens and datasets.tokenizer is not None:  # every process joins the jitted sampler; only process 0 writes the report
       sample = sample_text(graphdef, features.model_params(end.state), datasets.tokenizer,
