@@ -28,19 +28,25 @@ from jaxlm.parallel import sharding
 _F32 = {"preferred_element_type": jnp.float32}  # f32 results from compute-dtype operands
 
 
-def _chunk_stats(x_PCD, table_VD, targets_PC, weights_PC, einsum):
-  """Logits of one chunk in f32 -> (weighted loss sum, weighted correct sum, logits, row max, exp(logits - max),
-  its row sums)."""
-  logits_PCV = einsum("pcd,vd->pcv", x_PCD, table_VD, **_F32)
+def token_stats(logits_PCV, targets_PC):
+  """Per token of one chunk's f32 logits: (cross-entropy [P, C], 1 where argmax == target [P, C], row max,
+  exp(logits - max), its row sums): what the loss, the accuracy and `_dlogits` take."""
   # The same formulas as optax.softmax_cross_entropy_with_integer_labels (max-shifted log-sum-exp).
   shift_PC = jax.lax.stop_gradient(logits_PCV.max(axis=-1))
   exp_PCV = jnp.exp(logits_PCV - shift_PC[..., None])
   sum_PC = exp_PCV.sum(axis=-1)
   target_PC = jnp.take_along_axis(logits_PCV, targets_PC[..., None], axis=-1)[..., 0] - shift_PC
-  loss = jnp.sum((jnp.log(sum_PC) - target_PC) * weights_PC)
   # argmax, not "target logit == max": on a tie (e.g. a zero head) that would count every tied token correct.
-  correct = jnp.sum((jnp.argmax(logits_PCV, axis=-1) == targets_PC).astype(jnp.float32) * weights_PC)
-  return loss, correct, logits_PCV, shift_PC, exp_PCV, sum_PC
+  correct_PC = (jnp.argmax(logits_PCV, axis=-1) == targets_PC).astype(jnp.float32)
+  return jnp.log(sum_PC) - target_PC, correct_PC, shift_PC, exp_PCV, sum_PC
+
+
+def _chunk_stats(x_PCD, table_VD, targets_PC, weights_PC, einsum):
+  """Logits of one chunk in f32 -> (weighted loss sum, weighted correct sum, logits, row max, exp(logits - max),
+  its row sums)."""
+  logits_PCV = einsum("pcd,vd->pcv", x_PCD, table_VD, **_F32)
+  loss_PC, correct_PC, shift_PC, exp_PCV, sum_PC = token_stats(logits_PCV, targets_PC)
+  return jnp.sum(loss_PC * weights_PC), jnp.sum(correct_PC * weights_PC), logits_PCV, shift_PC, exp_PCV, sum_PC
 
 
 def _use_scatter_gradient() -> bool:

@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxlm.kernels.cross_entropy import _F32, _batch_shards, _blocks, _dlogits, _unblocks
+from jaxlm.kernels.cross_entropy import _F32, _batch_shards, _blocks, _dlogits, _unblocks, token_stats
 from jaxlm.kernels.xla import softcap
 from jaxlm.parallel import sharding
 
@@ -81,13 +81,7 @@ def _chunk(xs, student_table_VD, teacher_table_VD, static: _Static, with_gradien
   einsum, t = static.einsum, static.temperature
   logits_PCV = softcap(einsum("pcd,vd->pcv", student_x_PCD, student_table_VD, **_F32), static.student_softcap)
   teacher_PCV = softcap(einsum("pcd,vd->pcv", teacher_x_PCD, teacher_table_VD, **_F32), static.teacher_softcap)
-  # The cross-entropy at temperature 1, as cross_entropy._chunk_stats computes it.
-  shift_PC = logits_PCV.max(axis=-1)
-  exp_PCV = jnp.exp(logits_PCV - shift_PC[..., None])
-  sum_PC = exp_PCV.sum(axis=-1)
-  target_PC = jnp.take_along_axis(logits_PCV, targets_PC[..., None], axis=-1)[..., 0] - shift_PC
-  ce_PC = jnp.log(sum_PC) - target_PC
-  correct_PC = (jnp.argmax(logits_PCV, axis=-1) == targets_PC).astype(jnp.float32)
+  ce_PC, correct_PC, shift_PC, exp_PCV, sum_PC = token_stats(logits_PCV, targets_PC)  # at temperature 1
   student_PCV = jax.nn.log_softmax(logits_PCV / t, axis=-1)
   divergence_PC, ddivergence_PCV = _divergence(student_PCV, jax.nn.log_softmax(teacher_PCV / t, axis=-1),
                                                static.beta)
@@ -114,8 +108,7 @@ def distillation_sums(student_x_ND: jax.Array, student_table_VD: jax.Array, teac
 
   Hidden states and tables in the compute dtype (the teacher's dtype and width may differ); logits f32, soft-capped
   where a cap is nonzero. Gradients flow to the student's x and table through "objective" only: the others are
-  metrics without gradient, and the
-  teacher gets zero cotangents. A teacher table may be a stand-in weight (jaxlm.kernels.weights) if `einsum`
+  metrics without gradient, and the teacher gets zero cotangents. A teacher table may be a stand-in weight (jaxlm.kernels.weights) if `einsum`
   contracts it; the student's must be an array. Divide by the global token weight afterwards, as the cross-entropy."""
   if not (0 <= beta <= 1 and temperature > 0 and 0 <= alpha <= 1):
     raise ValueError(f"distillation needs 0 <= beta <= 1, temperature > 0 and 0 <= alpha <= 1 (got beta={beta}, "
