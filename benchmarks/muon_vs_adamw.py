@@ -40,8 +40,8 @@ _BPE_MB = flags.DEFINE_integer("bpe_mb", 300, "megabytes of Python source for th
 
 OPTIMIZERS = ("adamw", "muon")
 # Learning-rate grids; Muon's uses consistent RMS scaling (train.muon_consistent_rms), so its rates sit near AdamW's.
-GRIDS = {"char": {"adamw": "3e-4,1e-3,3e-3", "muon": "1e-3,3e-3,1e-2"},
-         "bpe": {"adamw": "3e-4,1e-3,3e-3", "muon": "1e-3,3e-3,1e-2"}}
+GRIDS = {"char": {"adamw": "1e-3,3e-3,1e-2", "muon": "1e-3,3e-3,1e-2,3e-2"},
+         "bpe": {"adamw": "1e-3,3e-3,1e-2", "muon": "3e-3,1e-2,3e-2"}}
 CHAR_CONFIG = os.path.join(ROOT, "benchmarks", "configs", "shakespeare_char.py")
 BPE_CONFIG = os.path.join(ROOT, "experiments", "configs", "demo.py")
 
@@ -113,7 +113,7 @@ def corpus_overrides(name: str, prepared: str, vocab: int) -> tuple[str, list[st
   return BPE_CONFIG, common + [
       "--config.model.num_layers=4", "--config.model.d_model=256", "--config.model.num_heads=4",
       "--config.model.max_seq_len=128", "--config.data.seq_len=128", "--config.train.batch_size=16",
-      "--config.train.steps=600", "--config.train.warmup_steps=60", "--config.train.eval_every_steps=100",
+      "--config.train.steps=300", "--config.train.warmup_steps=30", "--config.train.eval_every_steps=50",
       "--config.train.eval_batches=16", "--config.log.every_steps=50", "--config.mesh.data=1"]
 
 
@@ -159,7 +159,7 @@ def step_time_ratio(name: str, config: str, overrides: list[str]) -> dict:
   out = os.path.join(_WORKDIR.value, name, "ab")
   keep = [o for o in overrides if not o.startswith(("--config.data.", "--config.train.eval", "--config.log."))]
   run([sys.executable, "benchmarks/ab_step.py", f"--config={config}", *keep, f"--workdir={out}",
-       "--variants=adamw:,muon:train.optimizer=muon", "--rounds=6", "--steps_per_round=10"])
+       "--variants=adamw:train.optimizer=adamw,muon:train.optimizer=muon", "--rounds=6", "--steps_per_round=10"])
   with open(os.path.join(out, "ab.json")) as f:
     return json.load(f)
 
