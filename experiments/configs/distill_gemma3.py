@@ -7,10 +7,10 @@ Command:  python experiments/hf_from_gguf.py --out=runs/gemma3_270m       # the 
            --config.distill.loss=reverse_kl | jsd --config.distill.beta=0.5; the teacher in int8:
            --config.distill.teacher_dtype=int8; your own corpus: --config.data.source=prepared
            --config.data.prepared=<folder prepared with --tokenizer=runs/gemma3_270m>)
-Runtime:  about 10 s a step on a 2-core CPU (the teacher's forward pass and both models' 262,144-row output
-          projections); well under a second on a GPU.
-Result:   the student's held-out loss and its KL to the teacher against the same student trained on the same tokens
-          with cross-entropy alone (docs/distillation.md).
+Runtime:  about 30 s a step on a shared 2-core CPU (the teacher's forward pass and both models' 262,144-row output
+          projections); 200 steps, under two hours.
+Result:   after 40 steps, held-out cross-entropy 6.38 and KL to the teacher 4.37, against 6.69 and 5.03 for the same
+          student on the same tokens with cross-entropy alone (docs/distillation.md).
 Output:   runs/distill_gemma3/metrics.jsonl (loss = the distillation objective, distill_divergence, cross_entropy),
           eval.json-style entries eval_loss (the student's cross-entropy) and eval_distill_divergence, report.md.
 """
