@@ -41,7 +41,7 @@ _BPE_MB = flags.DEFINE_integer("bpe_mb", 300, "megabytes of Python source for th
 OPTIMIZERS = ("adamw", "muon")
 # Learning-rate grids; Muon's uses consistent RMS scaling (train.muon_consistent_rms), so its rates sit near AdamW's.
 GRIDS = {"char": {"adamw": "1e-3,3e-3,1e-2", "muon": "1e-3,3e-3,1e-2,3e-2"},
-         "bpe": {"adamw": "1e-3,3e-3,1e-2", "muon": "3e-3,1e-2,3e-2"}}
+         "bpe": {"adamw": "1e-3,3e-3,1e-2,3e-4", "muon": "3e-3,1e-2,3e-2,1e-3"}}
 CHAR_CONFIG = os.path.join(ROOT, "benchmarks", "configs", "shakespeare_char.py")
 BPE_CONFIG = os.path.join(ROOT, "experiments", "configs", "demo.py")
 
