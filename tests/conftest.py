@@ -269,3 +269,19 @@ def write_llama_style_tokenizer(folder: str, texts: list[str], template: str | N
   transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>",
                                        pad_token="<pad>", chat_template=template).save_pretrained(folder)
   return folder
+
+
+def save_random_llama(folder: str, tokenizer_folder: str, seed: int, layers: int = 2) -> str:
+  """A small random Llama (vocabulary 320, 128 positions, untied head) saved by transformers into `folder`, with the
+  tokenizer files of `tokenizer_folder`: a checkpoint for the fine-tuning recipes' tests."""
+  import torch  # noqa: PLC0415  (the hf extra: only the tests that need it call this)
+  import transformers  # noqa: PLC0415
+  torch.manual_seed(seed)
+  config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                                    num_attention_heads=4, num_key_value_heads=2, vocab_size=320,
+                                    max_position_embeddings=128, initializer_range=0.2, tie_word_embeddings=False,
+                                    rms_norm_eps=1e-6)
+  transformers.LlamaForCausalLM(config).save_pretrained(folder)
+  for name in os.listdir(tokenizer_folder):
+    shutil.copy(os.path.join(tokenizer_folder, name), folder)
+  return folder

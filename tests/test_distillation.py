@@ -5,12 +5,11 @@ error naming both; pretraining distils from a jaxlm run; on-policy rows put the 
 
 import json
 import os
-import shutil
 
 import jax
 import numpy as np
 import pytest
-from conftest import write_jsonl, write_llama_style_tokenizer
+from conftest import save_random_llama, write_jsonl, write_llama_style_tokenizer
 
 torch = pytest.importorskip("torch", reason="the HF teacher and student need the hf extra: pip install -e '.[hf]'")
 transformers = pytest.importorskip("transformers", reason="the HF teacher and student need the hf extra")
@@ -31,17 +30,6 @@ def _pairs(count: int, seed: int) -> list[dict]:
   return rows
 
 
-def _save_llama(folder: str, tokenizer_folder: str, seed: int, layers: int = 2) -> str:
-  torch.manual_seed(seed)
-  config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                                    num_attention_heads=4, num_key_value_heads=2, vocab_size=320,
-                                    max_position_embeddings=128, initializer_range=0.2, tie_word_embeddings=False)
-  transformers.LlamaForCausalLM(config).save_pretrained(folder)
-  for name in os.listdir(tokenizer_folder):
-    shutil.copy(os.path.join(tokenizer_folder, name), folder)
-  return folder
-
-
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
   folder = tmp_path_factory.mktemp("distillation")
@@ -51,9 +39,9 @@ def setup(tmp_path_factory):
   other = write_llama_style_tokenizer(str(folder / "other_tokenizer"), texts[::-1] + ["zebra xylophone"], None)
   return dict(folder=folder, files={"train": write_jsonl(folder / "train.jsonl", train),
                                     "eval": write_jsonl(folder / "eval.jsonl", held_out)},
-              student=_save_llama(str(folder / "student"), tokenizer, 1),
-              teacher=_save_llama(str(folder / "teacher"), tokenizer, 2, layers=3),
-              stranger=_save_llama(str(folder / "stranger"), other, 3))
+              student=save_random_llama(str(folder / "student"), tokenizer, 1),
+              teacher=save_random_llama(str(folder / "teacher"), tokenizer, 2, layers=3),
+              stranger=save_random_llama(str(folder / "stranger"), other, 3))
 
 
 def _config(setup, **overrides):

@@ -8,13 +8,12 @@ the padding-free rows give the padded layout's held-out metrics, loss and gradie
 
 import json
 import os
-import shutil
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import write_jsonl, write_llama_style_tokenizer
+from conftest import save_random_llama, write_jsonl, write_llama_style_tokenizer
 from flax import nnx
 
 torch = pytest.importorskip("torch", reason="HF parity tests need the hf extra: pip install -e '.[hf]'")
@@ -57,17 +56,6 @@ def _conversational(rows: list[dict]) -> list[dict]:
            "rejected": message("assistant", r["rejected"])} for r in rows]
 
 
-def _save_llama(folder: str, tokenizer_folder: str, seed: int) -> str:
-  torch.manual_seed(seed)
-  config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                    num_key_value_heads=2, vocab_size=320, max_position_embeddings=128,
-                                    initializer_range=0.2, tie_word_embeddings=False, rms_norm_eps=1e-6)
-  transformers.LlamaForCausalLM(config).save_pretrained(folder)
-  for name in os.listdir(tokenizer_folder):
-    shutil.copy(os.path.join(tokenizer_folder, name), folder)
-  return folder
-
-
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
   folder = tmp_path_factory.mktemp("preferences")
@@ -79,8 +67,9 @@ def setup(tmp_path_factory):
   for name, rows in (("train", train), ("eval", held_out)):
     files[name] = write_jsonl(folder / f"{name}.jsonl", rows)
     files[f"{name}_chat"] = write_jsonl(folder / f"{name}_chat.jsonl", _conversational(rows))
-  return dict(folder=folder, tokenizer=tokenizer, files=files, policy=_save_llama(str(folder / "policy"), tokenizer, 1),
-              reference=_save_llama(str(folder / "reference"), tokenizer, 2))
+  return dict(folder=folder, tokenizer=tokenizer, files=files,
+              policy=save_random_llama(str(folder / "policy"), tokenizer, 1),
+              reference=save_random_llama(str(folder / "reference"), tokenizer, 2))
 
 
 @pytest.fixture(scope="module")
