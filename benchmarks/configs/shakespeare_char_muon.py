@@ -1,8 +1,7 @@
 """benchmarks/configs/shakespeare_char.py (nanoGPT's small CPU recipe) trained with Muon instead of AdamW: Muon on
 the blocks' weight matrices, AdamW on the embeddings, norms and biases (train.optimizer=muon,
-jaxlm/training/muon.py). With Moonlight's consistent RMS scaling (train.muon_consistent_rms=0.2) Muon's updates
-have AdamW's RMS, so the recipe keeps AdamW's learning rate and weight decay (Liu et al., "Muon is Scalable for LLM
-Training", 2025).
+jaxlm/training/muon.py), with Moonlight's consistent RMS scaling (train.muon_consistent_rms=0.2: updates of AdamW's
+RMS) at the rate that measured best for Muon on this shape, 1e-2 (AdamW's best was 3e-3).
 
 Command:  python experiments/train_lm.py --config=benchmarks/configs/shakespeare_char_muon.py --workdir=runs/char_muon \
             --config.data.source=files --config.data.train_files=input.txt --config.data.tokenizer=...
@@ -10,7 +9,8 @@ Command:  python experiments/train_lm.py --config=benchmarks/configs/shakespeare
           run to compare held-out losses with), and Newton-Schulz's step-time cost next to AdamW in one process:
           python benchmarks/ab_step.py --config=benchmarks/configs/shakespeare_char_muon.py \
             --variants="muon:,adamw:train.optimizer=adamw" --rounds=6 --steps_per_round=10
-benchmarks/muon_vs_adamw.py sweeps both optimizers' rates over seeds on this recipe's shape.
+Result:   held-out loss 1.498 ± 0.015 against AdamW's 1.826 ± 0.006 after 1,000 steps, each at its best rate, 3 seeds
+          (benchmarks/muon_vs_adamw.py, on the Python manual's topics: docs/configuration.md).
 """
 
 import importlib.util
@@ -29,6 +29,6 @@ def _adamw_recipe():
 def get_config():
   config = _adamw_recipe().get_config()
   config.train.optimizer = "muon"
-  config.train.muon_consistent_rms = 0.2  # Moonlight's scaling: AdamW's rate below carries over
-  config.train.learning_rate = 1e-3  # AdamW's peak rate in shakespeare_char.py, for Muon's and AdamW's leaves alike
+  config.train.muon_consistent_rms = 0.2  # Moonlight's scaling: updates of AdamW's RMS
+  config.train.learning_rate = 1e-2  # Muon's best in benchmarks/muon_vs_adamw.py's sweep, for both groups of leaves
   return config
