@@ -51,10 +51,10 @@ def load_teacher(config: Config, seq_len: int, student_tokenizer: tokenizers.Tok
   change when the vocabularies differ (the two recipes take the tokenizer from different keys)."""
   d, m = config.distill, config.model
   float_dtype = m.compute_dtype if d.teacher_dtype == "int8" else d.teacher_dtype
-  _, graphdef, params, tokenizer, _ = trained_runs.load_decoder(
+  loaded, graphdef, params, tokenizer, _ = trained_runs.load_decoder(
       d.teacher, mesh_config=config.mesh, compute_dtype=m.compute_dtype, param_dtype=float_dtype)
   check_same_vocabulary(student_tokenizer, tokenizer, student_source, d.teacher, fix)
-  teacher_config = nnx.merge(graphdef, params).config
+  teacher_config = loaded.model
   if teacher_config.vocab_size != m.vocab_size:
     raise ValueError(f"distill.teacher={d.teacher!r} has {teacher_config.vocab_size} output rows and the student "
                      f"{m.vocab_size}; {fix}")
@@ -181,16 +181,13 @@ def response_rows(tokens_NP: np.ndarray, pads_N: np.ndarray, completions_NC: np.
   """Rows of left-padded prompts followed by their sampled responses, laid out as instruction tuning's rows (inputs,
   targets, positions, segment_ids, loss_mask [N, W]), the loss on the response tokens up to and including the stop
   token, padded to W = seq_len (>= P + C - 1) so that they take the data rows' compiled step."""
-  n, p = tokens_NP.shape
-  c = completions_NC.shape[1]
-  is_stop = np.isin(completions_NC, list(stop_ids)) if stop_ids else np.zeros_like(completions_NC, bool)
-  lengths = np.where(is_stop.any(axis=1), is_stop.argmax(axis=1) + 1, c)
+  p, c = tokens_NP.shape[1], completions_NC.shape[1]
+  lengths, _ = rollouts.completion_lengths(completions_NC, stop_ids)
   full = np.concatenate([tokens_NP, completions_NC], axis=1)
-  width = seq_len
   slots = np.arange(p + c - 1)[None, :]
   rows = {"inputs": full[:, :-1], "targets": full[:, 1:],
           "positions": np.maximum(slots - pads_N[:, None], 0), "segment_ids": (slots >= pads_N[:, None]),
           # target slot j predicts full[j + 1]: the response's k-th token sits at target slot p - 1 + k
           "loss_mask": (slots >= p - 1) & (slots < p - 1 + lengths[:, None])}
   dtypes = {"loss_mask": np.float32}
-  return {k: np.pad(v, [(0, 0), (0, width - v.shape[1])]).astype(dtypes.get(k, np.int32)) for k, v in rows.items()}
+  return {k: np.pad(v, [(0, 0), (0, seq_len - v.shape[1])]).astype(dtypes.get(k, np.int32)) for k, v in rows.items()}

@@ -135,10 +135,7 @@ class RolloutSampler:
     tokens, pads, completions = self.sample(params, prompt_ids, key, self.rl.num_generations)
     seconds = time.perf_counter() - started
     self.last_seconds = seconds
-    c = completions.shape[1]
-    is_stop = np.isin(completions, list(self.stop_set)) if self.stop_set else np.zeros_like(completions, bool)
-    stopped = is_stop.any(axis=1)
-    lengths = np.where(stopped, is_stop.argmax(axis=1) + 1, c)
+    lengths, stopped = completion_lengths(completions, self.stop_set)
     texts_ids = [row[:n - 1].tolist() if s else row[:n].tolist() for row, n, s in zip(completions, lengths, stopped)]
     terminated = lengths[stopped]
     metrics = {"completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
@@ -209,6 +206,14 @@ class RolloutSampler:
       column = scores[:, j]
       metrics[f"eval_reward/{fn.name}"] = float(np.nanmean(column)) if np.isfinite(column).any() else 0.0
     return metrics, texts
+
+
+def completion_lengths(completions_NC: np.ndarray, stop_ids: set[int]) -> tuple[np.ndarray, np.ndarray]:
+  """(each completion's tokens up to and including its first stop token, C when it has none [N]; whether it has one
+  [N])."""
+  is_stop = np.isin(completions_NC, list(stop_ids)) if stop_ids else np.zeros_like(completions_NC, bool)
+  stopped = is_stop.any(axis=1)
+  return np.where(stopped, is_stop.argmax(axis=1) + 1, completions_NC.shape[1]), stopped
 
 
 def _data_shards(mesh: Mesh) -> int:
